@@ -1,0 +1,76 @@
+"""Quick start: fine-tune a small Llama-shaped model with compiled ZenFlow on whatever device you have.
+
+    python examples/quickstart.py [--steps 20] [--device cuda]
+"""
+
+import argparse
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import zenflow_compile
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.RMSNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, d))
+        return x + self.down(F.silu(self.up(self.mlp_norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 256, dim: int = 64, heads: int = 4, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = TinyLM().to(args.device)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, topk_ratio=0.1,
+                                       update_interval=4, overlap_step=True, full_warm_up_rounds=1)
+    compiled = torch.compile(model, backend="zenflow")
+    data = torch.randint(0, 256, (64, 8, 32), device=args.device)  # a repeating synthetic corpus
+    for step in range(args.steps):
+        loss = compiled(data[step % 4])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step % 5 == 0 or step == args.steps - 1:
+            print(f"step {step:3d}  loss {loss.item():.4f}")
+    opt.synchronize()
+    stats = opt.stats()
+    print("stats:", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in stats.items()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""zenflow_compile.runtime."""

@@ -1,0 +1,328 @@
+"""ZenFlowRuntime: the state and schedule of one ZenFlowAdamW (SPEC §3), shared by eager and compiled use.
+
+Gradients arrive per parameter, per backward (`accumulate_grad`, from the compiled graph's custom op or
+from an eager post-accumulate-grad hook). `step()` then makes the step's decisions in this order:
+global norm (skip if non-finite, else clip coefficient) -> first selection at t == W -> device AdamW on the
+selected columns and vectors -> hand the unselected columns' gradient to the accumulate worker -> update
+boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
+reselection (after waiting for and applying the boundary's own update, so state moves fully current).
+
+Determinism: the device only ever receives a CPU update at a fixed point of the schedule (the boundary
+after its launch, or its own boundary without overlap), so results never depend on thread timing; if the
+CPU is late the training thread waits, and the wait is counted as stall time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future
+from typing import Optional
+
+import torch
+
+from zenflow_compile.config import ZenFlowConfig
+from zenflow_compile.runtime import adamw as kernels
+from zenflow_compile.runtime import registry
+from zenflow_compile.runtime.param_state import CanonicalState, MatrixState, VectorState, top_k_columns
+from zenflow_compile.runtime.worker import CpuWorker
+
+
+def _hyperparameters(group: dict) -> dict:
+    beta1, beta2 = group["betas"]
+    return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]))
+
+
+class ZenFlowRuntime:
+    def __init__(self, config: ZenFlowConfig, max_grad_norm: Optional[float]):
+        self.config = config
+        self.max_grad_norm = max_grad_norm
+        self.states: dict[int, MatrixState | VectorState] = {}
+        self.step_count = 0  # t: completed (non-skipped) steps
+        self.selection_start = 0  # first step run under the current selection
+        self.steps_accumulated = 0  # steps since the last update boundary
+        self.update_pending = False  # overlap: a launched CPU update not yet applied to the device
+        self.grad_slot = 0  # which host-gradient buffer this step's backward fills
+        self.acc_slot = 0  # which accumulator this interval fills
+        self.accumulate_worker = CpuWorker("accumulate")
+        self.update_worker = CpuWorker("update")
+        self._accumulate_done: list[Optional[Future]] = [None, None]
+        self._last_accumulate: Optional[Future] = None
+        self._update_future: Optional[Future] = None
+        self._step_open = False
+        self._failure: Optional[BaseException] = None
+        self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0,
+                             bytes_device_to_host=0, bytes_host_to_device=0, stall_seconds=0.0,
+                             selection_churn=0.0)
+
+    # -- parameters ---------------------------------------------------------------------------------------
+    def add_param(self, param: torch.Tensor, group_index: int) -> int:
+        pid = registry.register_param(param, self)
+        state_type = MatrixState if param.dim() >= 2 else VectorState
+        self.states[pid] = state_type(param, pid, group_index)
+        return pid
+
+    @property
+    def matrices(self) -> list[MatrixState]:
+        return [s for s in self.states.values() if s.is_matrix]
+
+    # -- gradients ----------------------------------------------------------------------------------------
+    def accumulate_grad(self, pid: int, grad: torch.Tensor, scores: Optional[torch.Tensor]) -> None:
+        self._check_failure()
+        if not self._step_open:
+            # The accumulate task of two steps ago read the buffers this step fills.
+            pending = self._accumulate_done[self.grad_slot]
+            if pending is not None:
+                self._wait(pending)
+            self._step_open = True
+        self.counters["bytes_device_to_host"] += self.states[pid].receive_grad(grad, scores, self.grad_slot)
+
+    def discard_step_grads(self) -> None:
+        for state in self.states.values():
+            state.num_grads = 0
+        self._step_open = False
+
+    # -- the step -----------------------------------------------------------------------------------------
+    def step(self, param_groups: list[dict]) -> None:
+        self._check_failure()
+        cfg, t = self.config, self.step_count
+        stepped = [s for s in self.states.values() if s.num_grads]
+        sumsq = torch.stack([s.step_sumsq(self.grad_slot) for s in stepped]).sum() if stepped else None
+        norm = math.sqrt(float(sumsq)) if sumsq is not None else 0.0  # the step's one host sync
+        if not math.isfinite(norm):
+            self.counters["skipped_steps"] += 1
+            self.discard_step_grads()
+            return
+        coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
+
+        matrices = self.matrices
+        if t == cfg.full_warm_up_rounds:
+            for m in matrices:  # first selection, from this step's scores, before its updates
+                m.select(top_k_columns(m.step_scores(), cfg.num_selected(m.cols)), grad_slot=self.grad_slot)
+            self.selection_start = t
+
+        for state in stepped:
+            state.update_on_device(coef, _hyperparameters(param_groups[state.group_index]))
+        self._submit_accumulate([m for m in stepped if m.is_matrix and m.num_host], coef)
+        self.steps_accumulated += 1
+
+        if self._is_update_boundary(t, matrices, coef):
+            reselect = t >= cfg.full_warm_up_rounds and self._should_reselect(t, matrices)
+            self._update_boundary(param_groups, overlap=cfg.overlap_step and t >= cfg.full_warm_up_rounds
+                                  and not reselect)
+            if reselect:
+                self._reselect(t, matrices)
+
+        self.step_count += 1
+        self.counters["steps"] += 1
+        self.grad_slot ^= 1
+        self.discard_step_grads()
+
+    def _submit_accumulate(self, matrices: list[MatrixState], coef: float) -> None:
+        if not matrices:
+            return
+        grad_slot, acc_slot = self.grad_slot, self.acc_slot
+
+        def accumulate():
+            for m in matrices:
+                m.accumulate(grad_slot, acc_slot, coef)
+
+        future = self.accumulate_worker.submit(accumulate)
+        self._accumulate_done[grad_slot] = future
+        self._last_accumulate = future
+
+    # -- boundaries ---------------------------------------------------------------------------------------
+    def _is_update_boundary(self, t: int, matrices: list[MatrixState], coef: float) -> bool:
+        cfg = self.config
+        if t < cfg.full_warm_up_rounds:
+            return True  # warm-up: a plain synchronous AdamW of every column, every step
+        if not cfg.auto_update:
+            return (t - cfg.full_warm_up_rounds + 1) % cfg.update_interval == 0
+        if not matrices:
+            return True
+        # Zen-auto: a matrix is ripe once its unselected columns' summed mean score reaches the mean of its
+        # selected columns' mean score over the interval.
+        means = []
+        for m in matrices:
+            scores = m.step_scores() * (coef * coef)
+            means.append(scores[m.selected_on_device].mean() if m.num_selected else scores.new_zeros(()))
+            means.append(scores[m.host_columns_on_device].mean() if m.num_host else scores.new_zeros(()))
+        means = torch.stack(means).tolist()
+        ripe = 0
+        for i, m in enumerate(matrices):
+            m.sum_selected_score += means[2 * i]
+            m.sum_unselected_score += means[2 * i + 1]
+            if not m.num_host or m.sum_unselected_score >= m.sum_selected_score / self.steps_accumulated:
+                ripe += 1
+        return ripe >= cfg.auto_ratio * len(matrices) or self.steps_accumulated >= cfg.max_update_interval
+
+    def _should_reselect(self, t: int, matrices: list[MatrixState]) -> bool:
+        cfg = self.config
+        if cfg.reselect_every is not None:
+            return t - self.selection_start + 1 >= cfg.reselect_every
+        # "auto": reselect once matrices holding half of all columns kept fewer than half of S in the top-k.
+        drifted_columns = 0
+        for m in matrices:
+            top = top_k_columns(m.step_scores(), m.num_selected)
+            if 2 * int(torch.isin(top, m.selected).sum()) < m.num_selected:
+                drifted_columns += m.cols
+        return 2 * drifted_columns >= sum(m.cols for m in matrices)
+
+    def _update_boundary(self, param_groups: list[dict], overlap: bool) -> None:
+        if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
+            if self._update_future is not None:  # None right after a checkpoint load: already finished
+                self._wait(self._update_future)
+            self._apply_host_columns()
+        self._update_future = self._launch_cpu_update(param_groups)
+        self.counters["cpu_updates"] += 1
+        self.steps_accumulated = 0
+        self.acc_slot ^= 1
+        for m in self.matrices:
+            m.sum_selected_score = m.sum_unselected_score = 0.0
+        self.update_pending = overlap
+        if not overlap:
+            self._wait(self._update_future)
+            self._apply_host_columns()
+
+    def _launch_cpu_update(self, param_groups: list[dict]) -> Future:
+        acc_slot, num_steps = self.acc_slot, self.steps_accumulated
+        by_group: dict[int, list[MatrixState]] = {}
+        for m in self.matrices:
+            if m.num_host:
+                by_group.setdefault(m.group_index, []).append(m)
+        hyper = {g: _hyperparameters(param_groups[g]) for g in by_group}  # the group's values at launch
+
+        def cpu_update():
+            for g, members in by_group.items():
+                batch = [item for m in members for item in m.host_adamw_batch(acc_slot, num_steps)]
+                kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **hyper[g])
+                for m in members:
+                    m.accumulators[acc_slot].zero_()
+
+        return self.update_worker.submit(cpu_update, after=self._last_accumulate)
+
+    def _apply_host_columns(self) -> None:
+        for m in self.matrices:
+            self.counters["bytes_host_to_device"] += m.apply_host_columns()
+        self.update_pending = False
+
+    def _reselect(self, t: int, matrices: list[MatrixState]) -> None:
+        moved = total = 0
+        for m in matrices:
+            total += m.num_selected
+            moved += m.select(top_k_columns(m.step_scores(), self.config.num_selected(m.cols)))
+        self.selection_start = t + 1
+        self.counters["reselections"] += 1
+        self.counters["selection_churn"] = moved / (2 * total) if total else 0.0
+
+    # -- waiting, errors ----------------------------------------------------------------------------------
+    def _wait(self, future: Future) -> None:
+        start = time.perf_counter()
+        try:
+            future.result()
+        except BaseException as error:
+            self._fail(error)
+        finally:
+            self.counters["stall_seconds"] += time.perf_counter() - start
+
+    def _fail(self, error: BaseException):
+        self._failure = error
+        raise RuntimeError(
+            "ZenFlow CPU worker failed; the optimizer state is no longer consistent. Restore from the last "
+            f"checkpoint. Cause: {type(error).__name__}: {error}") from error
+
+    def _check_failure(self) -> None:
+        if self._failure is not None:
+            self._fail(self._failure)
+        for worker in (self.accumulate_worker, self.update_worker):
+            try:
+                worker.raise_if_failed()
+            except BaseException as error:
+                self._fail(error)
+
+    def synchronize(self) -> None:
+        """Wait for all CPU work and apply any in-flight update to the device parameters."""
+        self._check_failure()
+        self._drain()
+        if self.update_pending:
+            self._apply_host_columns()
+
+    def _drain(self) -> None:
+        for worker in (self.accumulate_worker, self.update_worker):
+            try:
+                worker.drain()
+            except BaseException as error:
+                self._fail(error)
+
+    def close(self) -> None:
+        for worker in (self.accumulate_worker, self.update_worker):
+            worker.shutdown()
+        for pid in self.states:
+            registry.unregister_param(pid)
+
+    # -- inspection and checkpoints -----------------------------------------------------------------------
+    def stats(self) -> dict:
+        stats = dict(self.counters)
+        stats["cpu_update_seconds"] = self.update_worker.busy_seconds
+        stats["accumulate_seconds"] = self.accumulate_worker.busy_seconds
+        stats["current_interval"] = self.steps_accumulated
+        stats["update_pending"] = self.update_pending
+        return stats
+
+    def selected_columns(self, pid: int) -> Optional[torch.Tensor]:
+        state = self.states[pid]
+        if not state.is_matrix or (state.num_selected == 0):
+            return None
+        return state.selected.clone()
+
+    def export_state(self, pid: int) -> dict:
+        """Checkpoint entry of one parameter (call after `quiesce`): canonical layout, host tensors."""
+        state = self.states[pid]
+        canonical = state.canonical()[0] if state.is_matrix else state.canonical()
+        entry = dict(master=canonical.master, exp_avg=canonical.exp_avg, exp_avg_sq=canonical.exp_avg_sq,
+                     step=canonical.step)
+        if state.is_matrix:
+            selected = torch.zeros(state.cols, dtype=torch.bool)
+            selected[state.selected] = True
+            accumulator = torch.zeros(state.rows, state.cols)
+            accumulator[:, state.host_columns] = state.accumulators[self.acc_slot].t()
+            entry.update(selected=selected, accumulator=accumulator,
+                         zen_auto=torch.tensor([state.sum_selected_score, state.sum_unselected_score],
+                                               dtype=torch.float64))
+        return entry
+
+    def import_state(self, pid: int, entry: dict) -> None:
+        state = self.states[pid]
+        canonical = CanonicalState(*(entry[k].float() for k in ("master", "exp_avg", "exp_avg_sq", "step")))
+        if not state.is_matrix:
+            state.load_canonical(canonical)
+            return
+        state._distribute(entry["selected"].nonzero().flatten(), canonical)
+        state.accumulators[0].copy_(entry["accumulator"][:, state.host_columns].t())
+        state.sum_selected_score, state.sum_unselected_score = entry["zen_auto"].tolist()
+
+    def quiesce(self) -> None:
+        """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
+        self._check_failure()
+        self._drain()
+
+    def export_globals(self) -> dict:
+        return dict(step_count=self.step_count, selection_start=self.selection_start,
+                    steps_accumulated=self.steps_accumulated, update_pending=self.update_pending,
+                    counters=dict(self.counters), config=self.config.to_dict(),
+                    max_grad_norm=self.max_grad_norm)
+
+    def import_globals(self, saved: dict) -> None:
+        if saved["config"] != self.config.to_dict():
+            differing = sorted(k for k, v in saved["config"].items() if self.config.to_dict().get(k) != v)
+            raise ValueError(f"checkpoint was saved with a different ZenFlow config (keys {differing}); "
+                             "construct the optimizer with the saved config to resume exactly")
+        self.step_count = saved["step_count"]
+        self.selection_start = saved["selection_start"]
+        self.steps_accumulated = saved["steps_accumulated"]
+        self.update_pending = saved["update_pending"]
+        self.counters.update(saved["counters"])
+        self.grad_slot = self.acc_slot = 0
+        self._accumulate_done = [None, None]
+        self._last_accumulate = self._update_future = None

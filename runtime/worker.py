@@ -1,0 +1,54 @@
+"""A background CPU worker: one thread, FIFO tasks, errors surfaced to the training thread.
+
+The runtime keeps two of them: one that folds each step's offloaded gradient into the host accumulator and
+one that runs the CPU AdamW at update boundaries, so a long update never delays the next step's
+accumulation. A task that raises leaves its exception in its Future; the runtime checks at every step and
+re-raises it in the training thread. Threads are daemonic-by-executor and tasks are finite, so interpreter
+exit never hangs.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Optional
+
+
+class CpuWorker:
+    def __init__(self, name: str):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zenflow-{name}")
+        self._futures: list[Future] = []
+        self.busy_seconds = 0.0
+
+    def submit(self, task: Callable[[], None], after: Optional[Future] = None) -> Future:
+        """Run `task` on the worker thread, once `after` (a future of another worker) has finished."""
+
+        def run():
+            if after is not None:
+                after.result()  # re-raises the upstream failure here too
+            start = time.perf_counter()
+            task()
+            self.busy_seconds += time.perf_counter() - start
+
+        future = self._executor.submit(run)
+        self._futures.append(future)
+        return future
+
+    def raise_if_failed(self) -> None:
+        """Re-raise, in the calling (training) thread, the first error of a finished task."""
+        still_running = []
+        for future in self._futures:
+            if not future.done():
+                still_running.append(future)
+            elif future.exception() is not None:
+                raise future.exception()
+        self._futures = still_running
+
+    def drain(self) -> None:
+        """Wait for every submitted task; re-raise the first error."""
+        for future in self._futures:
+            future.result()
+        self._futures = []
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,10 @@
+"""zenflow-compile: ZenFlow stall-free offloaded AdamW as a torch.compile backend.
+
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=2e-5, topk_ratio=0.05, update_interval=4)
+    model = torch.compile(model, backend="zenflow")
+"""
+
+from zenflow_compile.config import ZenFlowConfig
+from zenflow_compile.optimizer import ZenFlowAdamW
+
+__all__ = ["ZenFlowConfig", "ZenFlowAdamW"]

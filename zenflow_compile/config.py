@@ -1,0 +1,173 @@
+"""ZenFlow configuration: the keys, defaults and validation of DeepSpeed's ``zero_optimization.zenflow`` block.
+
+Plain dataclass: importing this module never imports DeepSpeed (an optional extra).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+import warnings
+from typing import Any, Mapping, Optional, Union
+
+__all__ = ["ZenFlowConfig", "ZENFLOW_KEYS"]
+
+_STRATEGIES = ("auto", "step", "epoch")
+
+
+def _bad(key: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"ZenFlowConfig.{key}={value!r} is invalid: expected {allowed}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZenFlowConfig:
+    """ZenFlow settings (same names, types and defaults as DeepSpeed's ``ZenFlowConfig``).
+
+    topk_ratio: fraction r in (0, 1] of each matrix's columns updated on the device every step (1: all).
+    select_strategy: when the selected columns are re-chosen: "auto" (on churn), "step" or "epoch".
+    select_interval: "auto", or the int >= 1 number of steps ("step") / epochs ("epoch") between reselections.
+    update_interval: "auto" (Zen-auto) or the int >= 1 number of steps between CPU updates of the other columns.
+    overlap_step: run the CPU update of a boundary while the device goes on (applied at the next boundary).
+    offload: offload the selected columns' optimizer state to the host too (DeepSpeed's flag).
+    auto_ratio: fraction in [0, 1] of matrices that must be ripe for Zen-auto to make a boundary.
+    full_warm_up_rounds: number W >= 0 of initial steps with plain full AdamW updates, before any selection.
+    pt_reserved_cores_perc: fraction in [0, 1] of CPU cores left to PyTorch threads (the rest run CPU AdamW).
+    steps_per_epoch: int >= 1 steps in an epoch; required by select_strategy "epoch".
+    max_update_interval: int >= 1 cap on Zen-auto's interval (this project's key, not DeepSpeed's).
+    """
+
+    topk_ratio: float = 0.1
+    select_strategy: str = "auto"
+    select_interval: Union[str, int] = "auto"
+    update_interval: Union[str, int] = "auto"
+    overlap_step: bool = False
+    offload: bool = False
+    auto_ratio: float = 0.99
+    full_warm_up_rounds: int = 0
+    pt_reserved_cores_perc: float = 0.5
+    steps_per_epoch: Optional[int] = None
+    max_update_interval: int = 16
+
+    def __post_init__(self) -> None:
+        def put(key: str, value: Any) -> None:
+            object.__setattr__(self, key, value)
+
+        def real_in(key: str, lo: float, hi: float, lo_open: bool, allowed: str) -> None:
+            v = getattr(self, key)
+            ok = _is_real(v) and (lo < v if lo_open else lo <= v) and v <= hi  # NaN fails both
+            if not ok:
+                raise _bad(key, v, allowed)
+            put(key, float(v))
+
+        def int_at_least(key: str, lo: int, allowed: str, auto: bool = False, none: bool = False) -> None:
+            v = getattr(self, key)
+            if (auto and isinstance(v, str) and v == "auto") or (none and v is None):
+                return
+            if not (_is_int(v) and v >= lo):
+                raise _bad(key, v, allowed)
+            put(key, int(v))
+
+        real_in("topk_ratio", 0.0, 1.0, True, "a float in (0, 1]")
+        if not (isinstance(self.select_strategy, str) and self.select_strategy in _STRATEGIES):
+            raise _bad("select_strategy", self.select_strategy, 'one of "auto", "step", "epoch"')
+        int_at_least("select_interval", 1, '"auto" or an int >= 1', auto=True)
+        int_at_least("update_interval", 1, '"auto" or an int >= 1', auto=True)
+        for key in ("overlap_step", "offload"):
+            if not isinstance(getattr(self, key), bool):
+                raise _bad(key, getattr(self, key), "a bool (True or False)")
+        real_in("auto_ratio", 0.0, 1.0, False, "a float in [0, 1]")
+        int_at_least("full_warm_up_rounds", 0, "an int >= 0")
+        real_in("pt_reserved_cores_perc", 0.0, 1.0, False, "a float in [0, 1]")
+        int_at_least("steps_per_epoch", 1, "None or an int >= 1", none=True)
+        int_at_least("max_update_interval", 1, "an int >= 1")
+
+        # Cross-key rules, as DeepSpeed's engine (deepspeed/runtime/zenflow/engine.py) applies them.
+        if self.select_strategy in ("step", "epoch") and self.select_interval == "auto":
+            raise ValueError(
+                f"ZenFlowConfig.select_interval='auto' is invalid with select_strategy={self.select_strategy!r}: "
+                f"set select_interval to an int >= 1 (the number of {self.select_strategy}s between reselections)")
+        if self.select_strategy == "auto" and self.select_interval != "auto":
+            warnings.warn(
+                f"ZenFlowConfig.select_interval={self.select_interval!r} is ignored with select_strategy='auto' "
+                "(reselection is decided by selection churn); set select_strategy='step' or 'epoch' to use it",
+                UserWarning, stacklevel=3)
+        if self.select_strategy == "epoch" and self.steps_per_epoch is None:
+            raise ValueError(
+                "ZenFlowConfig.steps_per_epoch=None is invalid with select_strategy='epoch': "
+                "expected an int >= 1 (the number of steps in an epoch)")
+
+    # ----------------------------------------------------------------------------------------- builders
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ZenFlowConfig":
+        """Build from a mapping of ZenFlow keys; unknown keys are a ValueError."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"ZenFlowConfig.from_dict expects a mapping, got {type(d).__name__}")
+        unknown = sorted(str(k) for k in d if k not in ZENFLOW_KEYS)
+        if unknown:
+            raise ValueError(f"unknown ZenFlowConfig key(s) {unknown}: valid keys are {list(ZENFLOW_KEYS)}")
+        return cls(**dict(d))
+
+    @classmethod
+    def from_deepspeed(cls, config: Union[str, "os.PathLike[str]", Mapping[str, Any]], *,
+                       steps_per_epoch: Optional[int] = None) -> "ZenFlowConfig":
+        """Build from a DeepSpeed config (JSON file path or dict), reading ``zero_optimization.zenflow``.
+
+        ``steps_per_epoch`` fills that key when the block does not set it.
+        """
+        where = "the DeepSpeed config"
+        if isinstance(config, (str, os.PathLike)):
+            where = f"DeepSpeed config file {os.fspath(config)!r}"
+            with open(config, encoding="utf-8") as f:
+                config = json.load(f)
+        if not isinstance(config, Mapping):
+            raise ValueError(f"{where} must be a JSON object / dict, got {type(config).__name__}")
+        zero = config.get("zero_optimization")
+        block = zero.get("zenflow") if isinstance(zero, Mapping) else None
+        if block is None:
+            raise ValueError(f"no ZenFlow settings: looked for 'zero_optimization.zenflow' in {where}")
+        if not isinstance(block, Mapping):
+            raise ValueError(f"'zero_optimization.zenflow' in {where} must be a JSON object, "
+                             f"got {type(block).__name__}")
+        block = dict(block)
+        if block.get("steps_per_epoch") is None and steps_per_epoch is not None:
+            block["steps_per_epoch"] = steps_per_epoch
+        return cls.from_dict(block)
+
+    def to_dict(self) -> dict:
+        """All keys as a plain dict (``from_dict(c.to_dict()) == c``)."""
+        return {k: getattr(self, k) for k in ZENFLOW_KEYS}
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def num_selected(self, num_columns: int) -> int:
+        """Columns selected in a matrix of ``num_columns`` columns: max(1, floor(topk_ratio * C))."""
+        if not (_is_int(num_columns) and num_columns >= 1):
+            raise ValueError(f"num_columns={num_columns!r} is invalid: expected an int >= 1")
+        return max(1, math.floor(self.topk_ratio * int(num_columns)))
+
+    @property
+    def auto_update(self) -> bool:
+        """True when the update interval is chosen by Zen-auto."""
+        return self.update_interval == "auto"
+
+    @property
+    def reselect_every(self) -> Optional[int]:
+        """Steps between reselections for "step" / "epoch"; None for "auto" (churn-driven)."""
+        if self.select_strategy == "step":
+            return self.select_interval
+        if self.select_strategy == "epoch":
+            return self.select_interval * self.steps_per_epoch
+        return None
+
+
+ZENFLOW_KEYS = tuple(f.name for f in dataclasses.fields(ZenFlowConfig))
