@@ -96,23 +96,27 @@ class ZenFlowRuntime:
             return
         coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
 
-        matrices = self.matrices
-        if t == cfg.full_warm_up_rounds:
-            for m in matrices:  # first selection, from this step's scores, before its updates
-                m.select(top_k_columns(m.step_scores(), cfg.num_selected(m.cols)), grad_slot=self.grad_slot)
-            self.selection_start = t
+        stepped_matrices = [s for s in stepped if s.is_matrix]
+        if t >= cfg.full_warm_up_rounds:
+            if t == cfg.full_warm_up_rounds:
+                self.selection_start = t
+            for m in stepped_matrices:  # first selection (a matrix's first gradient at t >= W), before updates
+                if not m.num_selected:
+                    m.select(top_k_columns(m.scores, cfg.num_selected(m.cols)), grad_slot=self.grad_slot)
 
         for state in stepped:
             state.update_on_device(coef, _hyperparameters(param_groups[state.group_index]))
-        self._submit_accumulate([m for m in stepped if m.is_matrix and m.num_host], coef)
+        self._submit_accumulate([m for m in stepped_matrices if m.num_host], coef)
+        for m in stepped_matrices:
+            m.steps_accumulated += 1
         self.steps_accumulated += 1
 
-        if self._is_update_boundary(t, matrices, coef):
-            reselect = t >= cfg.full_warm_up_rounds and self._should_reselect(t, matrices)
+        if self._is_update_boundary(t, stepped_matrices, coef):
+            reselect = t >= cfg.full_warm_up_rounds and self._should_reselect(t, stepped_matrices)
             self._update_boundary(param_groups, overlap=cfg.overlap_step and t >= cfg.full_warm_up_rounds
                                   and not reselect)
             if reselect:
-                self._reselect(t, matrices)
+                self._reselect(t, stepped_matrices)
 
         self.step_count += 1
         self.counters["steps"] += 1
@@ -133,41 +137,42 @@ class ZenFlowRuntime:
         self._last_accumulate = future
 
     # -- boundaries ---------------------------------------------------------------------------------------
-    def _is_update_boundary(self, t: int, matrices: list[MatrixState], coef: float) -> bool:
+    def _is_update_boundary(self, t: int, stepped_matrices: list[MatrixState], coef: float) -> bool:
         cfg = self.config
         if t < cfg.full_warm_up_rounds:
             return True  # warm-up: a plain synchronous AdamW of every column, every step
         if not cfg.auto_update:
             return (t - cfg.full_warm_up_rounds + 1) % cfg.update_interval == 0
-        if not matrices:
-            return True
-        # Zen-auto: a matrix is ripe once its unselected columns' summed mean score reaches the mean of its
-        # selected columns' mean score over the interval.
-        means = []
-        for m in matrices:
-            scores = m.step_scores() * (coef * coef)
-            means.append(scores[m.selected_on_device].mean() if m.num_selected else scores.new_zeros(()))
-            means.append(scores[m.host_columns_on_device].mean() if m.num_host else scores.new_zeros(()))
-        means = torch.stack(means).tolist()
-        ripe = 0
-        for i, m in enumerate(matrices):
-            m.sum_selected_score += means[2 * i]
-            m.sum_unselected_score += means[2 * i + 1]
-            if not m.num_host or m.sum_unselected_score >= m.sum_selected_score / self.steps_accumulated:
-                ripe += 1
-        return ripe >= cfg.auto_ratio * len(matrices) or self.steps_accumulated >= cfg.max_update_interval
+        # Zen-auto: a matrix is ripe once its unselected columns' mean score, summed over the interval,
+        # reaches the interval's average of its selected columns' mean score.
+        contributing = [m for m in stepped_matrices if m.num_host]
+        if contributing:
+            means = []
+            for m in contributing:
+                scores = m.scores * (coef * coef)
+                means += [scores[m.selected_on_device].mean(), scores[m.host_columns_on_device].mean()]
+            means = torch.stack(means).tolist()
+            for i, m in enumerate(contributing):
+                m.sum_selected_score += means[2 * i]
+                m.sum_unselected_score += means[2 * i + 1]
+        accumulating = [m for m in self.matrices if m.steps_accumulated > 0]
+        ripe = sum(1 for m in accumulating if not m.num_host
+                   or m.sum_unselected_score >= m.sum_selected_score / m.steps_accumulated)
+        return (not accumulating or ripe >= cfg.auto_ratio * len(accumulating)
+                or self.steps_accumulated >= cfg.max_update_interval)
 
-    def _should_reselect(self, t: int, matrices: list[MatrixState]) -> bool:
+    def _should_reselect(self, t: int, stepped_matrices: list[MatrixState]) -> bool:
         cfg = self.config
         if cfg.reselect_every is not None:
             return t - self.selection_start + 1 >= cfg.reselect_every
-        # "auto": reselect once matrices holding half of all columns kept fewer than half of S in the top-k.
+        # "auto": reselect once matrices holding half of the columns kept fewer than half of S in the top-k.
         drifted_columns = 0
-        for m in matrices:
-            top = top_k_columns(m.step_scores(), m.num_selected)
+        for m in stepped_matrices:
+            top = top_k_columns(m.scores, m.num_selected)
             if 2 * int(torch.isin(top, m.selected).sum()) < m.num_selected:
                 drifted_columns += m.cols
-        return 2 * drifted_columns >= sum(m.cols for m in matrices)
+        total_columns = sum(m.cols for m in stepped_matrices)
+        return total_columns > 0 and 2 * drifted_columns >= total_columns
 
     def _update_boundary(self, param_groups: list[dict], overlap: bool) -> None:
         if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
@@ -180,22 +185,24 @@ class ZenFlowRuntime:
         self.acc_slot ^= 1
         for m in self.matrices:
             m.sum_selected_score = m.sum_unselected_score = 0.0
+            m.steps_accumulated = 0
         self.update_pending = overlap
         if not overlap:
             self._wait(self._update_future)
             self._apply_host_columns()
 
     def _launch_cpu_update(self, param_groups: list[dict]) -> Future:
-        acc_slot, num_steps = self.acc_slot, self.steps_accumulated
+        acc_slot = self.acc_slot
         by_group: dict[int, list[MatrixState]] = {}
         for m in self.matrices:
-            if m.num_host:
+            if m.num_host and m.steps_accumulated:  # a matrix that got no gradient all interval is skipped
                 by_group.setdefault(m.group_index, []).append(m)
         hyper = {g: _hyperparameters(param_groups[g]) for g in by_group}  # the group's values at launch
+        num_steps = {m.pid: m.steps_accumulated for members in by_group.values() for m in members}
 
         def cpu_update():
             for g, members in by_group.items():
-                batch = [item for m in members for item in m.host_adamw_batch(acc_slot, num_steps)]
+                batch = [item for m in members for item in m.host_adamw_batch(acc_slot, num_steps[m.pid])]
                 kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **hyper[g])
                 for m in members:
                     m.accumulators[acc_slot].zero_()
@@ -211,7 +218,7 @@ class ZenFlowRuntime:
         moved = total = 0
         for m in matrices:
             total += m.num_selected
-            moved += m.select(top_k_columns(m.step_scores(), self.config.num_selected(m.cols)))
+            moved += m.select(top_k_columns(m.scores, self.config.num_selected(m.cols)))
         self.selection_start = t + 1
         self.counters["reselections"] += 1
         self.counters["selection_churn"] = moved / (2 * total) if total else 0.0
@@ -289,7 +296,8 @@ class ZenFlowRuntime:
             accumulator[:, state.host_columns] = state.accumulators[self.acc_slot].t()
             entry.update(selected=selected, accumulator=accumulator,
                          zen_auto=torch.tensor([state.sum_selected_score, state.sum_unselected_score],
-                                               dtype=torch.float64))
+                                               dtype=torch.float64),
+                         steps_accumulated=state.steps_accumulated)
         return entry
 
     def import_state(self, pid: int, entry: dict) -> None:
@@ -301,6 +309,7 @@ class ZenFlowRuntime:
         state._distribute(entry["selected"].nonzero().flatten(), canonical)
         state.accumulators[0].copy_(entry["accumulator"][:, state.host_columns].t())
         state.sum_selected_score, state.sum_unselected_score = entry["zen_auto"].tolist()
+        state.steps_accumulated = int(entry["steps_accumulated"])
 
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""

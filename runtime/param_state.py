@@ -111,6 +111,7 @@ class MatrixState:
         # Zen-auto: mean selected / unselected scores summed since the last CPU update.
         self.sum_selected_score = 0.0
         self.sum_unselected_score = 0.0
+        self.steps_accumulated = 0  # steps whose gradient went into the accumulator since the last update
         master = param.detach().reshape(self.rows, self.cols).float().cpu()
         zeros = torch.zeros_like(master)
         self._distribute(torch.zeros(0, dtype=torch.long),
@@ -237,10 +238,6 @@ class MatrixState:
             self.scores.copy_(exact)
         return self.scores.sum()
 
-    def step_scores(self) -> torch.Tensor:
-        """This step's column scores (zeros when the parameter got no gradient this step)."""
-        return self.scores if self.num_grads else torch.zeros_like(self.scores)
-
     def update_on_device(self, coef: float, hp: dict) -> None:
         if not self.num_selected:
             return
@@ -254,7 +251,7 @@ class MatrixState:
         self.accumulators[acc_slot].add_(self.host_grads[grad_slot].float() * coef)
 
     def host_adamw_batch(self, acc_slot: int, num_steps: int):
-        """The fused-AdamW argument lists for the boundary update of the host columns (mean gradient)."""
+        """Fused-AdamW arguments for the boundary update of the host columns (mean gradient), per run."""
         acc = self.accumulators[acc_slot]
         acc.div_(num_steps)
         for start, end, count in self.host_runs:

@@ -1,0 +1,307 @@
+"""ZenFlow eager reference: the ORACLE every other test is checked against.
+
+A short, plain, synchronous implementation of SPEC section 3. Speed is irrelevant: there are no threads and
+no host/device split; every parameter keeps full-size fp32 state (master, exp_avg, exp_avg_sq, per-column
+update counts and, for matrices, the accumulator of the unselected columns' gradients).
+
+Decisions taken where SPEC section 3 is silent (the rest of the project follows them):
+
+- t counts completed (non-skipped) steps; W = full_warm_up_rounds.
+- Global norm = sqrt(sum over params with a grad of sum(g.float()**2)), in fp32. Not finite: the step is
+  skipped entirely (nothing changes, t and all counters stay), stats()["skipped_steps"] += 1.
+- A parameter whose .grad is None is skipped for the step entirely (as torch.optim.AdamW does): no update,
+  no accumulation, no scores, not counted in the Zen-auto / drift decisions. A matrix gets its first
+  selection at the first step t >= W at which it has a grad.
+- Clipping (max_grad_norm): coef = min(1, max_grad_norm / (norm + 1e-6)); every g is scaled by coef before
+  scores, K_t / U_t and the accumulator use it.
+- Scores s = (g**2).sum(0) of the [R, C] view; S = first k of a stable descending sort of s (ties: lower
+  index first), kept sorted ascending; k = config.num_selected(C).
+- Warm-up (t < W): plain AdamW on every parameter, no boundaries, no Zen-auto bookkeeping.
+- t >= W: vectors and the columns of S get AdamW with g (device copy refreshed); the other columns U do
+  acc[:, U] += g[:, U]. Each matrix counts the steps accumulated into its acc (acc_steps; equal to the
+  global m_acc unless some grads were None) and its CPU update uses g = acc[:, U] / acc_steps.
+- Zen-auto: per matrix sumK += mean(s[S]), sumU += mean(s[U]) (fp32 means summed as Python floats). Ripe
+  iff sumU >= sumK / acc_steps, or U is empty. Boundary iff #ripe >= auto_ratio * #matrices or
+  m_acc >= max_update_interval (#matrices: those with acc_steps > 0; none at all: every step is a boundary).
+  Int update_interval S: boundary iff (t - W + 1) % S == 0.
+- Reselection, only at boundaries, from this step's scores: "step"/"epoch": iff t - sel_start + 1 >=
+  config.reselect_every (sel_start starts at W). "auto": a matrix has drifted iff 2*|S & topk(s)| < k;
+  reselect iff 2 * sum(C of drifted) >= sum(C) over matrices with a grad this step (no matrix: never).
+- At a boundary, in order: (1) overlap and pending: device[:, U] = master[:, U] for every matrix;
+  (2) CPU AdamW of U with the mean accumulated grad, acc/sums reset, cpu_updates += 1; (3) overlap and not
+  reselecting: pending = True (device U stays stale until the next boundary or synchronize()), else
+  device[:, U] = master[:, U]; (4) reselecting: S = top-k(s), sel_start = t + 1, reselections += 1.
+  Nothing in the state is reset on reselection (state "moves with the column").
+- lr / betas / eps / weight_decay: the param group's values at the step the update is made.
+- The first selection (t == W) is not counted in stats()["reselections"].
+- state_dict() returns a deep copy (torch's returns live references) with the global counters under
+  "zenflow"; load_state_dict() restores state tensors exactly (no cast to the param dtype).
+"""
+
+from __future__ import annotations
+
+import copy
+from itertools import chain
+
+import torch
+
+from zenflow_compile.config import ZenFlowConfig
+
+__all__ = ["ZenFlowReference", "adamw_", "top_k"]
+
+
+def adamw_(master, exp_avg, exp_avg_sq, count, grad, lr, beta1, beta2, eps, weight_decay):
+    """One torch.optim.AdamW step (single-tensor, non-fused) in place on [R, C] fp32 tensors.
+
+    ``count`` holds the per-column update counts ([C], or [1] to broadcast) and is incremented first. Bias
+    corrections are computed per column in Python floats exactly as torch does, then rounded to fp32.
+    """
+    count += 1
+    steps = count.tolist()
+    step_size_neg = torch.tensor([-(lr / (1 - beta1 ** n)) for n in steps], dtype=torch.float64).float()
+    bc2_sqrt = torch.tensor([(1 - beta2 ** n) ** 0.5 for n in steps], dtype=torch.float64).float()
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
+    master.add_(step_size_neg * exp_avg / denom)  # == addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def top_k(scores, k):
+    """Indices of the k largest scores (ties: lower index first), sorted ascending."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return order[:k].sort().values
+
+
+class ZenFlowReference(torch.optim.Optimizer):
+    """Eager, synchronous ZenFlow AdamW (see the module docstring)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 max_grad_norm=None, config: ZenFlowConfig | None = None, **zenflow_keys):
+        if config is not None and zenflow_keys:
+            raise ValueError(f"pass either config= or ZenFlow keys, not both (got keys {sorted(zenflow_keys)})")
+        if config is None:
+            config = ZenFlowConfig.from_dict(zenflow_keys)
+        if not 0.0 <= lr:
+            raise ValueError(f"lr={lr!r} is invalid: expected >= 0")
+        if not 0.0 <= eps:
+            raise ValueError(f"eps={eps!r} is invalid: expected >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas={betas!r} is invalid: expected two floats in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight_decay={weight_decay!r} is invalid: expected >= 0")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid: expected None or > 0")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.config = config
+        self.max_grad_norm = max_grad_norm
+        W = config.full_warm_up_rounds
+        self.zf = dict(t=0, sel_start=W, m_acc=0, pending=False, skipped_steps=0, cpu_updates=0,
+                       reselections=0)
+
+    # ------------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _is_matrix(p):
+        return p.dim() >= 2
+
+    @staticmethod
+    def _shape2d(p):
+        """[R, C] view of a matrix; a vector is one column of all its elements."""
+        return (p.shape[0], p.numel() // p.shape[0]) if p.dim() >= 2 else (p.numel(), 1)
+
+    def _init_state(self, p):
+        st = self.state[p]
+        R, C = self._shape2d(p)
+        st["master"] = p.detach().reshape(R, C).to(torch.float32, copy=True)
+        st["exp_avg"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
+        st["exp_avg_sq"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
+        st["count"] = torch.zeros(C if self._is_matrix(p) else 1, dtype=torch.long, device=p.device)
+        if self._is_matrix(p):
+            st["acc"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
+            st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
+        return st
+
+    @staticmethod
+    def _update_columns(st, g2d, cols, group):
+        """AdamW on the columns ``cols`` (None: all) of a parameter's state, with gradient g2d[:, cols]."""
+        beta1, beta2 = group["betas"]
+        hp = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+        if cols is None:
+            adamw_(st["master"], st["exp_avg"], st["exp_avg_sq"], st["count"], g2d, *hp)
+            return
+        parts = [st[k][:, cols] for k in ("master", "exp_avg", "exp_avg_sq")]
+        n = st["count"][cols]
+        adamw_(*parts, n, g2d[:, cols], *hp)
+        for k, v in zip(("master", "exp_avg", "exp_avg_sq"), parts):
+            st[k][:, cols] = v
+        st["count"][cols] = n
+
+    def _write_device(self, p, cols=None):
+        """Device copy := master cast to p.dtype, on the columns ``cols`` (None: everything)."""
+        master = self.state[p]["master"]
+        if cols is None:
+            p.data.copy_(master.reshape(p.shape))
+            return
+        dev = p.data.reshape(master.shape).clone()
+        dev[:, cols] = master[:, cols].to(p.dtype)
+        p.data.copy_(dev.reshape(p.shape))
+
+    def _unselected(self, p):
+        st = self.state[p]
+        keep = torch.ones(st["count"].numel(), dtype=torch.bool, device=p.device)
+        keep[st["S"]] = False
+        return keep.nonzero().flatten()
+
+    def _matrices(self):
+        return [(g, p) for g in self.param_groups for p in g["params"] if "S" in self.state.get(p, {})]
+
+    def _apply_unselected(self):
+        for _, p in self._matrices():
+            self._write_device(p, self._unselected(p))
+
+    # ---------------------------------------------------------------------------------------------- step
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        z, cfg, W = self.zf, self.config, self.config.full_warm_up_rounds
+        t = z["t"]
+        live = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        grads = {}
+        total = torch.zeros((), dtype=torch.float32)
+        for _, p in live:
+            if p.grad.is_sparse:
+                raise RuntimeError("ZenFlowReference does not support sparse gradients")
+            grads[p] = p.grad.detach().float()
+            total = total + (grads[p] ** 2).sum().cpu()
+        norm = total.sqrt()
+        if not torch.isfinite(norm):
+            z["skipped_steps"] += 1
+            return loss
+        if self.max_grad_norm is not None:
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+            grads = {p: g * coef.to(g.device) for p, g in grads.items()}
+
+        for _, p in live:
+            if not self.state[p]:
+                self._init_state(p)
+        if t < W:  # warm-up: plain AdamW everywhere
+            for group, p in live:
+                self._update_columns(self.state[p], grads[p].reshape(self._shape2d(p)), None, group)
+                self._write_device(p)
+            z["t"] = t + 1
+            return loss
+
+        scores = {}
+        for group, p in live:
+            st, g2d = self.state[p], grads[p].reshape(self._shape2d(p))
+            if not self._is_matrix(p):
+                self._update_columns(st, g2d, None, group)
+                self._write_device(p)
+                continue
+            s = scores[p] = (g2d ** 2).sum(0)
+            if "S" not in st:  # first selection, before this step's updates
+                st["S"] = top_k(s, cfg.num_selected(s.numel()))
+            S, U = st["S"], self._unselected(p)
+            self._update_columns(st, g2d, S, group)
+            self._write_device(p, S)
+            st["acc"][:, U] += g2d[:, U]
+            st["acc_steps"] += 1
+            if cfg.auto_update and U.numel() > 0:
+                st["sumK"] += s[S].mean().item()
+                st["sumU"] += s[U].mean().item()
+        z["m_acc"] += 1
+
+        # Is step t an update boundary?
+        if cfg.auto_update:
+            acc_mats = [p for _, p in self._matrices() if self.state[p]["acc_steps"] > 0]
+            ripe = sum(1 for p in acc_mats if self._unselected(p).numel() == 0
+                       or self.state[p]["sumU"] >= self.state[p]["sumK"] / self.state[p]["acc_steps"])
+            boundary = (not acc_mats or ripe >= cfg.auto_ratio * len(acc_mats)
+                        or z["m_acc"] >= cfg.max_update_interval)
+        else:
+            boundary = (t - W + 1) % cfg.update_interval == 0
+
+        if boundary:
+            # Reselect? Decided from this step's scores.
+            if cfg.reselect_every is not None:
+                reselect = t - z["sel_start"] + 1 >= cfg.reselect_every
+            else:
+                total_c = drifted_c = 0
+                for p, s in scores.items():
+                    S, k = self.state[p]["S"], cfg.num_selected(s.numel())
+                    total_c += s.numel()
+                    if 2 * torch.isin(S, top_k(s, k)).sum().item() < k:
+                        drifted_c += s.numel()
+                reselect = total_c > 0 and 2 * drifted_c >= total_c
+            # (1) apply the previous boundary's CPU update (overlap)
+            if z["pending"]:
+                self._apply_unselected()
+                z["pending"] = False
+            # (2) CPU update of the unselected columns with the mean accumulated gradient
+            for group, p in self._matrices():
+                st = self.state[p]
+                if st["acc_steps"] > 0:
+                    self._update_columns(st, st["acc"] / st["acc_steps"], self._unselected(p), group)
+                st["acc"].zero_()
+                st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
+            z["m_acc"] = 0
+            z["cpu_updates"] += 1
+            # (3) apply it now, or leave it in flight until the next boundary
+            if cfg.overlap_step and not reselect:
+                z["pending"] = True
+            else:
+                self._apply_unselected()
+            # (4) reselection
+            if reselect:
+                for p, s in scores.items():
+                    self.state[p]["S"] = top_k(s, cfg.num_selected(s.numel()))
+                z["sel_start"] = t + 1
+                z["reselections"] += 1
+        z["t"] = t + 1
+        return loss
+
+    @torch.no_grad()
+    def synchronize(self):
+        """Apply the CPU update still in flight (overlap_step), if any."""
+        if self.zf["pending"]:
+            self._apply_unselected()
+            self.zf["pending"] = False
+
+    # ------------------------------------------------------------------------------------ inspection
+    def stats(self):
+        z = self.zf
+        return dict(steps=z["t"], skipped_steps=z["skipped_steps"], cpu_updates=z["cpu_updates"],
+                    reselections=z["reselections"], current_interval=z["m_acc"], pending=z["pending"])
+
+    def selected_columns(self, p):
+        """Sorted LongTensor of the selected columns of matrix p (None before its first selection / vectors)."""
+        S = self.state.get(p, {}).get("S")
+        return None if S is None else S.clone()
+
+    def master(self, p):
+        """fp32 master of p, in p's shape."""
+        st = self.state.get(p, {})
+        if "master" not in st:
+            return p.detach().float().clone()
+        return st["master"].reshape(p.shape).clone()
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def state_dict(self):
+        sd = copy.deepcopy(super().state_dict())
+        sd["zenflow"] = dict(self.zf)
+        return sd
+
+    def load_state_dict(self, state_dict):
+        sd = copy.deepcopy(state_dict)
+        zf, saved_state = sd.pop("zenflow"), sd["state"]
+        sd["state"] = {}
+        super().load_state_dict(sd)  # param groups; state restored below without dtype casts
+        ids = chain.from_iterable(g["params"] for g in sd["param_groups"])
+        params = chain.from_iterable(g["params"] for g in self.param_groups)
+        for i, p in zip(ids, params):
+            if i in saved_state:
+                self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v for k, v in saved_state[i].items()}
+        self.zf = dict(zf)
