@@ -112,9 +112,10 @@ class ZenFlowRuntime:
         self.steps_accumulated += 1
 
         if self._is_update_boundary(t, stepped_matrices, coef):
-            reselect = t >= cfg.full_warm_up_rounds and self._should_reselect(t, stepped_matrices)
-            self._update_boundary(param_groups, overlap=cfg.overlap_step and t >= cfg.full_warm_up_rounds
-                                  and not reselect)
+            warmed_up = t >= cfg.full_warm_up_rounds
+            reselect = warmed_up and self._should_reselect(t, stepped_matrices)
+            self._update_boundary(param_groups, overlap=cfg.overlap_step and warmed_up and not reselect)
+            self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
                 self._reselect(t, stepped_matrices)
 
@@ -180,7 +181,6 @@ class ZenFlowRuntime:
                 self._wait(self._update_future)
             self._apply_host_columns()
         self._update_future = self._launch_cpu_update(param_groups)
-        self.counters["cpu_updates"] += 1
         self.steps_accumulated = 0
         self.acc_slot ^= 1
         for m in self.matrices:

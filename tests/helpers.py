@@ -1,0 +1,139 @@
+"""Small shared helpers for the tests: a tiny model, deterministic batches, a training loop, comparisons.
+
+Generic on purpose (any torch.optim.Optimizer-like object works: torch.optim.AdamW, ZenFlowReference,
+ZenFlowAdamW eager or compiled), so every test file can reuse them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+__all__ = ["Tiny", "tiny_model", "make_batches", "loss_fn", "train_steps", "TrainLog", "max_param_diff",
+           "snapshot", "bf16_ulp_distance"]
+
+
+class Tiny(nn.Module):
+    """Embedding(32, 16) -> Linear(16, 24) -> tanh -> LayerNorm(24) -> Linear(24, 16).
+
+    Matrices: emb.weight [32, 16], fc1.weight [24, 16], fc2.weight [16, 24]; vectors: the biases and the norm.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.fc1 = nn.Linear(16, 24)
+        self.norm = nn.LayerNorm(24)
+        self.fc2 = nn.Linear(24, 16)
+
+    def forward(self, x):
+        return self.fc2(self.norm(torch.tanh(self.fc1(self.emb(x)))))
+
+
+def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0, device: Union[str, torch.device] = "cpu") -> Tiny:
+    """The same Tiny model (same initial weights) for the same seed, cast to `dtype`."""
+    torch.manual_seed(seed)
+    return Tiny().to(device=device, dtype=dtype)
+
+
+def make_batches(n: int, dtype: torch.dtype = torch.float32, seed: int = 1000, batch: int = 8, seq: int = 6,
+                 device: Union[str, torch.device] = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` deterministic (tokens, target) micro-batches for `Tiny`."""
+    out = []
+    for i in range(n):
+        g = torch.Generator().manual_seed(seed + i)
+        x = torch.randint(0, 32, (batch, seq), generator=g)
+        y = torch.randn(batch, seq, 16, generator=g)
+        out.append((x.to(device), y.to(device=device, dtype=dtype)))
+    return out
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+@dataclass
+class TrainLog:
+    """What `train_steps` saw: parameters after every step and, with `clip`, the pre-clip global norms."""
+
+    params: list[list[torch.Tensor]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def snapshot(model_or_params) -> list[torch.Tensor]:
+    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    return [p.detach().clone() for p in params]
+
+
+def train_steps(model: nn.Module, opt, batches: Sequence, backwards_per_step: Union[int, Sequence[int]] = 1,
+                clip: Optional[float] = None, *, scheduler=None,
+                after_backward: Optional[Callable[[int], None]] = None,
+                loss: Callable = loss_fn) -> TrainLog:
+    """Train: for each step, `backwards_per_step` backward passes (one micro-batch each), then `opt.step()`,
+    `opt.zero_grad()` and `scheduler.step()` if given.
+
+    `backwards_per_step` is an int (every step; the number of steps is len(batches) // it) or one int per
+    step (gradient accumulation on some steps only). `clip` calls `clip_grad_norm_(model.parameters(), clip)`
+    before the step (what a torch.optim.AdamW baseline does for ZenFlow's `max_grad_norm`) and records the
+    returned norm. `after_backward(step)` runs between the last backward and `opt.step()`.
+    Returns a TrainLog with a clone of every parameter after every step.
+    """
+    if isinstance(backwards_per_step, int):
+        counts = [backwards_per_step] * (len(batches) // backwards_per_step)
+    else:
+        counts = list(backwards_per_step)
+    if sum(counts) > len(batches):
+        raise ValueError(f"{sum(counts)} backward passes need as many batches, got {len(batches)}")
+    log, i = TrainLog(), 0
+    for step, k in enumerate(counts):
+        for _ in range(k):
+            loss(model, batches[i]).backward()
+            i += 1
+        if clip is not None:
+            log.grad_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        if after_backward is not None:
+            after_backward(step)
+        opt.step()
+        opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        log.params.append(snapshot(model))
+    return log
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, nn.Module):
+        return [p.detach() for p in x.parameters()]
+    if isinstance(x, torch.Tensor):
+        return [x.detach()]
+    return [t.detach() for t in x]
+
+
+def max_param_diff(a, b) -> float:
+    """Max absolute difference (in fp32) between two models, or two lists of tensors, of the same layout."""
+    ta, tb = _tensors(a), _tensors(b)
+    if len(ta) != len(tb):
+        raise ValueError(f"different numbers of tensors: {len(ta)} vs {len(tb)}")
+    diff = 0.0
+    for x, y in zip(ta, tb):
+        if x.shape != y.shape:
+            raise ValueError(f"shape mismatch {tuple(x.shape)} vs {tuple(y.shape)}")
+        if x.numel():
+            diff = max(diff, (x.float() - y.float()).abs().max().item())
+    return diff
+
+
+def bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Max number of representable bf16 values between a and b (elementwise, 0 = bitwise equal)."""
+
+    def ordered(t):
+        i = t.detach().to(torch.bfloat16).contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(i < 0, -(i & 0x7FFF), i)  # monotonic in the float value; +0 and -0 both map to 0
+
+    if a.numel() == 0:
+        return 0
+    return int((ordered(a) - ordered(b)).abs().max())

@@ -1,0 +1,641 @@
+"""Tests of the eager `zenflow_compile.ZenFlowAdamW` (post-accumulate-grad hooks + runtime), on the CPU.
+
+Checked against torch.optim.AdamW (SPEC §3 invariants 1 and 2) and against the oracle
+`zenflow_compile.reference.ZenFlowReference` (every config: overlap, Zen-auto, warm-up, reselection,
+clipping, gradient accumulation, param groups + schedulers, bf16), plus checkpoints (invariant 4),
+non-finite steps, worker failures, torch.optim conventions and stats().
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import pytest
+import torch
+
+import zenflow_compile
+from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
+from zenflow_compile.reference import ZenFlowReference
+
+from helpers import bf16_ulp_distance, loss_fn, make_batches, max_param_diff, snapshot, tiny_model, train_steps
+
+LR = 1e-2
+
+# fp32 tolerance vs torch.optim.AdamW and vs the reference. The runtime does the same arithmetic in another
+# order: the global norm (clip coefficient) is a sum of per-column scores instead of torch's norm of
+# per-tensor norms, the device update uses per-column bias-correction tensors (float64 -> fp32 casts) where
+# torch uses Python-float scalars, the host columns go through torch's fused CPU AdamW (vectorised, other
+# FMA contraction), and accumulated gradients are summed in another order. Each of these is an fp32 ulp or
+# two; over 8-12 steps the measured max diff is ~5e-7 (params are O(0.1..1)), so 1e-6 / 1e-5 is tight
+# enough to catch any real semantic difference (a wrong lr, count or mean is >= 1e-4 after one step).
+ATOL, RTOL = 1e-6, 1e-5
+# bf16: the fp32 masters differ by those same roundings (measured ~1.2e-7); casting two masters that differ
+# by an fp32 ulp to bf16 can land on neighbouring bf16 values when they straddle a rounding midpoint, so
+# device params may differ by one bf16 ulp (measured max: 1 ulp, usually 0).
+BF16_MASTER_ATOL = 1e-5
+BF16_MAX_ULPS = 1
+
+
+def assert_close(actual, expected, what, atol=ATOL, rtol=RTOL):
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def assert_history_close(hist_a, hist_b, names, dtype=torch.float32, atol=ATOL, rtol=RTOL):
+    """Params after every step: fp32 within atol/rtol; bf16 within BF16_MAX_ULPS ulps."""
+    assert len(hist_a) == len(hist_b)
+    for step, (xs, ys) in enumerate(zip(hist_a, hist_b)):
+        for name, x, y in zip(names, xs, ys):
+            assert x.dtype == y.dtype == dtype
+            if dtype == torch.bfloat16:
+                ulps = bf16_ulp_distance(x, y)
+                assert ulps <= BF16_MAX_ULPS, f"step {step} {name}: {ulps} bf16 ulps apart"
+            else:
+                assert_close(x, y, f"step {step} {name}", atol, rtol)
+
+
+def names_of(model):
+    return [n for n, _ in model.named_parameters()]
+
+
+def run_with_timeout(fn, timeout=10.0):
+    """Run fn() in a daemon thread; fail (instead of hanging the suite) if it does not finish in time."""
+    box = {}
+
+    def target():
+        try:
+            box["result"] = fn()
+        except BaseException as error:  # noqa: BLE001 - handed back to the test thread
+            box["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert not thread.is_alive(), f"hung for more than {timeout} s"
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+# ------------------------------------------------------------------------------- invariant 1: AdamW
+@pytest.mark.parametrize("topk_ratio", [0.1, 0.5])
+@pytest.mark.parametrize("select", [dict(select_strategy="auto"),
+                                    dict(select_strategy="step", select_interval=2)], ids=["auto", "step2"])
+@pytest.mark.parametrize("warm_up", [0, 2])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_interval_one_equals_adamw(topk_ratio, select, warm_up, clip):
+    batches = make_batches(8)
+    a, b = tiny_model(), tiny_model()
+    adam = torch.optim.AdamW(a.parameters(), lr=LR)
+    zen = ZenFlowAdamW(b.parameters(), lr=LR, max_grad_norm=clip, topk_ratio=topk_ratio, update_interval=1,
+                       overlap_step=False, full_warm_up_rounds=warm_up, **select)
+    log_a = train_steps(a, adam, batches, clip=clip)
+    log_b = train_steps(b, zen, batches)
+    if clip is not None:  # clipping really happens (coef < 1) at least once
+        assert any(norm > clip for norm in log_a.grad_norms), log_a.grad_norms
+    assert_history_close(log_b.params, log_a.params, names_of(a))
+    zen.synchronize()
+    for name, p, q in zip(names_of(a), a.parameters(), b.parameters()):
+        assert_close(zen.master(q), p.detach(), f"master {name}")
+    st = zen.stats()
+    assert st["steps"] == 8 and st["skipped_steps"] == 0
+    assert zen.selected_columns(b.fc1.weight).numel() == max(1, int(topk_ratio * 16))
+
+
+# ------------------------------------------------------------------------------- invariant 2: r = 1
+@pytest.mark.parametrize("update_interval", [3, "auto"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ratio_one_equals_adamw(update_interval, overlap):
+    batches = make_batches(10)
+    a, b = tiny_model(), tiny_model()
+    adam = torch.optim.AdamW(a.parameters(), lr=LR)
+    zen = ZenFlowAdamW(b.parameters(), lr=LR, topk_ratio=1.0, update_interval=update_interval,
+                       overlap_step=overlap)
+    log_a, log_b = train_steps(a, adam, batches), train_steps(b, zen, batches)
+    assert_history_close(log_b.params, log_a.params, names_of(a))
+    zen.synchronize()
+    for name, p, q in zip(names_of(a), a.parameters(), b.parameters()):
+        assert_close(zen.master(q), p.detach(), f"master {name}")
+        assert torch.equal(q.detach(), zen.master(q))  # fp32: the device copy is the master
+
+
+# -------------------------------------------------------------------- invariant 3 (eager): reference
+def _groups(model):
+    return [{"params": list(model.emb.parameters()) + list(model.fc1.parameters()), "lr": 3e-2},
+            {"params": list(model.norm.parameters()) + list(model.fc2.parameters()), "weight_decay": 0.1}]
+
+
+REFERENCE_CASES = {
+    "int2": dict(keys=dict(topk_ratio=0.25, update_interval=2)),
+    "int3-overlap": dict(keys=dict(topk_ratio=0.25, update_interval=3, overlap_step=True)),
+    "auto": dict(keys=dict(topk_ratio=0.25, update_interval="auto")),
+    "auto-overlap": dict(keys=dict(topk_ratio=0.25, update_interval="auto", overlap_step=True)),
+    "warm-up3": dict(keys=dict(topk_ratio=0.25, update_interval=2, full_warm_up_rounds=3, overlap_step=True)),
+    "step3": dict(keys=dict(topk_ratio=0.25, update_interval=1, select_strategy="step", select_interval=3)),
+    "step3-int2-overlap": dict(keys=dict(topk_ratio=0.1, update_interval=2, select_strategy="step",
+                                         select_interval=3, overlap_step=True)),
+    "auto-strategy": dict(keys=dict(topk_ratio=0.5, update_interval=2, select_strategy="auto",
+                                    overlap_step=True)),
+    "epoch": dict(keys=dict(topk_ratio=0.25, update_interval=2, select_strategy="epoch", select_interval=1,
+                            steps_per_epoch=4, overlap_step=True)),
+    "clip": dict(keys=dict(topk_ratio=0.25, update_interval=2, overlap_step=True), clip=0.05),
+    "clip-auto": dict(keys=dict(topk_ratio=0.25, update_interval="auto"), clip=0.05),
+    "grad-accumulation": dict(keys=dict(topk_ratio=0.25, update_interval=2, overlap_step=True),
+                              backwards=[1, 2, 1, 2, 2, 1, 1, 2, 1, 1, 2, 1]),
+    "grad-accumulation-auto": dict(keys=dict(topk_ratio=0.25, update_interval="auto"),
+                                   backwards=[2, 1, 2, 1, 1, 2, 1, 2, 2, 1, 1, 1]),
+    "groups-lambdalr": dict(keys=dict(topk_ratio=0.25, update_interval=2, overlap_step=True), groups=True),
+}
+
+
+def run_against_reference(case, dtype, steps=12):
+    keys, clip = case["keys"], case.get("clip")
+    backwards = case.get("backwards", [1] * steps)
+    batches = make_batches(sum(backwards), dtype)
+    a, b = tiny_model(dtype), tiny_model(dtype)
+    params_a = _groups(a) if case.get("groups") else a.parameters()
+    params_b = _groups(b) if case.get("groups") else b.parameters()
+    zen = ZenFlowAdamW(params_a, lr=LR, max_grad_norm=clip, **keys)
+    ref = ZenFlowReference(params_b, lr=LR, max_grad_norm=clip, **keys)
+    sched_a = sched_b = None
+    if case.get("groups"):
+        sched_a = torch.optim.lr_scheduler.LambdaLR(zen, lambda s: 1.0 / (1 + s))
+        sched_b = torch.optim.lr_scheduler.LambdaLR(ref, lambda s: 1.0 / (1 + s))
+    log_a = train_steps(a, zen, batches, backwards, scheduler=sched_a)
+    log_b = train_steps(b, ref, batches, backwards, scheduler=sched_b)
+    return a, b, zen, ref, log_a, log_b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(REFERENCE_CASES), ids=list(REFERENCE_CASES))
+def test_equals_reference(case, dtype):
+    a, b, zen, ref, log_a, log_b = run_against_reference(REFERENCE_CASES[case], dtype)
+    names = names_of(a)
+    assert_history_close(log_a.params, log_b.params, names, dtype)
+    sa, sb = zen.stats(), ref.stats()
+    for key in ("steps", "skipped_steps", "reselections", "current_interval"):
+        assert sa[key] == sb[key], (key, sa[key], sb[key])
+    assert sa["update_pending"] == sb["pending"]
+    for p, q in zip(a.parameters(), b.parameters()):
+        sel_a, sel_b = zen.selected_columns(p), ref.selected_columns(q)
+        assert (sel_a is None) == (sel_b is None) or p.dim() < 2
+        if p.dim() >= 2:
+            assert torch.equal(sel_a, sel_b)
+    zen.synchronize()
+    ref.synchronize()
+    atol = ATOL if dtype == torch.float32 else BF16_MASTER_ATOL
+    for name, p, q in zip(names, a.parameters(), b.parameters()):
+        m_a, m_b = zen.master(p), ref.master(q)
+        assert m_a.dtype == torch.float32 and m_a.shape == p.shape
+        assert_close(m_a, m_b, f"master {name}", atol=atol)
+        assert torch.equal(p.detach(), m_a.to(dtype)), f"{name}: device copy is not the cast master"
+    assert_history_close([snapshot(a)], [snapshot(b)], names, dtype)
+
+
+def test_reference_cases_exercise_reselection_and_clipping():
+    """The matrix above is not vacuous: reselections happen, and clipping is active (coef < 1)."""
+    for case in ("step3", "auto-strategy", "epoch"):
+        _, _, zen, ref, _, _ = run_against_reference(REFERENCE_CASES[case], torch.float32)
+        assert zen.stats()["reselections"] >= 1 and ref.stats()["reselections"] >= 1, case
+    model = tiny_model()
+    loss_fn(model, make_batches(1)[0]).backward()
+    assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)) > 2 * 0.05
+
+
+def test_cpu_updates_counts_boundaries_like_reference_with_warm_up():
+    """cpu_updates counts update boundaries; warm-up steps are no boundaries (reference.py docstring:
+    'Warm-up (t < W): plain AdamW on every parameter, no boundaries'; SPEC §3: 'every S steps after warm-up')."""
+    _, _, zen, ref, _, _ = run_against_reference(REFERENCE_CASES["warm-up3"], torch.float32)
+    assert ref.stats()["cpu_updates"] == (12 - 3) // 2
+    assert zen.stats()["cpu_updates"] == ref.stats()["cpu_updates"]
+
+
+@pytest.mark.parametrize("update_interval", [2, "auto"])
+@pytest.mark.parametrize("missing", ["whole-step", "one-matrix"])
+def test_steps_without_some_gradients_equal_reference(update_interval, missing):
+    """A parameter with no gradient at a step (unused in the forward, or the step's grads discarded by
+    zero_grad) is skipped for that step and the CPU update uses the mean over the steps that really
+    accumulated into it (reference.py docstring: acc_steps, 'equal to the global m_acc unless some grads
+    were None')."""
+    batches = make_batches(8)
+    keys = dict(topk_ratio=0.25, update_interval=update_interval, select_strategy="step", select_interval=100)
+
+    def run(cls):
+        model = tiny_model()
+        opt = cls(model.parameters(), lr=LR, **keys)
+        hist = []
+        for i in range(8):
+            if missing == "one-matrix" and i in (1, 2, 5):
+                model.fc1(model.emb(batches[i][0])).square().mean().backward()  # fc2, norm: no grad
+            else:
+                loss_fn(model, batches[i]).backward()
+            if missing == "whole-step" and i in (1, 4):
+                opt.zero_grad()  # this step gets no gradient at all
+            opt.step()
+            opt.zero_grad()
+            hist.append(snapshot(model))
+        opt.synchronize()
+        return model, opt, hist
+
+    a, zen, hist_a = run(ZenFlowAdamW)
+    b, ref, hist_b = run(ZenFlowReference)
+    assert_history_close(hist_a, hist_b, names_of(a))
+    for name, p, q in zip(names_of(a), a.parameters(), b.parameters()):
+        assert_close(zen.master(p), ref.master(q), f"master {name}")
+
+
+# -------------------------------------------------------------------------- invariant 4: checkpoints
+RESUME_CASES = {
+    # boundaries at t = 1, 3, 5, ...; saved after t = 4: the t = 3 update is in flight; reselect at t = 5.
+    "int2-overlap-pending": dict(dtype=torch.float32, keys=dict(topk_ratio=0.25, update_interval=2,
+                                 overlap_step=True, select_strategy="step", select_interval=5), pending=True),
+    "int2-reselect3": dict(dtype=torch.float32, keys=dict(topk_ratio=0.25, update_interval=2, overlap_step=True,
+                           select_strategy="step", select_interval=3), clip=0.05),
+    "auto-overlap": dict(dtype=torch.float32, keys=dict(topk_ratio=0.25, update_interval="auto",
+                         overlap_step=True, select_strategy="auto")),
+    "bf16-int2-overlap-pending": dict(dtype=torch.bfloat16, keys=dict(topk_ratio=0.25, update_interval=2,
+                                      overlap_step=True, select_strategy="step", select_interval=5),
+                                      pending=True),
+    "bf16-auto": dict(dtype=torch.bfloat16, keys=dict(topk_ratio=0.25, update_interval="auto",
+                      overlap_step=True)),
+}
+
+
+def _roundtrip(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES), ids=list(RESUME_CASES))
+def test_state_dict_resume_is_exact(case):
+    spec = RESUME_CASES[case]
+    dtype, keys, clip = spec["dtype"], spec["keys"], spec.get("clip")
+    N, M = 5, 6
+    batches = make_batches(N + M, dtype)
+    a = tiny_model(dtype)
+    oa = ZenFlowAdamW(a.parameters(), lr=LR, max_grad_norm=clip, **keys)
+    train_steps(a, oa, batches[:N])
+    if spec.get("pending"):
+        assert oa.stats()["update_pending"] is True
+    saved_model, saved_opt = _roundtrip(a.state_dict()), _roundtrip(oa.state_dict())
+    log_a = train_steps(a, oa, batches[N:])
+
+    b = tiny_model(dtype, seed=1)  # other weights: loading must overwrite them
+    ob = ZenFlowAdamW(b.parameters(), lr=LR, max_grad_norm=clip, **keys)
+    b.load_state_dict(saved_model)
+    ob.load_state_dict(saved_opt)
+    log_b = train_steps(b, ob, batches[N:])
+
+    for step, (xs, ys) in enumerate(zip(log_a.params, log_b.params)):
+        for name, x, y in zip(names_of(a), xs, ys):
+            assert torch.equal(x, y), f"step {N + step} {name}: max diff {max_param_diff(x, y)}"
+    for key in ("steps", "cpu_updates", "reselections", "current_interval", "update_pending"):
+        assert oa.stats()[key] == ob.stats()[key], key
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(oa.master(p), ob.master(q))
+    oa.synchronize()
+    ob.synchronize()
+    for name, p, q in zip(names_of(a), a.parameters(), b.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(oa.master(p), ob.master(q)), name
+
+
+def test_resume_cases_cover_reselection_after_the_save():
+    spec = RESUME_CASES["int2-overlap-pending"]
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, **spec["keys"])
+    train_steps(model, opt, make_batches(5))
+    assert opt.stats()["reselections"] == 0
+    train_steps(model, opt, make_batches(6, seed=2000))
+    assert opt.stats()["reselections"] >= 1
+
+
+@pytest.mark.parametrize("keys", [dict(topk_ratio=0.25, update_interval=2, overlap_step=True),
+                                  dict(topk_ratio=0.25, update_interval="auto", overlap_step=True,
+                                       select_strategy="step", select_interval=3)], ids=["int2", "auto"])
+def test_saving_does_not_change_the_run(keys):
+    batches = make_batches(11)
+    a, b = tiny_model(), tiny_model()
+    oa = ZenFlowAdamW(a.parameters(), lr=LR, **keys)
+    ob = ZenFlowAdamW(b.parameters(), lr=LR, **keys)
+
+    def save_sometimes(step):
+        if step in (3, 5, 8):
+            _roundtrip(oa.state_dict())
+            oa.master(a.fc1.weight)
+
+    log_a = train_steps(a, oa, batches, after_backward=save_sometimes)
+    log_b = train_steps(b, ob, batches)
+    for xs, ys in zip(log_a.params, log_b.params):
+        assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+    oa.synchronize()
+    ob.synchronize()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q) and torch.equal(oa.master(p), ob.master(q))
+
+
+def test_load_rejects_other_config_and_plain_adamw_checkpoints():
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2)
+    train_steps(model, opt, make_batches(2))
+    sd = opt.state_dict()
+    other = tiny_model()
+    with pytest.raises(ValueError, match="update_interval"):
+        ZenFlowAdamW(other.parameters(), lr=LR, topk_ratio=0.25, update_interval=3).load_state_dict(sd)
+    adam = torch.optim.AdamW(tiny_model().parameters())
+    with pytest.raises(ValueError):
+        ZenFlowAdamW(tiny_model().parameters(), lr=LR).load_state_dict(adam.state_dict())
+
+
+# ------------------------------------------------------------------------------------- non-finite
+def _flat_state(sd):
+    out = {}
+    for i, entry in sd["state"].items():
+        for k, v in entry.items():
+            out[(i, k)] = v
+    return out
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_gradient_skips_the_step(bad):
+    keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True, select_strategy="step", select_interval=4)
+    batches = make_batches(10)
+    BAD = 3  # the 4th step would be the boundary t = 3
+
+    def run(cls):
+        model = tiny_model()
+        opt = cls(model.parameters(), lr=LR, max_grad_norm=1.0, **keys)
+        poison = {"on": False}
+
+        def hook(grad):
+            if poison["on"]:
+                grad = grad.clone()
+                grad[2, 5] = bad
+            return grad
+
+        model.fc1.weight.register_hook(hook)
+        train_steps(model, opt, batches[:BAD])
+        before = dict(params=snapshot(model), masters=[opt.master(p) for p in model.parameters()],
+                      state=opt.state_dict(), stats=opt.stats())
+        poison["on"] = True
+        train_steps(model, opt, batches[BAD:BAD + 1])
+        poison["on"] = False
+        after = dict(params=snapshot(model), masters=[opt.master(p) for p in model.parameters()],
+                     state=opt.state_dict(), stats=opt.stats())
+        log = train_steps(model, opt, batches[BAD + 1:])
+        opt.synchronize()
+        return model, opt, before, after, log
+
+    model, zen, before, after, log_a = run(ZenFlowAdamW)
+    for x, y in zip(before["params"], after["params"]):
+        assert torch.equal(x, y)
+    for x, y in zip(before["masters"], after["masters"]):
+        assert torch.equal(x, y)
+    flat_before, flat_after = _flat_state(before["state"]), _flat_state(after["state"])
+    assert flat_before.keys() == flat_after.keys()
+    for k, v in flat_before.items():
+        assert torch.equal(v, flat_after[k]) if torch.is_tensor(v) else v == flat_after[k], k
+    zb, za = before["state"]["zenflow"], after["state"]["zenflow"]
+    for key in ("step_count", "selection_start", "steps_accumulated", "update_pending"):
+        assert za[key] == zb[key], key
+    assert after["stats"]["skipped_steps"] == before["stats"]["skipped_steps"] + 1 == 1
+    for key in ("steps", "cpu_updates", "reselections", "current_interval", "update_pending"):
+        assert after["stats"][key] == before["stats"][key], key
+    assert after["stats"]["steps"] == BAD
+
+    ref_model, ref, _, _, log_b = run(ZenFlowReference)
+    assert_history_close(log_a.params, log_b.params, names_of(model))
+    assert zen.stats()["skipped_steps"] == ref.stats()["skipped_steps"] == 1
+    assert zen.stats()["steps"] == ref.stats()["steps"] == 9
+    for name, p, q in zip(names_of(model), model.parameters(), ref_model.parameters()):
+        assert_close(zen.master(p), ref.master(q), f"master {name}")
+
+
+# ---------------------------------------------------------------------------------- worker failure
+class InjectedKernelFailure(Exception):
+    pass
+
+
+def _crashing_cpu_adamw(*args, **kwargs):
+    raise InjectedKernelFailure("injected cpu_adamw_ failure")
+
+
+def _one_step(model, opt, batch):
+    loss_fn(model, batch).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_worker_failure_surfaces_at_the_boundary_without_overlap(monkeypatch):
+    monkeypatch.setattr(zenflow_compile.runtime.adamw, "cpu_adamw_", _crashing_cpu_adamw)
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False)
+    batches = make_batches(4)
+    run_with_timeout(lambda: _one_step(model, opt, batches[0]))  # t = 0: no boundary, no CPU AdamW
+    with pytest.raises(RuntimeError, match="injected cpu_adamw_ failure") as info:
+        run_with_timeout(lambda: _one_step(model, opt, batches[1]))  # t = 1: the boundary waits for it
+    assert "InjectedKernelFailure" in str(info.value)
+    # later calls keep raising, quickly
+    with pytest.raises(RuntimeError, match="injected cpu_adamw_ failure"):
+        run_with_timeout(opt.step)
+    with pytest.raises(RuntimeError, match="injected cpu_adamw_ failure"):
+        run_with_timeout(opt.synchronize)
+    with pytest.raises(RuntimeError, match="injected cpu_adamw_ failure"):
+        run_with_timeout(lambda: _one_step(model, opt, batches[2]))
+
+
+def test_worker_failure_surfaces_at_next_step_or_synchronize_with_overlap(monkeypatch):
+    monkeypatch.setattr(zenflow_compile.runtime.adamw, "cpu_adamw_", _crashing_cpu_adamw)
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=True)
+    batches = make_batches(6)
+    run_with_timeout(lambda: _one_step(model, opt, batches[0]))
+    run_with_timeout(lambda: _one_step(model, opt, batches[1]))  # t = 1: launches the CPU update, no wait
+    seen = None
+    try:  # the next step (its backward hook or its step()) may already see the failure ...
+        run_with_timeout(lambda: _one_step(model, opt, batches[2]))
+    except RuntimeError as error:
+        seen = error
+    if seen is None:  # ... and synchronize() certainly does
+        with pytest.raises(RuntimeError) as info:
+            run_with_timeout(opt.synchronize)
+        seen = info.value
+    assert "injected cpu_adamw_ failure" in str(seen) and "InjectedKernelFailure" in str(seen)
+    for call in (opt.synchronize, opt.step, lambda: _one_step(model, opt, batches[3]),
+                 lambda: opt.master(model.fc1.weight), opt.state_dict):
+        with pytest.raises(RuntimeError, match="injected cpu_adamw_ failure"):
+            run_with_timeout(call)
+
+
+# --------------------------------------------------------------------------- torch.optim conventions
+def test_param_groups_with_different_lr_and_weight_decay_equal_adamw():
+    batches = make_batches(8)
+    a, b = tiny_model(), tiny_model()
+    adam = torch.optim.AdamW(_groups(a), lr=LR)
+    zen = ZenFlowAdamW(_groups(b), lr=LR, topk_ratio=0.25, update_interval=1)
+    assert [g["lr"] for g in zen.param_groups] == [3e-2, LR]
+    assert [g["weight_decay"] for g in zen.param_groups] == [1e-2, 0.1]
+    assert_history_close(train_steps(b, zen, batches).params, train_steps(a, adam, batches).params, names_of(a))
+
+
+def test_add_param_group_after_construction():
+    batches = make_batches(8)
+    a, b = tiny_model(), tiny_model()
+    first = lambda m: list(m.emb.parameters()) + list(m.fc1.parameters())  # noqa: E731
+    rest = lambda m: list(m.norm.parameters()) + list(m.fc2.parameters())  # noqa: E731
+    adam = torch.optim.AdamW(first(a), lr=LR)
+    adam.add_param_group({"params": rest(a), "lr": 5e-3, "weight_decay": 0.05})
+    zen = ZenFlowAdamW(first(b), lr=LR, topk_ratio=0.25, update_interval=1)
+    zen.add_param_group({"params": rest(b), "lr": 5e-3, "weight_decay": 0.05})
+    initial = snapshot(rest(b))
+    log_a, log_b = train_steps(a, adam, batches), train_steps(b, zen, batches)
+    assert_history_close(log_b.params, log_a.params, names_of(a))
+    assert all(not torch.equal(x, y) for x, y in zip(initial, rest(b)))  # the added params trained
+    assert b.fc2.weight.grad is None and zen.selected_columns(b.fc2.weight) is not None
+
+
+def test_step_lr_scheduler_changes_the_lr_used():
+    batches = make_batches(8)
+    a, b, c = tiny_model(), tiny_model(), tiny_model()
+    adam = torch.optim.AdamW(a.parameters(), lr=LR)
+    zen = ZenFlowAdamW(b.parameters(), lr=LR, topk_ratio=0.25, update_interval=1)
+    plain = ZenFlowAdamW(c.parameters(), lr=LR, topk_ratio=0.25, update_interval=1)
+    sa = torch.optim.lr_scheduler.StepLR(adam, step_size=2, gamma=0.1)
+    sb = torch.optim.lr_scheduler.StepLR(zen, step_size=2, gamma=0.1)
+    log_a = train_steps(a, adam, batches, scheduler=sa)
+    log_b = train_steps(b, zen, batches, scheduler=sb)
+    log_c = train_steps(c, plain, batches)
+    assert zen.param_groups[0]["lr"] == pytest.approx(LR * 1e-4)
+    assert_history_close(log_b.params, log_a.params, names_of(a))
+    assert all(torch.equal(x, y) for x, y in zip(log_b.params[1], log_c.params[1]))  # same lr for 2 steps
+    assert max_param_diff(log_b.params[2], log_c.params[2]) > 1e-4  # then the scheduled lr is used
+
+
+@pytest.mark.parametrize("keys", [dict(topk_ratio=0.25, update_interval=1),
+                                  dict(topk_ratio=0.25, update_interval=2, overlap_step=True)],
+                         ids=["int1", "int2-overlap"])
+def test_zero_grad_between_backward_and_step_discards_that_gradient(keys):
+    batches = make_batches(8)
+    extra = make_batches(8, seed=5000)
+    a, b = tiny_model(), tiny_model()
+    oa = ZenFlowAdamW(a.parameters(), lr=LR, **keys)
+    ob = ZenFlowAdamW(b.parameters(), lr=LR, **keys)
+    for i in range(8):
+        if i % 3 == 1:
+            loss_fn(a, extra[i]).backward()  # discarded below
+            oa.zero_grad()
+        loss_fn(a, batches[i]).backward()
+        oa.step()
+        oa.zero_grad()
+    log_b = train_steps(b, ob, batches)
+    assert all(torch.equal(x, y) for x, y in zip(snapshot(a), log_b.params[-1]))
+    oa.synchronize()
+    ob.synchronize()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(oa.master(p), ob.master(q))
+
+
+def test_grads_are_none_after_backward():
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2)
+    seen = []
+
+    def check(step):
+        seen.append(step)
+        for name, p in model.named_parameters():
+            assert p.grad is None, f"step {step}: {name}.grad kept after backward"
+
+    train_steps(model, opt, make_batches(6), backwards_per_step=[1, 2, 1], after_backward=check)
+    assert seen == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(lr=-1.0), "lr"), (dict(betas=(1.0, 0.9)), "betas"),
+                                          (dict(max_grad_norm=0), "max_grad_norm"), (dict(eps=-1e-8), "eps"),
+                                          (dict(weight_decay=-0.1), "weight_decay"),
+                                          (dict(lr=float("nan")), "lr"),
+                                          (dict(topk_ratio=0.0), "topk_ratio"),
+                                          (dict(update_interval=0), "update_interval")])
+def test_invalid_hyperparameters_raise_value_error_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ZenFlowAdamW(tiny_model().parameters(), **kwargs)
+
+
+def test_config_and_keys_together_is_an_error():
+    with pytest.raises(ValueError):
+        ZenFlowAdamW(tiny_model().parameters(), config=ZenFlowConfig(topk_ratio=0.5), update_interval=2)
+    opt = ZenFlowAdamW(tiny_model().parameters(), config=ZenFlowConfig(topk_ratio=0.5, update_interval=2))
+    assert opt.config.topk_ratio == 0.5 and opt.config.update_interval == 2
+
+
+def test_offload_true_is_not_implemented():
+    with pytest.raises(NotImplementedError):
+        ZenFlowAdamW(tiny_model().parameters(), offload=True)
+    with pytest.raises(NotImplementedError):
+        ZenFlowAdamW(tiny_model().parameters(), config=ZenFlowConfig(offload=True))
+
+
+def test_a_parameter_owned_by_two_optimizers_is_an_error():
+    model = tiny_model()
+    first = ZenFlowAdamW(model.parameters(), lr=LR)
+    with pytest.raises(ValueError):
+        ZenFlowAdamW([model.fc1.weight], lr=LR)
+    second = ZenFlowAdamW([tiny_model().fc1.weight], lr=LR)
+    with pytest.raises(ValueError):
+        second.add_param_group({"params": [model.fc2.weight]})
+    assert first.param_groups  # keep `first` alive until here
+
+
+# ------------------------------------------------------------------------------------------- stats
+def test_stats_counters():
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=3, overlap_step=True,
+                       full_warm_up_rounds=2, select_strategy="step", select_interval=100)
+    expected_keys = {"steps", "skipped_steps", "cpu_updates", "reselections", "bytes_device_to_host",
+                     "bytes_host_to_device", "stall_seconds", "cpu_update_seconds", "accumulate_seconds",
+                     "current_interval", "update_pending", "selection_churn"}
+    assert expected_keys <= set(opt.stats())
+    batches = make_batches(11)
+    train_steps(model, opt, batches[:2])  # warm-up
+    st = opt.stats()
+    assert st["steps"] == 2 and st["current_interval"] == 0
+    d2h_after_warm_up = st["bytes_device_to_host"]
+    intervals, updates = [], []
+    for i in range(2, 11):
+        train_steps(model, opt, batches[i:i + 1])
+        st = opt.stats()
+        intervals.append(st["current_interval"])
+        updates.append(st["cpu_updates"])
+        if i == 2:
+            assert st["bytes_device_to_host"] > d2h_after_warm_up  # unselected columns were offloaded
+    # boundaries at t = 4, 7, 10 (t - W + 1 divisible by 3): current_interval resets there
+    assert intervals == [1, 2, 0, 1, 2, 0, 1, 2, 0]
+    # cpu_updates counts boundaries only (the warm-up steps are none: see the warm-up test above)
+    assert [u - updates[0] for u in updates] == [0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert st["steps"] == 11 and st["skipped_steps"] == 0 and st["reselections"] == 0
+    assert st["update_pending"] is True  # overlap: t = 10's update is in flight
+    assert st["bytes_host_to_device"] > 0  # t = 4's update was applied at t = 7
+    assert st["cpu_update_seconds"] >= 0 and st["accumulate_seconds"] >= 0 and st["stall_seconds"] >= 0
+    opt.synchronize()
+    assert opt.stats()["update_pending"] is False
+
+
+@pytest.mark.parametrize("update_interval", [3, "auto"])
+def test_cpu_updates_counts_boundaries(update_interval):
+    """Without warm-up: one CPU update per boundary (int: every 3 steps; auto: as the reference decides)."""
+    batches = make_batches(9)
+    a, b = tiny_model(), tiny_model()
+    zen = ZenFlowAdamW(a.parameters(), lr=LR, topk_ratio=0.25, update_interval=update_interval)
+    ref = ZenFlowReference(b.parameters(), lr=LR, topk_ratio=0.25, update_interval=update_interval)
+    counts_a, counts_b = [], []
+    for i in range(9):
+        train_steps(a, zen, batches[i:i + 1])
+        train_steps(b, ref, batches[i:i + 1])
+        counts_a.append(zen.stats()["cpu_updates"])
+        counts_b.append(ref.stats()["cpu_updates"])
+        assert zen.stats()["current_interval"] == ref.stats()["current_interval"]
+    assert counts_a == counts_b
+    if update_interval == 3:
+        assert counts_a == [0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert zen.stats()["bytes_device_to_host"] > 0 and zen.stats()["bytes_host_to_device"] > 0
