@@ -25,6 +25,7 @@ from zenflow_compile.config import ZenFlowConfig
 from zenflow_compile.runtime import adamw as kernels
 from zenflow_compile.runtime import registry
 from zenflow_compile.runtime.param_state import CanonicalState, MatrixState, VectorState, top_k_columns
+from zenflow_compile.runtime.transfers import StallClock, Transfers
 from zenflow_compile.runtime.worker import CpuWorker
 
 
@@ -52,15 +53,23 @@ class ZenFlowRuntime:
         self._update_future: Optional[Future] = None
         self._step_open = False
         self._failure: Optional[BaseException] = None
+        self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
+        self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0,
-                             bytes_device_to_host=0, bytes_host_to_device=0, stall_seconds=0.0,
-                             selection_churn=0.0)
+                             bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0)
 
     # -- parameters ---------------------------------------------------------------------------------------
     def add_param(self, param: torch.Tensor, group_index: int) -> int:
+        if self.transfers is None:
+            self.transfers, self.stall_clock = Transfers(param.device), StallClock(param.device)
+        elif param.device != self.transfers.device:
+            raise ValueError(f"all parameters of one ZenFlowAdamW must be on one device; got {param.device} "
+                             f"and {self.transfers.device}. Use one optimizer per device.")
         pid = registry.register_param(param, self)
-        state_type = MatrixState if param.dim() >= 2 else VectorState
-        self.states[pid] = state_type(param, pid, group_index)
+        if param.dim() >= 2:
+            self.states[pid] = MatrixState(param, pid, group_index, self.transfers)
+        else:
+            self.states[pid] = VectorState(param, pid, group_index)
         return pid
 
     @property
@@ -104,8 +113,7 @@ class ZenFlowRuntime:
                 if not m.num_selected:
                     m.select(top_k_columns(m.scores, cfg.num_selected(m.cols)), grad_slot=self.grad_slot)
 
-        for state in stepped:
-            state.update_on_device(coef, _hyperparameters(param_groups[state.group_index]))
+        self._update_on_device(stepped, param_groups, coef)
         self._submit_accumulate([m for m in stepped_matrices if m.num_host], coef)
         for m in stepped_matrices:
             m.steps_accumulated += 1
@@ -123,6 +131,17 @@ class ZenFlowRuntime:
         self.counters["steps"] += 1
         self.grad_slot ^= 1
         self.discard_step_grads()
+
+    @staticmethod
+    def _update_on_device(stepped: list, param_groups: list[dict], coef: float) -> None:
+        """The selected columns and the vectors: one fused device AdamW per param group."""
+        by_group: dict[int, list] = {}
+        for state in stepped:
+            update = state.device_update()
+            if update is not None:
+                by_group.setdefault(state.group_index, []).append(update)
+        for group_index, updates in by_group.items():
+            kernels.device_adamw_(updates, grad_scale=coef, **_hyperparameters(param_groups[group_index]))
 
     def _submit_accumulate(self, matrices: list[MatrixState], coef: float) -> None:
         if not matrices:
@@ -206,12 +225,13 @@ class ZenFlowRuntime:
                 kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **hyper[g])
                 for m in members:
                     m.accumulators[acc_slot].zero_()
+                    m.publish_host_weights()
 
         return self.update_worker.submit(cpu_update, after=self._last_accumulate)
 
     def _apply_host_columns(self) -> None:
         for m in self.matrices:
-            self.counters["bytes_host_to_device"] += m.apply_host_columns()
+            self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_)
         self.update_pending = False
 
     def _reselect(self, t: int, matrices: list[MatrixState]) -> None:
@@ -225,13 +245,18 @@ class ZenFlowRuntime:
 
     # -- waiting, errors ----------------------------------------------------------------------------------
     def _wait(self, future: Future) -> None:
-        start = time.perf_counter()
+        """The training thread waits for CPU work: the documented stall, measured."""
+        if future.done():
+            if future.exception() is not None:
+                self._fail(future.exception())
+            return
+        marker, start = self.stall_clock.before_wait(), time.perf_counter()
         try:
             future.result()
         except BaseException as error:
             self._fail(error)
         finally:
-            self.counters["stall_seconds"] += time.perf_counter() - start
+            self.stall_clock.after_wait(marker, time.perf_counter() - start)
 
     def _fail(self, error: BaseException):
         self._failure = error
@@ -271,6 +296,14 @@ class ZenFlowRuntime:
     # -- inspection and checkpoints -----------------------------------------------------------------------
     def stats(self) -> dict:
         stats = dict(self.counters)
+        steps = max(1, self.counters["steps"])
+        stats["bytes_device_to_host_per_step"] = self.counters["bytes_device_to_host"] / steps
+        stats["bytes_host_to_device_per_step"] = self.counters["bytes_host_to_device"] / steps
+        host_wait = self.stall_clock.host_seconds if self.stall_clock else 0.0
+        gpu_idle = self.stall_clock.gpu_idle_seconds() if self.stall_clock else None
+        stats["host_wait_seconds"] = host_wait
+        # GPU idle caused by waiting for the CPU (CUDA events); on a CPU-only machine, the host wait.
+        stats["stall_seconds"] = host_wait if gpu_idle is None else gpu_idle
         stats["cpu_update_seconds"] = self.update_worker.busy_seconds
         stats["accumulate_seconds"] = self.accumulate_worker.busy_seconds
         stats["current_interval"] = self.steps_accumulated

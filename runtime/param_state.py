@@ -4,10 +4,14 @@ A *matrix* (dim >= 2, viewed as [R, C]) keeps the state of its selected columns 
 of the others in host memory; a *vector* keeps all of its state on the device. Every column owns an fp32
 master, two moments and an update count; when the selection changes the state moves with its column.
 
-Host rows are stored transposed, [columns, R], so one column is one contiguous row: the offload of a
-column is one contiguous copy and the CPU AdamW runs over whole rows. Host columns are ordered by update
-count, so the columns sharing a count form contiguous runs, one fused-AdamW "tensor" each (all host
-columns are updated at every boundary, so the runs stay runs until the next reselection).
+Host buffers are stored transposed, [columns, R], so one column is one contiguous row: the offload of the
+unselected columns is one contiguous copy and the CPU AdamW runs over whole rows. Host columns are ordered
+by update count, so the columns sharing a count form contiguous runs, one fused-AdamW "tensor" each (all
+host columns are updated at every boundary, so the runs stay runs until the next reselection).
+
+Double buffers (index = parity) let the CPU work on one while the next step fills the other:
+`host_grads` by step, `accumulators` by interval, `host_weights` (the CPU-updated columns, cast to the
+parameter dtype, read by the upload) by CPU update.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from zenflow_compile.runtime.adamw import adamw_columns_
+from zenflow_compile.runtime.transfers import Transfers, wait_events
 
 HostRun = tuple[int, int, torch.Tensor]  # rows [start, end) of the host buffers and their shared count
 
@@ -26,14 +30,27 @@ HostRun = tuple[int, int, torch.Tensor]  # rows [start, end) of the host buffers
 class CanonicalState:
     """A parameter's whole optimizer state in its natural layout, on the host (for moves and checkpoints)."""
 
-    master: torch.Tensor  # fp32 [R, C] (vectors: [N])
+    master: torch.Tensor  # fp32 [R, C] (vectors: the parameter's shape)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: torch.Tensor  # fp32 [C] per-column update counts (vectors: [1])
 
 
+@dataclass
+class DeviceUpdate:
+    """One parameter's arguments to the fused device AdamW (selected columns or a whole vector)."""
+
+    grad: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    param: torch.Tensor
+    columns: torch.Tensor
+
+
 def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores, ties to the lower index, returned in ascending order (on the host)."""
+    """Indices of the k largest scores, ties to the lower index, in ascending order (on the host)."""
     order = torch.sort(scores.detach().cpu(), descending=True, stable=True).indices
     return order[:k].sort().values
 
@@ -43,27 +60,27 @@ def _host_buffer(shape, dtype, pin: bool) -> torch.Tensor:
 
 
 class VectorState:
-    """A bias or norm weight: a full AdamW on the device every step."""
+    """A bias or norm weight: a full AdamW on the device every step (one column of an [N, 1] view)."""
 
     is_matrix = False
 
     def __init__(self, param: torch.Tensor, pid: int, group_index: int):
         self.param, self.pid, self.group_index = param, pid, group_index
-        self.master = param.detach().float().clone()
+        device = param.device
+        self.master = param.detach().float().reshape(-1, 1).clone()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.step = torch.zeros(1, device=param.device)
-        self.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        self.score = torch.zeros(1, device=param.device)
+        self.step = torch.zeros(1, device=device)
+        self.grad = torch.zeros(self.master.shape, dtype=param.dtype, device=device)
+        self.score = torch.zeros(1, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.num_grads = 0
 
     def receive_grad(self, grad: torch.Tensor, score: Optional[torch.Tensor], grad_slot: int) -> int:
-        grad = grad.detach()
-        if score is None:
-            score = grad.float().pow(2).sum().reshape(1)
+        grad = grad.detach().reshape(-1, 1)
         if self.num_grads == 0:
             self.grad.copy_(grad)
-            self.score.copy_(score.reshape(1))
+            self.score.copy_(score.reshape(1) if score is not None else grad.float().pow(2).sum().reshape(1))
         else:
             self.grad.add_(grad)
         self.num_grads += 1
@@ -74,21 +91,19 @@ class VectorState:
             self.score.copy_(self.grad.float().pow(2).sum().reshape(1))
         return self.score.sum()
 
-    def update_on_device(self, coef: float, hp: dict) -> None:
-        self.step += 1
-        adamw_columns_(self.master, self.exp_avg, self.exp_avg_sq, self.grad.float() * coef, self.step, **hp)
-        self.param.data.copy_(self.master)
+    def device_update(self) -> Optional[DeviceUpdate]:
+        return DeviceUpdate(self.grad, self.master, self.exp_avg, self.exp_avg_sq, self.step,
+                            self.param.data.view(-1, 1), self.column)
 
     def canonical(self) -> CanonicalState:
-        return CanonicalState(self.master.cpu().clone(), self.exp_avg.cpu().clone(),
-                              self.exp_avg_sq.cpu().clone(), self.step.cpu().clone())
+        shape = self.param.shape
+        return CanonicalState(self.master.cpu().reshape(shape), self.exp_avg.cpu().reshape(shape),
+                              self.exp_avg_sq.cpu().reshape(shape), self.step.cpu().clone())
 
     def load_canonical(self, state: CanonicalState) -> None:
-        device = self.param.device
-        self.master.copy_(state.master.to(device))
-        self.exp_avg.copy_(state.exp_avg.to(device))
-        self.exp_avg_sq.copy_(state.exp_avg_sq.to(device))
-        self.step.copy_(state.step.reshape(1).to(device))
+        for mine, saved in ((self.master, state.master), (self.exp_avg, state.exp_avg),
+                            (self.exp_avg_sq, state.exp_avg_sq), (self.step, state.step)):
+            mine.copy_(saved.reshape(mine.shape))
 
 
 class MatrixState:
@@ -96,22 +111,23 @@ class MatrixState:
 
     is_matrix = True
 
-    def __init__(self, param: torch.Tensor, pid: int, group_index: int):
+    def __init__(self, param: torch.Tensor, pid: int, group_index: int, transfers: Transfers):
         if not param.is_contiguous():
             raise ValueError(
                 f"ZenFlowAdamW needs contiguous parameters; got one of shape {tuple(param.shape)} with strides "
                 f"{param.stride()}. Make it contiguous (param.data = param.data.contiguous()) first.")
         self.param, self.pid, self.group_index = param, pid, group_index
+        self.transfers = transfers
         self.rows = param.shape[0]
         self.cols = param.numel() // self.rows
         self.device = param.device
-        self.pin = param.device.type == "cuda"
+        self.pin = transfers.is_cuda
         self.scores = torch.zeros(self.cols, device=self.device)
         self.num_grads = 0
+        self.steps_accumulated = 0  # steps whose gradient went into the accumulator since the last update
         # Zen-auto: mean selected / unselected scores summed since the last CPU update.
         self.sum_selected_score = 0.0
         self.sum_unselected_score = 0.0
-        self.steps_accumulated = 0  # steps whose gradient went into the accumulator since the last update
         master = param.detach().reshape(self.rows, self.cols).float().cpu()
         zeros = torch.zeros_like(master)
         self._distribute(torch.zeros(0, dtype=torch.long),
@@ -138,16 +154,16 @@ class MatrixState:
         unselected = unselected_mask.nonzero().flatten()
         host_columns = unselected[torch.sort(state.step[unselected], stable=True).indices]
 
-        dev, grad_dtype = self.device, self.param.dtype
+        dev, dtype, pin = self.device, self.param.dtype, self.pin
         self.selected, self.selected_on_device = selected, selected.to(dev)
         self.dev_master = state.master[:, selected].to(dev)
         self.dev_exp_avg = state.exp_avg[:, selected].to(dev)
         self.dev_exp_avg_sq = state.exp_avg_sq[:, selected].to(dev)
         self.dev_step = state.step[selected].to(dev)
-        self.dev_grad = torch.zeros(self.rows, selected.numel(), device=dev, dtype=grad_dtype)
+        self.dev_grad = torch.zeros(self.rows, selected.numel(), device=dev, dtype=dtype)
 
         self.host_columns, self.host_columns_on_device = host_columns, host_columns.to(dev)
-        shape, pin = (host_columns.numel(), self.rows), self.pin
+        shape = (host_columns.numel(), self.rows)
         self.host_master = _host_buffer(shape, torch.float32, pin)
         self.host_master.copy_(state.master[:, host_columns].t())
         self.host_exp_avg = _host_buffer(shape, torch.float32, pin)
@@ -155,10 +171,15 @@ class MatrixState:
         self.host_exp_avg_sq = _host_buffer(shape, torch.float32, pin)
         self.host_exp_avg_sq.copy_(state.exp_avg_sq[:, host_columns].t())
         self.host_runs = self._runs_of_equal_count(state.step[host_columns])
-        # Double buffers: the step's offloaded gradient (by step parity) and the accumulator (by interval
-        # parity), so the next step/interval fills one while the CPU worker reads the other.
-        self.host_grads = [_host_buffer(shape, grad_dtype, pin) for _ in range(2)]
+        self.host_grads = [_host_buffer(shape, dtype, pin) for _ in range(2)]
         self.accumulators = [_host_buffer(shape, torch.float32, pin) for _ in range(2)]
+        self.host_weights = [_host_buffer(shape, dtype, pin) for _ in range(2)]
+        for weights in self.host_weights:
+            weights.copy_(self.host_master)
+        self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
+        self.upload_done: list = [None, None]  # upload events of host_weights[slot]
+        self.offload_done: list[list] = [[], []]  # D2H events of host_grads[slot] (and its extras)
+        self.extra_grads: list[list[torch.Tensor]] = [[], []]  # later backwards of a step, summed at step()
 
         if step_grad is not None:
             self.dev_grad.copy_(step_grad[:, selected].to(dev))
@@ -188,6 +209,7 @@ class MatrixState:
             state.step[self.host_columns[start:end]] = count
         step_grad = None
         if grad_slot is not None:
+            self.fold_extra_grads(grad_slot)
             step_grad = torch.empty(R, C, dtype=self.param.dtype)
             step_grad[:, self.selected] = self.dev_grad.cpu()
             step_grad[:, self.host_columns] = self.host_grads[grad_slot].t()
@@ -196,8 +218,8 @@ class MatrixState:
     def select(self, selected: torch.Tensor, grad_slot: Optional[int] = None) -> int:
         """Make `selected` the device-resident columns, moving state (and this step's grad if `grad_slot`).
 
-        Returns the number of columns that changed sides. Accumulators must be empty (they are at every
-        reselection boundary, and before the first selection).
+        Returns how many columns changed sides. Accumulators must be empty (they are at every reselection
+        boundary, and before the first selection).
         """
         moved = selected.numel() + self.num_selected - 2 * int(torch.isin(selected, self.selected).sum())
         state, step_grad = self.canonical(grad_slot)
@@ -206,9 +228,9 @@ class MatrixState:
 
     # -- one step -----------------------------------------------------------------------------------------
     def receive_grad(self, grad: torch.Tensor, scores: Optional[torch.Tensor], grad_slot: int) -> int:
-        """Take one backward's gradient: keep selected columns on the device, offload the rest.
+        """Take one backward's gradient: keep the selected columns on the device, offload the rest.
 
-        Returns the bytes copied device -> host.
+        Returns the bytes sent device -> host. Keeps no reference to `grad` (the compiled graph reuses it).
         """
         g = grad.detach().reshape(self.rows, self.cols)
         if scores is None:
@@ -221,33 +243,47 @@ class MatrixState:
         self.scores.copy_(scores) if first else self.scores.add_(scores)
         if not self.num_host:
             return 0
-        rest = g.t().index_select(0, self.host_columns_on_device)  # [n_host, R], one row per column
-        buffer = self.host_grads[grad_slot]
+        # Gather + transpose on the device: one contiguous row per column, a single contiguous copy down.
+        rest = g.t().index_select(0, self.host_columns_on_device)
         if first:
-            buffer.copy_(rest)
-        else:
-            buffer.add_(rest.to(buffer.device))
+            target = self.host_grads[grad_slot]
+            self.offload_done[grad_slot] = []
+        else:  # summed on the host at step(); a fresh (cached) pinned buffer per extra backward
+            target = torch.empty(rest.shape, dtype=rest.dtype, pin_memory=self.pin)
+            self.extra_grads[grad_slot].append(target)
+        self.offload_done[grad_slot].append(self.transfers.to_host(rest, target))
         return rest.numel() * rest.element_size()
+
+    def fold_extra_grads(self, grad_slot: int) -> None:
+        """Sum the later backwards' offloaded gradients into host_grads[grad_slot] (waits for their copies)."""
+        if self.extra_grads[grad_slot]:
+            wait_events(self.offload_done[grad_slot])
+            for extra in self.extra_grads[grad_slot]:
+                self.host_grads[grad_slot].add_(extra)
+            self.extra_grads[grad_slot] = []
+            self.offload_done[grad_slot] = []
 
     def step_sumsq(self, grad_slot: int) -> torch.Tensor:
         """Sum of squares of this step's gradient; makes `scores` exact when several backwards summed."""
         if self.num_grads > 1:
+            self.fold_extra_grads(grad_slot)
             exact = torch.empty(self.cols, device=self.device)
             exact[self.selected_on_device] = self.dev_grad.float().pow(2).sum(0)
-            exact[self.host_columns_on_device] = self.host_grads[grad_slot].float().pow(2).sum(1).to(self.device)
+            host_scores = self.host_grads[grad_slot].float().pow(2).sum(1)
+            exact[self.host_columns_on_device] = host_scores.to(self.device)
             self.scores.copy_(exact)
         return self.scores.sum()
 
-    def update_on_device(self, coef: float, hp: dict) -> None:
+    def device_update(self) -> Optional[DeviceUpdate]:
         if not self.num_selected:
-            return
-        self.dev_step += 1
-        adamw_columns_(self.dev_master, self.dev_exp_avg, self.dev_exp_avg_sq, self.dev_grad.float() * coef,
-                       self.dev_step, **hp)
-        self.as_columns().index_copy_(1, self.selected_on_device, self.dev_master.to(self.param.dtype))
+            return None
+        return DeviceUpdate(self.dev_grad, self.dev_master, self.dev_exp_avg, self.dev_exp_avg_sq,
+                            self.dev_step, self.as_columns(), self.selected_on_device)
 
+    # -- host side (CPU worker threads) -------------------------------------------------------------------
     def accumulate(self, grad_slot: int, acc_slot: int, coef: float) -> None:
-        """acc += coef * g (host, worker thread)."""
+        """acc += coef * g, once the step's offload has landed."""
+        wait_events(self.offload_done[grad_slot])
         self.accumulators[acc_slot].add_(self.host_grads[grad_slot].float() * coef)
 
     def host_adamw_batch(self, acc_slot: int, num_steps: int):
@@ -258,10 +294,19 @@ class MatrixState:
             yield (self.host_master[start:end], acc[start:end], self.host_exp_avg[start:end],
                    self.host_exp_avg_sq[start:end], count)
 
-    def apply_host_columns(self) -> int:
-        """Write the host masters of the unselected columns into the device parameter; returns bytes."""
+    def publish_host_weights(self) -> None:
+        """After a CPU update: cast the new masters into the free weights buffer for the next upload."""
+        slot = self.weights_slot ^ 1
+        wait_events([self.upload_done[slot]])
+        self.host_weights[slot].copy_(self.host_master)
+        self.weights_slot = slot
+
+    # -- training thread ----------------------------------------------------------------------------------
+    def apply_host_columns(self, merge_columns) -> int:
+        """Write the latest CPU-updated columns into the device parameter; returns the bytes uploaded."""
         if not self.num_host:
             return 0
-        values = self.host_master.t().to(self.device, self.param.dtype, non_blocking=True)
-        self.as_columns().index_copy_(1, self.host_columns_on_device, values)
+        slot = self.weights_slot
+        values, self.upload_done[slot] = self.transfers.to_device(self.host_weights[slot])
+        merge_columns(self.as_columns(), self.host_columns_on_device, values)
         return values.numel() * values.element_size()

@@ -1,0 +1,46 @@
+"""The `zenflow::` custom ops that the rewritten backward graph calls.
+
+Schemas carry only tensors and integer parameter ids (never a live object), so a compiled graph can be
+cached and replayed; the id is resolved through `zenflow_compile.runtime.registry` at run time.
+
+    zenflow::accumulate_grad(Tensor grad, Tensor column_scores, int param_id) -> ()
+
+hands one backward's gradient of a parameter (and its per-column squared-norm proxy, computed by fused aten
+reductions in the graph) to the runtime. The op returns nothing, so both FX dead-code elimination and
+Inductor's scheduler would drop it as unused: `torch.fx.node.has_side_effect` marks it impure, which is the
+one registry both consult (`torch._library.utils.is_impure`, used by `Node.is_impure` and by Inductor's
+`FallbackKernel.has_side_effects`).
+
+Contract with the runtime: the op must not keep references to `grad` or `column_scores` past the call
+(Inductor may reuse their buffers for later kernels once the op has run); copy or accumulate instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.node import has_side_effect
+
+from zenflow_compile.runtime import registry
+
+__all__ = ["accumulate_grad", "ACCUMULATE_GRAD"]
+
+
+# Explicit schema: `int`, not the SymInt custom_op would infer (an id is never symbolic).
+@torch.library.custom_op("zenflow::accumulate_grad", mutates_args=(),
+                         schema="(Tensor grad, Tensor column_scores, int param_id) -> ()")
+def accumulate_grad(grad: torch.Tensor, column_scores: torch.Tensor, param_id: int) -> None:
+    """Give the runtime that owns `param_id` this backward's gradient and its column scores."""
+    registry.accumulate_grad(param_id, grad, column_scores)
+
+
+@accumulate_grad.register_fake
+def _accumulate_grad_fake(grad: torch.Tensor, column_scores: torch.Tensor, param_id: int) -> None:
+    # Nothing to describe: the op produces no tensors.
+    return None
+
+
+#: The OpOverload the passes insert into backward graphs.
+ACCUMULATE_GRAD = torch.ops.zenflow.accumulate_grad.default
+
+# Without this, the op (no outputs, no mutated args) looks pure and would be dead-code eliminated.
+has_side_effect(ACCUMULATE_GRAD)

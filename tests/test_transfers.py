@@ -1,0 +1,131 @@
+"""The offload path: ordering of copies and CPU work, on CPU always and on CUDA when present.
+
+Results must never depend on timing: a slow CPU worker, a slow device-to-host copy or a slow upload only
+makes the training thread wait (counted as stall), never changes a value.
+"""
+
+import time
+
+import pytest
+import torch
+
+from helpers import bf16_ulp_distance, make_batches, max_param_diff, tiny_model, train_steps
+from zenflow_compile import ZenFlowAdamW
+from zenflow_compile.reference import ZenFlowReference
+from zenflow_compile.runtime import adamw as kernels
+from zenflow_compile.runtime import transfers
+from zenflow_compile.triton_kernels import triton_available
+
+CONFIGS = {
+    "overlap-off": dict(topk_ratio=0.25, update_interval=2),
+    "overlap-on": dict(topk_ratio=0.25, update_interval=2, overlap_step=True, select_strategy="step",
+                       select_interval=4),
+    "auto-overlap": dict(topk_ratio=0.25, update_interval="auto", overlap_step=True),
+}
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def run_pair(config, *, dtype=torch.float32, device="cpu", steps=8, backwards_per_step=1):
+    model, ref_model = tiny_model(dtype, device=device), tiny_model(dtype, device=device)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **config)
+    ref = ZenFlowReference(ref_model.parameters(), lr=1e-2, **config)
+    batches = make_batches(steps * backwards_per_step, dtype, device=device)
+    log = train_steps(model, opt, batches, backwards_per_step)
+    ref_log = train_steps(ref_model, ref, batches, backwards_per_step)
+    opt.synchronize()
+    ref.synchronize()
+    return opt, ref, log, ref_log, model, ref_model
+
+
+def assert_matches_reference(opt, ref, log, ref_log, model, ref_model, dtype):
+    for ours, theirs in zip(log.params, ref_log.params):
+        if dtype == torch.float32:
+            assert max_param_diff(ours, theirs) < 1e-6  # fp32 rounding of reordered reductions
+        else:  # masters agree to fp32 rounding, so their casts may land on neighbouring bf16 values
+            assert max(bf16_ulp_distance(a, b) for a, b in zip(ours, theirs)) <= 1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert (opt.master(p).cpu() - ref.master(q).cpu()).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_slow_cpu_worker_changes_nothing_but_stall(name, monkeypatch):
+    fast = run_pair(CONFIGS[name])
+    real_cpu_adamw = kernels.cpu_adamw_
+
+    def slow_cpu_adamw(*args, **kwargs):
+        time.sleep(0.05)
+        real_cpu_adamw(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "cpu_adamw_", slow_cpu_adamw)
+    slow = run_pair(CONFIGS[name])
+    for a, b in zip(fast[2].params, slow[2].params):
+        assert max_param_diff(a, b) == 0.0  # deterministic: timing never shows in the values
+    assert_matches_reference(*slow, torch.float32)
+    stats = slow[0].stats()
+    assert stats["stall_seconds"] >= 0.04  # at least one wait for a 50 ms update was measured
+    assert stats["cpu_update_seconds"] >= 0.05 * stats["cpu_updates"]
+
+
+def test_slow_accumulate_worker_never_lets_a_buffer_be_overwritten(monkeypatch):
+    # The backward of step t+2 refills the host gradient buffer that the accumulate task of step t reads.
+    # A slow accumulate must make that backward wait, not lose or mix gradients.
+    from zenflow_compile.runtime.param_state import MatrixState
+
+    real_accumulate = MatrixState.accumulate
+
+    def slow_accumulate(self, *args):
+        time.sleep(0.02)
+        real_accumulate(self, *args)
+
+    monkeypatch.setattr(MatrixState, "accumulate", slow_accumulate)
+    assert_matches_reference(*run_pair(CONFIGS["overlap-on"], steps=10), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_in_the_runtime_match_reference(dtype, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the runtime's device kernels run interpreted on CPU
+    assert triton_available(torch.device("cpu"))
+    assert_matches_reference(*run_pair(CONFIGS["overlap-on"], dtype=dtype, steps=6), dtype)
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------------
+
+@cuda
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_matches_reference(name, dtype):
+    result = run_pair(CONFIGS[name], dtype=dtype, device="cuda", steps=10)
+    assert_matches_reference(*result, dtype)
+    stats = result[0].stats()
+    assert stats["bytes_device_to_host"] > 0 and stats["bytes_host_to_device"] > 0
+    assert stats["stall_seconds"] is not None
+
+
+@cuda
+def test_cuda_gradient_accumulation_matches_reference():
+    assert_matches_reference(*run_pair(CONFIGS["overlap-on"], device="cuda", steps=6, backwards_per_step=2),
+                             torch.float32)
+
+
+@cuda
+def test_cuda_copies_are_ordered_by_events(monkeypatch):
+    """Delay every copy on its stream: a reader that did not wait for the copy's event would see stale or
+    poisoned data (host buffers are NaN-poisoned before each copy)."""
+    real_to_host, real_to_device = transfers.Transfers.to_host, transfers.Transfers.to_device
+
+    def delayed_to_host(self, source, pinned):
+        pinned.fill_(float("nan"))
+        with torch.cuda.stream(self.device_to_host):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time before the copy starts
+        return real_to_host(self, source, pinned)
+
+    def delayed_to_device(self, pinned):
+        with torch.cuda.stream(self.host_to_device):
+            torch.cuda._sleep(20_000_000)
+        return real_to_device(self, pinned)
+
+    monkeypatch.setattr(transfers.Transfers, "to_host", delayed_to_host)
+    monkeypatch.setattr(transfers.Transfers, "to_device", delayed_to_device)
+    for name in ("overlap-off", "overlap-on"):
+        assert_matches_reference(*run_pair(CONFIGS[name], device="cuda", steps=8), torch.float32)
