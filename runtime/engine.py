@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from zenflow_compile.config import ZenFlowConfig
-from zenflow_compile.runtime import adamw as kernels
+from zenflow_compile.runtime import kernels
 from zenflow_compile.runtime import registry
 from zenflow_compile.runtime.param_state import CanonicalState, MatrixState, VectorState, top_k_columns
 from zenflow_compile.runtime.transfers import StallClock, Transfers

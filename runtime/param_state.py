@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from zenflow_compile.runtime import kernels
 from zenflow_compile.runtime.transfers import Transfers, wait_events
 
 HostRun = tuple[int, int, torch.Tensor]  # rows [start, end) of the host buffers and their shared count
@@ -234,7 +235,7 @@ class MatrixState:
         """
         g = grad.detach().reshape(self.rows, self.cols)
         if scores is None:
-            scores = g.float().pow(2).sum(0)
+            scores = kernels.column_scores(g)
         first = self.num_grads == 0
         self.num_grads += 1
         if self.num_selected:

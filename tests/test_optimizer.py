@@ -429,7 +429,7 @@ def _one_step(model, opt, batch):
 
 
 def test_worker_failure_surfaces_at_the_boundary_without_overlap(monkeypatch):
-    monkeypatch.setattr(zenflow_compile.runtime.adamw, "cpu_adamw_", _crashing_cpu_adamw)
+    monkeypatch.setattr(zenflow_compile.runtime.kernels, "cpu_adamw_", _crashing_cpu_adamw)
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False)
     batches = make_batches(4)
@@ -447,7 +447,7 @@ def test_worker_failure_surfaces_at_the_boundary_without_overlap(monkeypatch):
 
 
 def test_worker_failure_surfaces_at_next_step_or_synchronize_with_overlap(monkeypatch):
-    monkeypatch.setattr(zenflow_compile.runtime.adamw, "cpu_adamw_", _crashing_cpu_adamw)
+    monkeypatch.setattr(zenflow_compile.runtime.kernels, "cpu_adamw_", _crashing_cpu_adamw)
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=True)
     batches = make_batches(6)

@@ -12,7 +12,7 @@ import torch
 from helpers import bf16_ulp_distance, make_batches, max_param_diff, tiny_model, train_steps
 from zenflow_compile import ZenFlowAdamW
 from zenflow_compile.reference import ZenFlowReference
-from zenflow_compile.runtime import adamw as kernels
+from zenflow_compile.runtime import kernels
 from zenflow_compile.runtime import transfers
 from zenflow_compile.triton_kernels import triton_available
 

@@ -4,6 +4,8 @@
   the device; every column owns its update count. Triton's multi-parameter kernel (one launch per dtype
   pair) on CUDA, or under TRITON_INTERPRET=1; its plain-torch twin otherwise.
 - `merge_columns_`: write the CPU-updated columns into a device parameter (Triton / index_copy_).
+- `column_scores`: per-column squared norms of a gradient, for the eager path (the compiled backward
+  computes them itself, fused by Inductor into the kernels that produce the gradient).
 - `cpu_adamw_`: the host AdamW of the unselected columns: torch's fused CPU AdamW kernel (measured ~2
   Gparam/s on 2 cores, as fast as DeepSpeedCPUAdam, no JIT build). Swap the kernel here and nowhere else.
 
@@ -12,14 +14,17 @@ All follow torch.optim.AdamW exactly: decoupled weight decay, then moments, then
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
+from zenflow_compile.triton_kernels import adamw_selected_columns_, column_sq_norms, merge_host_columns_
 
-from zenflow_compile.runtime.param_state import DeviceUpdate
-from zenflow_compile.triton_kernels import adamw_selected_columns_, merge_host_columns_
+if TYPE_CHECKING:
+    from zenflow_compile.runtime.param_state import DeviceUpdate
 
 
-def device_adamw_(updates: list[DeviceUpdate], *, lr: float, beta1: float, beta2: float, eps: float,
+def device_adamw_(updates: "list[DeviceUpdate]", *, lr: float, beta1: float, beta2: float, eps: float,
                   weight_decay: float, grad_scale: float) -> None:
     if not updates:
         return
@@ -32,6 +37,10 @@ def device_adamw_(updates: list[DeviceUpdate], *, lr: float, beta1: float, beta2
 
 def merge_columns_(param: torch.Tensor, columns: torch.Tensor, values: torch.Tensor) -> None:
     merge_host_columns_(param, columns, values)
+
+
+def column_scores(grad2d: torch.Tensor) -> torch.Tensor:
+    return column_sq_norms(grad2d)
 
 
 def cpu_adamw_(
