@@ -26,8 +26,11 @@ __all__ = ["accumulate_grad", "ACCUMULATE_GRAD"]
 
 
 # Explicit schema: `int`, not the SymInt custom_op would infer (an id is never symbolic).
+# cudagraph_unsafe: a CUDA graph replay would skip this Python call, silently losing the gradient, so
+# Inductor must not capture it (it partitions around it or disables CUDA graphs for that graph).
 @torch.library.custom_op("zenflow::accumulate_grad", mutates_args=(),
-                         schema="(Tensor grad, Tensor column_scores, int param_id) -> ()")
+                         schema="(Tensor grad, Tensor column_scores, int param_id) -> ()",
+                         tags=(torch.Tag.cudagraph_unsafe,))
 def accumulate_grad(grad: torch.Tensor, column_scores: torch.Tensor, param_id: int) -> None:
     """Give the runtime that owns `param_id` this backward's gradient and its column scores."""
     registry.accumulate_grad(param_id, grad, column_scores)

@@ -1,0 +1,60 @@
+"""Find, in a backward graph, the output node that is each ZenFlow parameter's gradient.
+
+AOTAutograd's partitioned backward graph returns one value per forward input (None where there is no
+gradient), in forward-input order; tangents come in as placeholders named `tangents_*` (AOTAutograd's own
+convention, `_is_tangent`). Forward and inference graphs have no tangents, which is how the passes tell the
+graphs apart: both go through the same Inductor post-grad hook.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.fx
+from torch._functorch._aot_autograd.utils import _is_tangent
+
+from zenflow_compile.passes.context import ZenFlowPassContext
+
+__all__ = ["ParamGrad", "ZenFlowGraphError", "is_backward_graph", "find_param_grads"]
+
+
+class ZenFlowGraphError(RuntimeError):
+    """The backward graph does not have the shape the ZenFlow passes rely on."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamGrad:
+    output_index: int  # position in the backward graph's outputs (= forward input index)
+    param_id: int
+    node: torch.fx.Node  # the node producing the gradient
+
+
+def is_backward_graph(graph: torch.fx.Graph) -> bool:
+    return any(_is_tangent(node) for node in graph.find_nodes(op="placeholder"))
+
+
+def graph_outputs(graph: torch.fx.Graph) -> tuple:
+    (outputs,) = graph.output_node().args
+    return tuple(outputs) if isinstance(outputs, (tuple, list)) else (outputs,)
+
+
+def find_param_grads(graph: torch.fx.Graph, ctx: ZenFlowPassContext) -> list[ParamGrad]:
+    """The gradient node of every ZenFlow parameter that gets a gradient from this graph."""
+    outputs = graph_outputs(graph)
+    if len(outputs) != ctx.num_inputs:
+        raise ZenFlowGraphError(
+            f"ZenFlow: the backward graph returns {len(outputs)} values but its forward graph had "
+            f"{ctx.num_inputs} inputs, so gradients cannot be matched to parameters (an AOTAutograd input "
+            "transformation, e.g. duplicated or aliased inputs, is not supported)")
+    found = []
+    for index, (node, pid) in enumerate(zip(outputs, ctx.param_ids)):
+        if pid is None or not isinstance(node, torch.fx.Node):
+            continue  # not a ZenFlow parameter, or no gradient flows to it in this graph
+        val = node.meta.get("val")
+        expected = ctx.param_shapes[index]
+        if val is not None and tuple(val.shape) != tuple(expected):
+            raise ZenFlowGraphError(
+                f"ZenFlow: backward output {index} has shape {tuple(val.shape)} but {ctx.name(index)} "
+                f"has shape {tuple(expected)}: the gradient-to-parameter mapping is wrong")
+        found.append(ParamGrad(index, pid, node))
+    return found

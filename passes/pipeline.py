@@ -1,0 +1,37 @@
+"""The ZenFlow rewrite of one backward graph: the passes, in order, over an explicit context.
+
+For every ZenFlow parameter gradient output `g` of parameter `pid`:
+
+    scores = <norm proxy of g>                                 (insert_norm_proxy)
+    zenflow.accumulate_grad(g, scores, pid)                    (insert_grad_handoff, right after g)
+    return ..., None, ...                                      (drop_param_grads)
+
+No optimizer math goes into the graph: the device update of the selected columns runs at `opt.step()` as
+one fused multi-parameter update, because skipping a non-finite step and clipping both need the step's
+global gradient norm, known only after the last gradient of the step (possibly in another graph, or
+another backward with gradient accumulation) has arrived. The graph's job is to hand each gradient and its
+norm proxy over as early as possible and to keep no full gradient alive.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+from zenflow_compile.passes.context import ZenFlowPassContext
+from zenflow_compile.passes.drop_param_grads import drop_param_grads
+from zenflow_compile.passes.find_param_grads import ParamGrad, find_param_grads, is_backward_graph
+from zenflow_compile.passes.insert_grad_handoff import insert_grad_handoff
+from zenflow_compile.passes.insert_norm_proxy import insert_norm_proxy
+
+__all__ = ["ZenFlowPassContext", "rewrite_backward", "is_backward_graph"]
+
+
+def rewrite_backward(graph: torch.fx.Graph, ctx: ZenFlowPassContext) -> list[ParamGrad]:
+    """Rewrite a backward graph in place; return the parameter gradients handed to the runtime."""
+    grads = find_param_grads(graph, ctx)
+    for grad in grads:
+        scores = insert_norm_proxy(graph, grad.node)
+        insert_grad_handoff(graph, grad.node, scores, grad.param_id)
+    drop_param_grads(graph, [grad.output_index for grad in grads])
+    graph.lint()
+    return grads

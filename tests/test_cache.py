@@ -1,0 +1,148 @@
+"""Cache safety: Inductor's FX-graph cache and AOTAutograd's cache key on the ZenFlow passes, the owners'
+config and the parameter ids baked into the graph (SPEC §4).
+
+All tests share one temporary TORCHINDUCTOR_CACHE_DIR (compiled C++ kernels are reused, compile results
+are not unless the keys match) with both caches explicitly on.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from torch._inductor.utils import fresh_cache
+
+import zenflow_compile.backend  # noqa: F401  (registers the backend)
+from zenflow_compile.config import ZenFlowConfig
+from zenflow_compile.runtime import registry
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_fresh_cache():
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        yield os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+class RecordingRuntime:
+    def __init__(self, **keys):
+        self.config = ZenFlowConfig(**keys)
+        self.pids = []
+
+    def accumulate_grad(self, pid, grad, scores):
+        self.pids.append(pid)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def own(model, runtime):
+    return [registry.register_param(p, runtime) for p in model.parameters()]
+
+
+def train_once(model, backend):
+    """Compile from scratch (Dynamo reset), run forward + backward; return the cache counters."""
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend=backend)
+    compiled(torch.randn(4, 6)).pow(2).sum().backward()
+    got = {"aot_hit": counters["aot_autograd"]["autograd_cache_hit"],
+           "aot_miss": counters["aot_autograd"]["autograd_cache_miss"],
+           "fx_hit": counters["inductor"]["fxgraph_cache_hit"],
+           "fx_miss": counters["inductor"]["fxgraph_cache_miss"],
+           "grads": [p.grad is not None for p in model.parameters()]}
+    for p in model.parameters():
+        p.grad = None
+    torch._dynamo.reset()
+    return got
+
+
+def test_warm_inductor_cache_never_serves_a_graph_without_the_passes():
+    model, runtime = mlp(), RecordingRuntime()
+    pids = own(model, runtime)
+
+    plain = train_once(model, "inductor")
+    assert plain["aot_miss"] == 1 and plain["grads"] == [True] * 4 and runtime.pids == []
+
+    # Same graph, warm cache: the zenflow compile must not be served the plain graph.
+    first = train_once(model, "zenflow")
+    assert first["aot_hit"] == 0 and first["aot_miss"] == 1 and first["fx_hit"] == 0
+    assert first["grads"] == [False] * 4 and sorted(runtime.pids) == sorted(pids)
+
+    # Same config, same ids: a recompile is served from the cache, and the cached graph still hands off.
+    runtime.pids.clear()
+    again = train_once(model, "zenflow")
+    assert again["aot_hit"] == 1 and again["aot_miss"] == 0
+    assert again["grads"] == [False] * 4 and sorted(runtime.pids) == sorted(pids)
+
+    # And the other way round: plain Inductor gets its own (pass-free) graph back.
+    runtime.pids.clear()
+    plain_again = train_once(model, "inductor")
+    assert plain_again["aot_hit"] == 1 and plain_again["grads"] == [True] * 4 and runtime.pids == []
+
+
+def test_another_config_never_reuses_a_cached_graph():
+    model, runtime = mlp(), RecordingRuntime(topk_ratio=0.1)
+    pids = own(model, runtime)
+    assert train_once(model, "zenflow")["aot_miss"] == 1
+    assert train_once(model, "zenflow")["aot_hit"] == 1
+
+    runtime.config = ZenFlowConfig(topk_ratio=0.2)  # same ids, other settings
+    other = train_once(model, "zenflow")
+    assert other["aot_hit"] == 0 and other["aot_miss"] == 1 and other["fx_hit"] == 0
+    assert sorted(set(runtime.pids)) == sorted(pids)
+
+
+def test_other_parameter_ids_never_reuse_a_cached_graph():
+    model = mlp()
+    old = RecordingRuntime()
+    old_pids = own(model, old)
+    assert train_once(model, "zenflow")["aot_miss"] == 1
+
+    # A new owner (the old one gone): same program and config, new ids.
+    del old
+    new = RecordingRuntime()
+    new_pids = own(model, new)
+    assert set(new_pids).isdisjoint(old_pids)
+    result = train_once(model, "zenflow")
+    assert result["aot_hit"] == 0 and result["aot_miss"] == 1
+    assert sorted(new.pids) == sorted(new_pids)  # the new ids are the ones baked in
+
+
+def test_same_program_in_a_new_process_hits_the_cache(shared_fresh_cache):
+    """Ids are handed out in registration order, so a re-run of a program reuses its cache entries."""
+    script = textwrap.dedent("""
+        import torch
+        from torch._dynamo.utils import counters
+        import zenflow_compile
+        from zenflow_compile.backend import zenflow_backend
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.5, update_interval=2)
+        compiled = torch.compile(model, backend=zenflow_backend)
+        for step in range(2):
+            compiled(torch.randn(4, 6)).pow(2).sum().backward()
+            assert all(p.grad is None for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        print("RESULT", counters["aot_autograd"]["autograd_cache_hit"],
+              counters["aot_autograd"]["autograd_cache_miss"], opt.stats()["steps"])
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=shared_fresh_cache, TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+               TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+
+    def run():
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT"))
+        return tuple(int(v) for v in line.split()[1:])
+
+    assert run() == (0, 1, 2)
+    assert run() == (1, 0, 2)

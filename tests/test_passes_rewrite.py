@@ -1,0 +1,238 @@
+"""Unit tests of the backward-graph passes, run eagerly on AOTAutograd graphs (no Inductor lowering).
+
+A capturing backend records a model's real backward graph and the arguments it was called with; the tests
+rewrite a copy with `rewrite_backward` and execute it, so every claim (what is handed over, which scores,
+what is returned) is checked on numbers, not just on graph text.
+"""
+
+import copy
+import logging
+import pickle
+
+import pytest
+import torch
+from functorch.compile import make_boxed_func
+from torch import nn
+from torch._dynamo.backends.common import aot_autograd
+
+from zenflow_compile import backend as zf_backend
+from zenflow_compile.config import ZenFlowConfig
+from zenflow_compile.passes import ZenFlowPassContext, is_backward_graph, rewrite_backward
+from zenflow_compile.passes.find_param_grads import ZenFlowGraphError
+from zenflow_compile.runtime import registry
+from zenflow_compile.runtime.ops import ACCUMULATE_GRAD
+
+
+class RecordingRuntime:
+    def __init__(self, config=None):
+        self.config = config or ZenFlowConfig()
+        self.calls = []
+
+    def accumulate_grad(self, pid, grad, scores):
+        self.calls.append((pid, grad.clone(), scores.clone()))
+
+
+def own(model, runtime):
+    return {registry.register_param(p, runtime): name for name, p in model.named_parameters()}
+
+
+def capture(model, *inputs):
+    """Forward + backward through AOTAutograd; return the graphs, the backward's call args and the ctx."""
+    rec = {}
+
+    def fw(gm, example_inputs):
+        rec["forward"] = copy.deepcopy(gm)
+        return make_boxed_func(gm.forward)
+
+    def bw(gm, example_inputs):
+        rec["backward"] = copy.deepcopy(gm)
+
+        def run(*args):
+            rec["args"] = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]
+            return gm(*args)
+
+        return make_boxed_func(run)
+
+    def backend(gm, example_inputs):
+        rec["ctx"] = zf_backend.make_pass_context(gm, example_inputs)
+        from torch._inductor.decomposition import select_decomp_table
+
+        return aot_autograd(fw_compiler=fw, bw_compiler=bw, decompositions=select_decomp_table())(
+            gm, example_inputs)
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    out.float().pow(2).sum().backward()
+    torch._dynamo.reset()
+    return rec
+
+
+def expected_scores(g):
+    g = g.float()
+    return g.reshape(g.shape[0], -1).pow(2).sum(0) if g.dim() >= 2 else g.pow(2).sum().reshape(1)
+
+
+class ConvMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, kernel_size=3)  # 3-D weight: columns are its flattened (in, k) pairs
+        self.fc = nn.Linear(3 * 4, 5)
+        self.norm = nn.LayerNorm(5)
+
+    def forward(self, x):
+        return self.norm(self.fc(torch.relu(self.conv(x)).flatten(1)))
+
+
+@pytest.fixture
+def conv_case():
+    torch.manual_seed(0)
+    model, runtime = ConvMLP(), RecordingRuntime()
+    names = own(model, runtime)
+    x = torch.randn(2, 2, 6, requires_grad=True)  # a non-parameter input that needs a gradient
+    rec = capture(model, x)
+    runtime.calls.clear()
+    return model, runtime, names, rec
+
+
+def test_rewritten_graph_hands_every_param_grad_and_returns_none(conv_case):
+    model, runtime, names, rec = conv_case
+    original = rec["backward"](*copy.copy(rec["args"]))
+    rewritten = copy.deepcopy(rec["backward"])
+    grads = rewrite_backward(rewritten.graph, rec["ctx"])
+    rewritten.recompile()
+    assert sorted(g.param_id for g in grads) == sorted(names)
+
+    outputs = rewritten(*copy.copy(rec["args"]))
+    by_pid = {pid: (g, s) for pid, g, s in runtime.calls}
+    assert sorted(by_pid) == sorted(names)  # each parameter exactly once
+    for index, pid in enumerate(rec["ctx"].param_ids):
+        if pid is None:
+            # other outputs (the input x's gradient) are untouched
+            if isinstance(original[index], torch.Tensor):
+                torch.testing.assert_close(outputs[index], original[index])
+            continue
+        assert outputs[index] is None
+        grad, scores = by_pid[pid]
+        torch.testing.assert_close(grad, original[index])
+        assert scores.dtype == torch.float32
+        torch.testing.assert_close(scores, expected_scores(original[index]))
+    conv_scores = by_pid[next(p for p, n in names.items() if n == "conv.weight")][1]
+    assert conv_scores.shape == (2 * 3,)
+
+
+def test_handoff_goes_right_after_the_gradient_producer(conv_case):
+    _, _, _, rec = conv_case
+    gm = copy.deepcopy(rec["backward"])
+    rewrite_backward(gm.graph, rec["ctx"])
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    handoffs = [n for n in gm.graph.nodes if n.target is ACCUMULATE_GRAD]
+    assert len(handoffs) == 6
+    for call in handoffs:
+        grad, scores, _ = call.args
+        between = list(gm.graph.nodes)[order[grad] + 1:order[call]]
+        # only the norm-proxy chain of this gradient sits between its producer and its hand-off
+        assert all(n.op == "call_function" and n.target.__name__.split(".")[0] in
+                   ("pow", "sum", "reshape", "convert_element_type") for n in between), between
+        assert scores in between
+
+
+def test_bf16_gradients_get_fp32_scores():
+    torch.manual_seed(0)
+    model, runtime = nn.Linear(4, 3).to(torch.bfloat16), RecordingRuntime()
+    own(model, runtime)
+    rec = capture(model, torch.randn(2, 4, dtype=torch.bfloat16))
+    runtime.calls.clear()
+    original = rec["backward"](*copy.copy(rec["args"]))
+    gm = copy.deepcopy(rec["backward"])
+    rewrite_backward(gm.graph, rec["ctx"])
+    gm.recompile()
+    gm(*copy.copy(rec["args"]))
+    assert {s.dtype for _, _, s in runtime.calls} == {torch.float32}
+    assert {g.dtype for _, g, _ in runtime.calls} == {torch.bfloat16}
+    grads = {tuple(g.shape): (g, s) for _, g, s in runtime.calls}
+    for out in original:
+        if isinstance(out, torch.Tensor):
+            torch.testing.assert_close(grads[tuple(out.shape)][1], expected_scores(out))
+
+
+def test_pass_leaves_forward_and_inference_graphs_unchanged(conv_case):
+    _, _, _, rec = conv_case
+    graph_pass = zf_backend.ZenFlowGraphPass(rec["ctx"])
+    forward = copy.deepcopy(rec["forward"])
+    assert not is_backward_graph(forward.graph)
+    before = str(forward.graph)
+    graph_pass(forward.graph, is_inference=False)
+    assert str(forward.graph) == before
+    backward = copy.deepcopy(rec["backward"])
+    before = str(backward.graph)
+    graph_pass(backward.graph, is_inference=True)
+    assert str(backward.graph) == before
+    graph_pass(backward.graph, is_inference=False)
+    assert str(backward.graph) != before
+
+
+def test_output_count_mismatch_leaves_graph_alone(conv_case, caplog):
+    _, _, _, rec = conv_case
+    ctx = rec["ctx"]
+    wrong = ZenFlowPassContext(ctx.param_ids[:-1], ctx.param_shapes[:-1])
+    gm = copy.deepcopy(rec["backward"])
+    before = str(gm.graph)
+    with caplog.at_level(logging.WARNING, logger="zenflow_compile.backend"):
+        zf_backend.ZenFlowGraphPass(wrong)(gm.graph, is_inference=False)
+    assert str(gm.graph) == before and "unchanged" in caplog.text
+    with pytest.raises(ZenFlowGraphError, match="inputs"):
+        rewrite_backward(gm.graph, wrong)
+
+
+def test_shape_mismatch_is_an_error(conv_case):
+    _, _, _, rec = conv_case
+    ctx = rec["ctx"]
+    index = next(i for i, pid in enumerate(ctx.param_ids) if pid is not None)
+    shapes = list(ctx.param_shapes)
+    shapes[index] = (99, 99)
+    with pytest.raises(ZenFlowGraphError, match="mapping is wrong"):
+        rewrite_backward(copy.deepcopy(rec["backward"]).graph, ZenFlowPassContext(ctx.param_ids, tuple(shapes)))
+
+
+def test_uuid_covers_ids_shapes_configs_and_pass_sources():
+    base = ZenFlowPassContext((None, 3, 4), (None, (2, 2), (2,)), configs=((("topk_ratio", 0.1),),))
+
+    def uuid(ctx):
+        return zf_backend.ZenFlowGraphPass(ctx).uuid()
+
+    assert uuid(base) == uuid(copy.deepcopy(base))
+    assert uuid(base) == uuid(ZenFlowPassContext(base.param_ids, base.param_shapes, ("a", "b", "c"),
+                                                 base.configs))  # names are cosmetic
+    assert uuid(base) != uuid(ZenFlowPassContext((None, 4, 3), base.param_shapes, configs=base.configs))
+    assert uuid(base) != uuid(ZenFlowPassContext(base.param_ids, (None, (4,), (2,)), configs=base.configs))
+    assert uuid(base) != uuid(ZenFlowPassContext(base.param_ids, base.param_shapes,
+                                                 configs=((("topk_ratio", 0.2),),)))
+    # the pass travels to Inductor compile subprocesses by pickle, keeping its identity
+    graph_pass = zf_backend.ZenFlowGraphPass(base, debug_dir="somewhere")
+    assert pickle.loads(pickle.dumps(graph_pass)).uuid() == graph_pass.uuid()
+
+    import zenflow_compile.passes as passes_pkg
+    from pathlib import Path
+
+    sources = {p.resolve() for p in zf_backend._source_files()}
+    for path in Path(passes_pkg.__file__).resolve().parent.glob("*.py"):
+        assert path.resolve() in sources
+    import zenflow_compile.runtime.ops as ops
+
+    assert Path(ops.__file__).resolve() in sources
+
+
+def test_pass_context_maps_inputs_by_identity_and_rejects_unowned():
+    torch.manual_seed(0)
+    model, runtime = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), RecordingRuntime()
+    names = own(model, runtime)
+    model[1].bias.requires_grad_(False)
+    rec = capture(model, torch.randn(2, 3))
+    ctx = rec["ctx"]
+    named = {ctx.param_names[i]: pid for i, pid in enumerate(ctx.param_ids) if pid is not None}
+    assert named == {name: pid for pid, name in names.items()}
+    assert all(ctx.param_shapes[i] is not None for i, pid in enumerate(ctx.param_ids) if pid is not None)
+
+    stray = nn.Sequential(nn.Linear(3, 4))
+    with pytest.raises(Exception, match=r"parameter 0\.weight \(shape \(4, 3\).*no ZenFlowAdamW owns it"):
+        capture(stray, torch.randn(2, 3))

@@ -1,0 +1,250 @@
+"""The `zenflow` torch.compile backend: Inductor, with ZenFlow's rewrite of every backward graph.
+
+    model = torch.compile(model, backend="zenflow")                       # found via entry point
+    model = torch.compile(model, backend="zenflow", options={"topk_ratio": 0.05, "debug_dir": "zf"})
+
+How it works:
+- Dynamo hands the backend the graph and its example inputs (real tensors; with inlined nn.Modules, the
+  parameters are graph inputs). The backend maps each input that is a ZenFlow parameter to its integer id
+  (`registry.param_id`, by tensor identity) and records the ids by forward-input position in a
+  `ZenFlowPassContext`. A parameter that requires grad with no owning ZenFlowAdamW is an error here.
+- It then calls Inductor's `compile_fx` with our pass as `post_grad_custom_post_pass`. Inductor runs that
+  hook on the forward graph and on the (lazily compiled) backward graph; `compile_fx` re-applies its
+  `config_patches` around the backward compile, which a `with config.patch(...)` around this call would not.
+  The pass leaves forward and inference graphs untouched and rewrites backward graphs (`passes/`).
+- Caches: Inductor's FX-graph cache and AOTAutograd's cache both hash the pass's `uuid()`, which covers the
+  source of the pass modules, the owners' ZenFlow configs and the ids baked into the graph, so a cached
+  graph compiled without the passes or for other settings is never reused.
+
+Logs: `TORCH_LOGS="+zenflow_compile"` (human logs), `TORCH_LOGS="post_grad_graphs"` (rewritten graphs),
+`TORCH_TRACE=dir` + tlparse (graphs before/after, see `zenflow_compile.inspect`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.fx
+from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get_custom_graph_passes
+
+from zenflow_compile import inspect as zf_inspect
+from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
+from zenflow_compile.passes.context import ZenFlowPassContext
+from zenflow_compile.passes.find_param_grads import graph_outputs, is_backward_graph
+from zenflow_compile.passes.pipeline import rewrite_backward
+from zenflow_compile.runtime import registry
+
+__all__ = ["zenflow_backend", "ZenFlowGraphPass", "make_pass_context", "register", "BACKEND_NAME"]
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "zenflow"
+DEBUG_DIR_ENV = "ZENFLOW_DEBUG_DIR"
+_BACKEND_OPTIONS = ("debug_dir",)
+
+
+# ------------------------------------------------------------------------------------------------ the pass
+def _source_files() -> tuple[Path, ...]:
+    """The code that decides what a rewritten graph looks like."""
+    here = Path(__file__).resolve().parent
+    import zenflow_compile.passes as passes_pkg
+    import zenflow_compile.runtime.ops as ops_module
+
+    passes_dir = Path(passes_pkg.__file__).resolve().parent
+    return (Path(__file__).resolve(), here / "config.py", Path(ops_module.__file__).resolve(),
+            *sorted(passes_dir.glob("*.py")))
+
+
+_source_hash: Optional[str] = None
+
+
+def _pass_source_hash() -> str:
+    global _source_hash
+    if _source_hash is None:
+        hasher = hashlib.sha256()
+        for path in _source_files():
+            hasher.update(path.name.encode())
+            hasher.update(path.read_bytes())
+        _source_hash = hasher.hexdigest()
+    return _source_hash
+
+
+class ZenFlowGraphPass(CustomInferenceAwareGraphPass):
+    """Inductor post-grad hook: rewrite backward graphs, leave forward and inference graphs alone.
+
+    Picklable and self-contained (no live tensors), so it also works when Inductor compiles in a subprocess.
+    """
+
+    def __init__(self, ctx: ZenFlowPassContext, debug_dir: Optional[str] = None):
+        self.ctx = ctx
+        self.debug_dir = debug_dir
+
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool) -> None:
+        if is_inference or not is_backward_graph(graph):
+            return
+        if len(graph_outputs(graph)) != self.ctx.num_inputs:
+            # Not the top-level backward of our forward (e.g. a higher-order op's subgraph). Leaving it
+            # unchanged is safe: gradients it returns reach the runtime through the optimizer's hooks.
+            log.warning("ZenFlow: left a backward (sub)graph with %d outputs unchanged (forward has %d inputs)",
+                        len(graph_outputs(graph)), self.ctx.num_inputs)
+            return
+        before = zf_inspect.snapshot(graph)
+        grads = rewrite_backward(graph, self.ctx)
+        log.info("ZenFlow: rewrote a backward graph: %d parameter gradient(s) handed to the runtime",
+                 len(grads))
+        zf_inspect.record_backward(before, graph, self.ctx, grads, debug_dir=self.debug_dir)
+
+    def uuid(self) -> str:
+        hasher = hashlib.sha256()
+        hasher.update(_pass_source_hash().encode())
+        hasher.update(repr(self.ctx.cache_key()).encode())
+        return hasher.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- the backend
+def zenflow_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
+                    options: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None, **keys: Any):
+    """torch.compile backend. `options` (or keyword arguments) may hold ZenFlow config keys (checked
+    against the owning optimizer's config), `debug_dir`, and Inductor config keys (passed to Inductor)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    zenflow_keys, backend_opts, inductor_patches = _split_options({**(options or {}), **keys})
+    debug_dir = backend_opts.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
+    ctx = make_pass_context(gm, example_inputs, zenflow_keys)
+    graph_pass = ZenFlowGraphPass(ctx, debug_dir=debug_dir)
+    patches: dict[str, Any] = dict(torch._inductor.list_mode_options(mode)) if mode else {}
+    patches.update(inductor_patches)
+    # Keep any post-grad pass the user installed; ours runs last.
+    user_passes = get_custom_graph_passes(patches.get("post_grad_custom_post_pass",
+                                                      inductor_config.post_grad_custom_post_pass))
+    patches["post_grad_custom_post_pass"] = [*user_passes, graph_pass] if user_passes else graph_pass
+    log.debug("ZenFlow: compiling a graph with %d ZenFlow parameter input(s)",
+              sum(pid is not None for pid in ctx.param_ids))
+    return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _split_options(opts: Mapping[str, Any]) -> tuple[dict, dict, dict]:
+    from torch._inductor import config as inductor_config
+
+    inductor_keys = inductor_config.get_config_copy().keys()
+    zenflow, backend, inductor = {}, {}, {}
+    for key, value in opts.items():
+        if key in ZENFLOW_KEYS:
+            zenflow[key] = value
+        elif key in _BACKEND_OPTIONS:
+            backend[key] = value
+        elif key in inductor_keys:
+            inductor[key] = value
+        else:
+            raise ValueError(f"unknown option {key!r} for backend='zenflow': expected a ZenFlowConfig key "
+                             f"{list(ZENFLOW_KEYS)}, one of {list(_BACKEND_OPTIONS)}, or an Inductor config key")
+    return zenflow, backend, inductor
+
+
+def _forward_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[tuple[Any, str]]:
+    """The forward graph's inputs as AOTAutograd orders them (module params, buffers, then graph inputs),
+    each with a readable name."""
+    inputs = [(p, name) for name, p in gm.named_parameters(remove_duplicate=False)]
+    inputs += [(b, name) for name, b in gm.named_buffers(remove_duplicate=False)]
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    for i, value in enumerate(example_inputs):
+        node = placeholders[i] if i < len(placeholders) else None
+        inputs.append((value, _input_name(node) if node is not None else f"input {i}"))
+    return inputs
+
+
+def _input_name(node: torch.fx.Node) -> str:
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    if source is None:
+        return node.name
+    name = source.name if isinstance(source.name, str) else source.name()
+    # L['self']._modules['fc1']._parameters['weight'] -> fc1.weight (the module's own naming)
+    name = re.sub(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", r".\1", name)
+    name = re.sub(r"^L\['([^']*)'\]", r"\1", name)
+    return re.sub(r"^(?:self|fn)\.", "", name)
+
+
+def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                      zenflow_keys: Optional[Mapping[str, Any]] = None) -> ZenFlowPassContext:
+    """Map the forward inputs of a Dynamo graph to ZenFlow parameter ids (by tensor identity).
+
+    Raises ValueError for a trainable parameter no ZenFlowAdamW owns, and for `zenflow_keys` that are
+    invalid or differ from an owning optimizer's config.
+    """
+    zenflow_keys = zenflow_keys or {}
+    ids, shapes, names, owners = [], [], [], {}
+    for value, name in _forward_inputs(gm, example_inputs):
+        pid = registry.param_id(value) if isinstance(value, torch.Tensor) else None
+        if pid is None and _needs_owner(value):
+            raise ValueError(
+                f"backend='zenflow': parameter {name} (shape {tuple(value.shape)}, dtype {value.dtype}) "
+                "requires grad but no ZenFlowAdamW owns it. Fix: create "
+                "zenflow_compile.ZenFlowAdamW(model.parameters(), ...) covering every trainable parameter "
+                "before the first compiled call, or freeze it with requires_grad_(False).")
+        ids.append(pid)
+        shapes.append(tuple(value.shape) if pid is not None else None)
+        names.append(name)
+        if pid is not None:
+            runtime = registry.runtime_of(pid)
+            owners.setdefault(id(runtime), runtime)
+    configs = [_owner_config(runtime) for runtime in owners.values()]
+    _check_options(zenflow_keys, configs)
+    return ZenFlowPassContext(
+        param_ids=tuple(ids), param_shapes=tuple(shapes), param_names=tuple(names),
+        configs=tuple(tuple(sorted(cfg.to_dict().items())) for cfg in configs))
+
+
+def _needs_owner(value: Any) -> bool:
+    # Under no_grad no backward is built, so an un-owned parameter is harmless (e.g. eval-only compiles).
+    return (isinstance(value, torch.nn.Parameter) and value.requires_grad and torch.is_grad_enabled())
+
+
+def _owner_config(runtime: Any) -> ZenFlowConfig:
+    config = getattr(runtime, "config", None)
+    if not isinstance(config, ZenFlowConfig):
+        raise TypeError(f"ZenFlow runtime {type(runtime).__name__} has no ZenFlowConfig `.config`")
+    return config
+
+
+def _check_options(zenflow_keys: Mapping[str, Any], configs: Sequence[ZenFlowConfig]) -> None:
+    """Backend options may restate ZenFlow keys; they must be valid and agree with every owner."""
+    if not zenflow_keys:
+        return
+    if not configs:
+        ZenFlowConfig.from_dict(zenflow_keys)  # still validate
+        return
+    for config in configs:
+        merged = ZenFlowConfig.from_dict({**config.to_dict(), **zenflow_keys})
+        for key in zenflow_keys:
+            if getattr(merged, key) != getattr(config, key):
+                raise ValueError(
+                    f"backend='zenflow' option {key}={zenflow_keys[key]!r} differs from the owning "
+                    f"ZenFlowAdamW's config ({key}={getattr(config, key)!r}); the optimizer's config is the "
+                    f"one the runtime uses: set {key} on ZenFlowAdamW(...) or drop it from the options")
+
+
+# ------------------------------------------------------------------------------------------ registration
+def register() -> None:
+    """Register the backend under its name; safe to call any number of times.
+
+    When the package is installed, torch also finds it through the `torch_dynamo_backends` entry point; if
+    torch has discovered that entry point but not loaded it yet, it is loading us right now (or will on
+    the next lookup) and registers the backend itself, so registering here would be a duplicate.
+    """
+    from torch._dynamo.backends import registry as dynamo_registry
+
+    if BACKEND_NAME in dynamo_registry._COMPILER_FNS:
+        return
+    if dynamo_registry._BACKENDS.get(BACKEND_NAME) is not None:
+        return
+    dynamo_registry.register_backend(zenflow_backend, name=BACKEND_NAME)
+
+
+register()
