@@ -7,7 +7,7 @@ ZenFlowAdamW eager or compiled), so every test file can reuse them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn

@@ -12,10 +12,10 @@ the optimizer alone, fed through the rewritten graph on one side and through `.g
 
 import pytest
 import torch
-from torch import nn
 
 import zenflow_compile
 import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow" without the installed entry point)
+from helpers import tiny_model
 from zenflow_compile.reference import ZenFlowReference
 
 ATOL, RTOL = 1e-6, 1e-5
@@ -30,21 +30,8 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(32, 16)
-        self.fc1 = nn.Linear(16, 24)
-        self.norm = nn.LayerNorm(24)
-        self.fc2 = nn.Linear(24, 16)
-
-    def forward(self, x):
-        return self.fc2(self.norm(torch.tanh(self.fc1(self.emb(x)))))
-
-
 def make_model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return Tiny().to(dtype)
+    return tiny_model(dtype)
 
 
 def batch(i, dtype):

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from zenflow_compile.config import ZenFlowConfig
+from helpers import tiny_model
 from zenflow_compile.reference import ZenFlowReference
 
 # Invariants 1 and 2 compare against torch.optim.AdamW with atol 1e-6, rtol 1e-5 (params are O(0.1..1)).
@@ -20,21 +21,8 @@ ATOL, RTOL = 1e-6, 1e-5
 LR = 1e-2
 
 
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(32, 16)
-        self.fc1 = nn.Linear(16, 24)
-        self.norm = nn.LayerNorm(24)
-        self.fc2 = nn.Linear(24, 16)
-
-    def forward(self, x):
-        return self.fc2(self.norm(torch.tanh(self.fc1(self.emb(x)))))
-
-
 def make_model(dtype=torch.float32):
-    torch.manual_seed(0)
-    return Tiny().to(dtype)
+    return tiny_model(dtype)
 
 
 def batch(i, dtype=torch.float32):

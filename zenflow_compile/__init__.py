@@ -4,7 +4,7 @@
     model = torch.compile(model, backend="zenflow")
 """
 
-from zenflow_compile import backend  # registers the "zenflow" backend (idempotent with the entry point)
+from zenflow_compile import backend  # noqa: F401  registers the "zenflow" backend (idempotent with the entry point)
 from zenflow_compile.config import ZenFlowConfig
 from zenflow_compile.optimizer import ZenFlowAdamW
 
