@@ -246,9 +246,9 @@ class MatrixState:
             return 0
         # Gather + transpose on the device: one contiguous row per column, a single contiguous copy down.
         rest = g.t().index_select(0, self.host_columns_on_device)
-        if first:
+        if first:  # (also forgets the extras of a step that was discarded or skipped)
             target = self.host_grads[grad_slot]
-            self.offload_done[grad_slot] = []
+            self.offload_done[grad_slot], self.extra_grads[grad_slot] = [], []
         else:  # summed on the host at step(); a fresh (cached) pinned buffer per extra backward
             target = torch.empty(rest.shape, dtype=rest.dtype, pin_memory=self.pin)
             self.extra_grads[grad_slot].append(target)

@@ -129,3 +129,32 @@ def test_cuda_copies_are_ordered_by_events(monkeypatch):
     monkeypatch.setattr(transfers.Transfers, "to_device", delayed_to_device)
     for name in ("overlap-off", "overlap-on"):
         assert_matches_reference(*run_pair(CONFIGS[name], device="cuda", steps=8), torch.float32)
+
+
+@pytest.mark.parametrize("discard", ["nan-step", "zero_grad"])
+def test_a_discarded_accumulation_step_leaves_no_trace(discard):
+    """Two backwards, then the step is skipped (NaN) or the grads are zeroed: nothing of them may leak into
+    the next step (the second backward's offload lives in an extra host buffer until step())."""
+    config = CONFIGS["overlap-on"]
+    model, ref_model = tiny_model(), tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **config)
+    ref = ZenFlowReference(ref_model.parameters(), lr=1e-2, **config)
+    batches = make_batches(15)
+    for m, o in ((model, opt), (ref_model, ref)):
+        train_steps(m, o, batches[:4])  # past the first selection: the offload path is in use
+        for i in (4, 5):
+            (m(batches[i][0]).float() - batches[i][1]).square().mean().backward()
+        if discard == "nan-step":
+            if o is ref:
+                m.fc1.weight.grad[0, 0] = float("nan")
+                o.step()
+            else:  # ZenFlow's grads are in the runtime: poison the next backward instead
+                (m(batches[6][0]).float().sum() * float("nan")).backward()
+                o.step()
+            assert o.stats()["skipped_steps"] == 1
+        o.zero_grad()
+    log = train_steps(model, opt, batches[7:15], backwards_per_step=2)
+    ref_log = train_steps(ref_model, ref, batches[7:15], backwards_per_step=2)
+    opt.synchronize()
+    ref.synchronize()
+    assert_matches_reference(opt, ref, log, ref_log, model, ref_model, torch.float32)
