@@ -211,6 +211,7 @@ class MatrixState:
         step_grad = None
         if grad_slot is not None:
             self.fold_extra_grads(grad_slot)
+            wait_events(self.offload_done[grad_slot])  # the first backward's copy may still be in flight
             step_grad = torch.empty(R, C, dtype=self.param.dtype)
             step_grad[:, self.selected] = self.dev_grad.cpu()
             step_grad[:, self.host_columns] = self.host_grads[grad_slot].t()
