@@ -97,8 +97,9 @@ class ZenFlowRuntime:
         self._check_failure()
         cfg, t = self.config, self.step_count
         stepped = [s for s in self.states.values() if s.num_grads]
-        sumsq = torch.stack([s.step_sumsq(self.grad_slot) for s in stepped]).sum() if stepped else None
-        norm = math.sqrt(float(sumsq)) if sumsq is not None else 0.0  # the step's one host sync
+        # One reduction over every score (O(1) launches), one scalar read: the step's host sync.
+        sumsq = torch.cat([s.step_scores(self.grad_slot) for s in stepped]).sum() if stepped else None
+        norm = math.sqrt(float(sumsq)) if sumsq is not None else 0.0
         if not math.isfinite(norm):
             self.counters["skipped_steps"] += 1
             self.discard_step_grads()

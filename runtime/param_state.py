@@ -87,10 +87,11 @@ class VectorState:
         self.num_grads += 1
         return 0
 
-    def step_sumsq(self, grad_slot: int) -> torch.Tensor:
+    def step_scores(self, grad_slot: int) -> torch.Tensor:
+        """This step's squared norm ([1]); exact when several backwards were summed."""
         if self.num_grads > 1:  # the sum of squares of a sum needs the summed gradient
             self.score.copy_(self.grad.float().pow(2).sum().reshape(1))
-        return self.score.sum()
+        return self.score
 
     def device_update(self) -> Optional[DeviceUpdate]:
         return DeviceUpdate(self.grad, self.master, self.exp_avg, self.exp_avg_sq, self.step,
@@ -265,8 +266,8 @@ class MatrixState:
             self.extra_grads[grad_slot] = []
             self.offload_done[grad_slot] = []
 
-    def step_sumsq(self, grad_slot: int) -> torch.Tensor:
-        """Sum of squares of this step's gradient; makes `scores` exact when several backwards summed."""
+    def step_scores(self, grad_slot: int) -> torch.Tensor:
+        """This step's column scores ([C]); recomputed exactly when several backwards were summed."""
         if self.num_grads > 1:
             self.fold_extra_grads(grad_slot)
             exact = torch.empty(self.cols, device=self.device)
@@ -274,7 +275,7 @@ class MatrixState:
             host_scores = self.host_grads[grad_slot].float().pow(2).sum(1)
             exact[self.host_columns_on_device] = host_scores.to(self.device)
             self.scores.copy_(exact)
-        return self.scores.sum()
+        return self.scores
 
     def device_update(self) -> Optional[DeviceUpdate]:
         if not self.num_selected:
