@@ -320,7 +320,7 @@ class ZenFlowRuntime:
     def export_state(self, pid: int) -> dict:
         """Checkpoint entry of one parameter (call after `quiesce`): canonical layout, host tensors."""
         state = self.states[pid]
-        canonical = state.canonical()[0] if state.is_matrix else state.canonical()
+        canonical = state.canonical()
         entry = dict(master=canonical.master, exp_avg=canonical.exp_avg, exp_avg_sq=canonical.exp_avg_sq,
                      step=canonical.step)
         if state.is_matrix:
@@ -340,7 +340,7 @@ class ZenFlowRuntime:
         if not state.is_matrix:
             state.load_canonical(canonical)
             return
-        state._distribute(entry["selected"].nonzero().flatten(), canonical)
+        state.load_canonical(canonical, entry["selected"].nonzero().flatten())
         state.accumulators[0].copy_(entry["accumulator"][:, state.host_columns].t())
         state.sum_selected_score, state.sum_unselected_score = entry["zen_auto"].tolist()
         state.steps_accumulated = int(entry["steps_accumulated"])

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
+
 from zenflow_compile.triton_kernels import adamw_selected_columns_, column_sq_norms, merge_host_columns_
 
 if TYPE_CHECKING:

@@ -197,8 +197,8 @@ class MatrixState:
             start += length
         return runs
 
-    def canonical(self, grad_slot: Optional[int] = None) -> tuple[CanonicalState, Optional[torch.Tensor]]:
-        """The whole state in [R, C] layout on the host, plus this step's gradient if `grad_slot` is given."""
+    def canonical(self) -> CanonicalState:
+        """The whole state in [R, C] layout on the host."""
         R, C = self.rows, self.cols
         state = CanonicalState(*(torch.empty(R, C) for _ in range(3)), torch.empty(C))
         for full, dev, host in ((state.master, self.dev_master, self.host_master),
@@ -209,14 +209,20 @@ class MatrixState:
         state.step[self.selected] = self.dev_step.cpu()
         for start, end, count in self.host_runs:
             state.step[self.host_columns[start:end]] = count
-        step_grad = None
-        if grad_slot is not None:
-            self.fold_extra_grads(grad_slot)
-            wait_events(self.offload_done[grad_slot])  # the first backward's copy may still be in flight
-            step_grad = torch.empty(R, C, dtype=self.param.dtype)
-            step_grad[:, self.selected] = self.dev_grad.cpu()
-            step_grad[:, self.host_columns] = self.host_grads[grad_slot].t()
-        return state, step_grad
+        return state
+
+    def load_canonical(self, state: CanonicalState, selected: torch.Tensor) -> None:
+        """Lay a checkpointed state out for selection `selected` (accumulators empty)."""
+        self._distribute(selected, state)
+
+    def _step_grad(self, grad_slot: int) -> torch.Tensor:
+        """This step's gradient in [R, C] layout on the host (waits for its offload)."""
+        self.fold_extra_grads(grad_slot)
+        wait_events(self.offload_done[grad_slot])  # the first backward's copy may still be in flight
+        step_grad = torch.empty(self.rows, self.cols, dtype=self.param.dtype)
+        step_grad[:, self.selected] = self.dev_grad.cpu()
+        step_grad[:, self.host_columns] = self.host_grads[grad_slot].t()
+        return step_grad
 
     def select(self, selected: torch.Tensor, grad_slot: Optional[int] = None) -> int:
         """Make `selected` the device-resident columns, moving state (and this step's grad if `grad_slot`).
@@ -225,8 +231,8 @@ class MatrixState:
         boundary, and before the first selection).
         """
         moved = selected.numel() + self.num_selected - 2 * int(torch.isin(selected, self.selected).sum())
-        state, step_grad = self.canonical(grad_slot)
-        self._distribute(selected, state, step_grad)
+        step_grad = self._step_grad(grad_slot) if grad_slot is not None else None
+        self._distribute(selected, self.canonical(), step_grad)
         return moved
 
     # -- one step -----------------------------------------------------------------------------------------

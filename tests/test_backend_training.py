@@ -15,7 +15,7 @@ import torch
 
 import zenflow_compile
 import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow" without the installed entry point)
-from helpers import tiny_model
+from helpers import tiny_model as make_model
 from zenflow_compile.reference import ZenFlowReference
 
 ATOL, RTOL = 1e-6, 1e-5
@@ -28,10 +28,6 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def make_model(dtype=torch.float32):
-    return tiny_model(dtype)
 
 
 def batch(i, dtype):

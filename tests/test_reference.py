@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from zenflow_compile.config import ZenFlowConfig
-from helpers import tiny_model
+from helpers import tiny_model as make_model
 from zenflow_compile.reference import ZenFlowReference
 
 # Invariants 1 and 2 compare against torch.optim.AdamW with atol 1e-6, rtol 1e-5 (params are O(0.1..1)).
@@ -19,10 +19,6 @@ from zenflow_compile.reference import ZenFlowReference
 # norms (an ulp on coef). Over 8 steps such ulps stay orders of magnitude below 1e-6.
 ATOL, RTOL = 1e-6, 1e-5
 LR = 1e-2
-
-
-def make_model(dtype=torch.float32):
-    return tiny_model(dtype)
 
 
 def batch(i, dtype=torch.float32):
