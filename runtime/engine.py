@@ -46,8 +46,8 @@ class ZenFlowRuntime:
         self.update_pending = False  # overlap: a launched CPU update not yet applied to the device
         self.grad_slot = 0  # which host-gradient buffer this step's backward fills
         self.acc_slot = 0  # which accumulator this interval fills
-        self.accumulate_worker = CpuWorker("accumulate")
-        self.update_worker = CpuWorker("update")
+        self.accumulate_worker = CpuWorker("accumulate", pt_reserved_cores_perc=config.pt_reserved_cores_perc)
+        self.update_worker = CpuWorker("update", pt_reserved_cores_perc=config.pt_reserved_cores_perc)
         self._accumulate_done: list[Optional[Future]] = [None, None]
         self._last_accumulate: Optional[Future] = None
         self._update_future: Optional[Future] = None

@@ -5,30 +5,55 @@ one that runs the CPU AdamW at update boundaries, so a long update never delays 
 accumulation. A task that raises leaves its exception in its Future; the runtime checks at every step and
 re-raises it in the training thread. Threads are daemonic-by-executor and tasks are finite, so interpreter
 exit never hangs.
+
+Core reservation (`pt_reserved_cores_perc`, see cpu_affinity.py): the worker thread is pinned to the cores
+left after the training thread's reserve and runs its torch ops with that many threads; the training
+thread is not touched.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
+
+from zenflow_compile.runtime import cpu_affinity
 
 
 class CpuWorker:
-    def __init__(self, name: str):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zenflow-{name}")
+    def __init__(self, name: str, pt_reserved_cores_perc: Optional[float] = None):
+        """`pt_reserved_cores_perc`: fraction of this thread's cores kept for training (None: no pinning)."""
+        self.name = name
+        self.cores: Optional[cpu_affinity.CoreSplit] = None
+        self.placement: Optional[cpu_affinity.ThreadPlacement] = None  # set once the thread has started
+        initializer = None
+        if pt_reserved_cores_perc is not None:
+            self.cores = cpu_affinity.worker_split(pt_reserved_cores_perc)
+            if self.cores.isolated:
+                initializer = self._pin
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zenflow-{name}",
+                                            initializer=initializer)
         self._futures: list[Future] = []
         self.busy_seconds = 0.0
 
-    def submit(self, task: Callable[[], None], after: Optional[Future] = None) -> Future:
-        """Run `task` on the worker thread, once `after` (a future of another worker) has finished."""
+    def _pin(self) -> None:
+        """Runs first on the worker thread (a failure here would break the executor: pinning never raises)."""
+        cores = self.cores.workers
+        self.placement = cpu_affinity.pin_current_thread(cores, num_threads=len(cores))
+        cpu_affinity.warn_if_incomplete(self.placement, self.name)
+
+    def submit(self, task: Callable[[], Any], after: Optional[Future] = None) -> Future:
+        """Run `task` on the worker thread, once `after` (a future of another worker) has finished; the
+        future holds what the task returns."""
 
         def run():
             if after is not None:
                 after.result()  # re-raises the upstream failure here too
             start = time.perf_counter()
-            task()
-            self.busy_seconds += time.perf_counter() - start
+            try:
+                return task()
+            finally:
+                self.busy_seconds += time.perf_counter() - start
 
         future = self._executor.submit(run)
         self._futures.append(future)

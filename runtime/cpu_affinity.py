@@ -1,0 +1,144 @@
+"""Core reservation: keep the host workers off the cores the training thread needs (`pt_reserved_cores_perc`).
+
+Same meaning as DeepSpeed ZenFlow (`deepspeed/runtime/zenflow/zenflow_utils.py::_split_affinity`): of the
+cores this process may run on, the first ceil(perc * n) are reserved for PyTorch's training thread and the
+rest go to the optimizer's host work; when the reserve rounds to no core or to every core there is nothing
+to isolate and both sides share all cores. (DeepSpeed moves its CPU Adam into a separate process and
+re-pins the training process; here the workers are threads, so only the worker threads are pinned and the
+training thread, its intra-op pool and any other thread keep their affinity and thread count.)
+
+How a worker thread is pinned, and why it is per thread (Linux, torch's OpenMP backend):
+- `os.sched_setaffinity(0, cores)` binds the *calling thread* (Linux affinity is per task). OpenMP threads
+  that thread later creates for its own parallel regions inherit its mask, so the worker's whole intra-op
+  team stays on the worker cores.
+- `torch.set_num_threads` is not per thread: it also stores a process-wide value that every thread reads
+  when it first runs a parallel op, so calling it in a worker would silently change the thread count of
+  threads started later. OpenMP's thread count (`omp_set_num_threads`) is a per-thread setting, which torch
+  reads back (`torch.get_num_threads()` is `omp_get_max_threads()` of the calling thread), so it is set
+  there, in the OpenMP runtime torch loaded, after torch's per-thread lazy initialisation (which would
+  otherwise overwrite it on the thread's first parallel op).
+Pinning is best effort: where a step is not possible (no sched_setaffinity, a non-OpenMP torch build) the
+worker runs unpinned or with the default thread count, and `ThreadPlacement` says what was applied.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import os
+import warnings
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Optional, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class CoreSplit:
+    """Which cores the training thread keeps and which the host workers may use."""
+
+    training: tuple[int, ...]
+    workers: tuple[int, ...]
+
+    @property
+    def isolated(self) -> bool:
+        """True when the workers are kept off the training cores (False: both share every core)."""
+        return not set(self.training) & set(self.workers)
+
+
+@dataclass(frozen=True)
+class ThreadPlacement:
+    """What `pin_current_thread` applied to the calling thread (None: left as it was)."""
+
+    cores: Optional[tuple[int, ...]]
+    num_threads: Optional[int]
+    notes: tuple[str, ...] = ()
+
+
+def available_cores() -> tuple[int, ...]:
+    """The cores the calling thread may run on (its affinity), or all logical cores where that is unknown."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
+
+
+def split_cores(cores: Sequence[int], pt_reserved_cores_perc: float) -> CoreSplit:
+    """Reserve the first ceil(perc * n) of `cores` for training, the rest for the workers (DeepSpeed's rule).
+
+    The product is taken as the exact decimal (0.3 of 10 cores reserves 3, not the 4 that float rounding of
+    0.3 * 10 would give), like the top-k count of SPEC §3.
+    """
+    if not 0.0 <= pt_reserved_cores_perc <= 1.0:
+        raise ValueError(f"pt_reserved_cores_perc={pt_reserved_cores_perc!r} is outside [0, 1]: pass the fraction "
+                         "of cores reserved for the training thread, e.g. 0.5")
+    cores = tuple(sorted(cores))
+    if not cores:
+        raise ValueError("split_cores needs at least one core")
+    reserved = math.ceil(Fraction(str(pt_reserved_cores_perc)) * len(cores))
+    if 0 < reserved < len(cores):
+        return CoreSplit(training=cores[:reserved], workers=cores[reserved:])
+    return CoreSplit(training=cores, workers=cores)
+
+
+def worker_split(pt_reserved_cores_perc: float) -> CoreSplit:
+    """The split of the calling (training) thread's cores: what the runtime's workers are pinned to."""
+    return split_cores(available_cores(), pt_reserved_cores_perc)
+
+
+def _openmp_runtime() -> Optional[ctypes.CDLL]:
+    """The OpenMP runtime torch loaded (libgomp, libiomp5 or libomp), found among the mapped libraries."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        name = os.path.basename(path)
+        if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name:
+            try:
+                library = ctypes.CDLL(path)
+                library.omp_set_num_threads.argtypes = [ctypes.c_int]
+                return library
+            except (OSError, AttributeError):
+                continue
+    return None
+
+
+def pin_current_thread(cores: Sequence[int], num_threads: int) -> ThreadPlacement:
+    """Bind the calling thread to `cores` and make its torch ops use `num_threads` threads (this thread only).
+
+    Call it first thing on a fresh thread (before it runs any parallel torch op, so its OpenMP team is
+    created with the new mask). Never raises: what could not be applied is reported in the notes.
+    """
+    notes = []
+    applied_cores: Optional[tuple[int, ...]] = None
+    if hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, set(cores))
+            applied_cores = tuple(sorted(os.sched_getaffinity(0)))
+        except OSError as error:
+            notes.append(f"affinity not set ({error})")
+    else:
+        notes.append("affinity not set: os.sched_setaffinity is not available on this platform")
+
+    applied_threads: Optional[int] = None
+    torch.get_num_threads()  # torch's per-thread lazy init first: it would reset the count set below
+    if "OpenMP" in torch.__config__.parallel_info():
+        runtime = _openmp_runtime()
+        if runtime is not None:
+            runtime.omp_set_num_threads(int(num_threads))
+            applied_threads = torch.get_num_threads()
+            if applied_threads != num_threads:
+                notes.append(f"asked for {num_threads} intra-op threads, torch reports {applied_threads}")
+        else:
+            notes.append("thread count not set: torch's OpenMP runtime was not found among the loaded libraries")
+    else:
+        notes.append("thread count not set: torch's parallel backend is not OpenMP (its count is process-wide)")
+    return ThreadPlacement(cores=applied_cores, num_threads=applied_threads, notes=tuple(notes))
+
+
+def warn_if_incomplete(placement: ThreadPlacement, name: str) -> None:
+    if placement.notes:
+        warnings.warn(f"ZenFlow {name} worker: core reservation only partly applied: {'; '.join(placement.notes)}",
+                      RuntimeWarning, stacklevel=2)
