@@ -1,7 +1,7 @@
 """Benchmark compiled ZenFlow against its anchors, side by side, on one model, batch and sequence length.
 
     python benchmarks/bench_offload.py --model 1b --batch 8 --seq 1024 --steps 30 --warmup 5 --out results.json
-    python benchmarks/bench_offload.py --smoke --out smoke.json          # tiny model, CPU, under a minute (warm caches)
+    python benchmarks/bench_offload.py --smoke --out smoke.json          # tiny model, CPU: checks the harness
 
 Systems (each in its own fresh subprocess: clean memory, clean Dynamo state; see systems.py):
   adamw       the speed limit: torch.compile (Inductor) + GPU-resident torch.optim.AdamW(fused=True)
@@ -14,12 +14,19 @@ Per system: median (and mean) step time, ratio to the speed limit, GPU idle (sta
 memory, host<->device bytes per step as a multiple of the model size, CPU update time. A system that fails,
 crashes or times out is a row with its reason, never a crash of the benchmark. Output: a table on stdout,
 JSON (--out) and a PNG chart (--chart; needs matplotlib, skipped with a message otherwise).
+
+Fair by construction: one system at a time (--jobs N runs N at once, CPU only, each on its own disjoint set
+of cores), every system pinned to its cores with a stated number of intra-op threads (table and JSON), the
+fused AdamW kernel for the baseline wherever torch has it (CUDA and CPU), the measured window made of whole
+update intervals and closed only after the last in-flight CPU update is applied, and a PASS/FAIL verdict
+against the issue's targets only on a GPU (they are GPU targets; a CPU run prints its figures, labelled CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import signal
@@ -41,7 +48,7 @@ TARGET_SPEEDUP_OVER_ZERO_OFFLOAD = 3.0
 TARGET_STALL_FRACTION = 0.05
 
 SMOKE_DEFAULTS = dict(model="smoke", batch=2, seq=64, steps=4, warmup=2, zenflow_settings="0.1:2",
-                      jobs=2, system_timeout=90.0, time_budget=100.0)
+                      jobs=1, system_timeout=90.0, time_budget=150.0)
 FULL_DEFAULTS = dict(model="1b", batch=8, seq=1024, steps=30, warmup=5, zenflow_settings="0.05:4,0.1:4,0.05:8",
                      jobs=1, system_timeout=1800.0, time_budget=0.0)
 
@@ -76,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--smoke", action="store_true",
-                   help="tiny model, few steps, all systems, 2 at a time: checks the harness on a CPU in < 1 min "
-                        "(once Inductor's and DeepSpeed's JIT caches are warm)")
+                   help="tiny model, few steps, all systems one at a time: checks the harness on a CPU (about a "
+                        "minute once Inductor's cache is warm; DeepSpeed rows fail fast until its ops are built)")
     p.add_argument("--model", choices=["smoke", "125m", "350m", "1b", "3b"], help="model preset (default 1b)")
     p.add_argument("--batch", type=int, help="micro-batch size (default 8)")
     p.add_argument("--seq", type=int, help="sequence length (default 1024)")
@@ -95,12 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--systems", default=",".join(KINDS),
                    help=f"comma-separated subset of {','.join(KINDS)} (default all)")
-    p.add_argument("--jobs", type=int, help="systems run at once (default 1; --smoke: 2). >1 only without CUDA")
+    p.add_argument("--jobs", type=int,
+                   help="systems run at once (default 1). >1 only without CUDA: each concurrent lane gets its own "
+                        "disjoint share of the cores")
+    p.add_argument("--threads", type=int,
+                   help="intra-op threads per system (default: the number of cores of its share)")
     p.add_argument("--system-timeout", type=float,
-                   help="seconds before a system is killed and recorded as timed out (default 1800; --smoke: 100)")
+                   help="seconds before a system is killed and recorded as timed out (default 1800; --smoke: 90)")
     p.add_argument("--time-budget", type=float,
                    help="seconds for all systems together: a system is not started after it is spent and a "
-                        "running one is stopped at it (default 0 = none; --smoke: 100)")
+                        "running one is stopped at it (default 0 = none; --smoke: 150)")
     p.add_argument("--build-deepspeed-ops", action="store_true",
                    help="JIT-build DeepSpeed's cpu_adam (and on CPU shm_comm) op once, then exit; --smoke never "
                         "builds them (a system whose op is not built fails fast with that reason)")
@@ -125,8 +136,10 @@ def resolve_args(argv=None) -> argparse.Namespace:
     unknown = sorted(set(args.kinds) - set(KINDS))
     if unknown:
         parser.error(f"unknown --systems {unknown}: expected a subset of {list(KINDS)}")
-    if args.steps < 1 or args.warmup < 0 or args.jobs < 1:
-        parser.error("--steps must be >= 1, --warmup >= 0, --jobs >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.jobs < 1 or (args.threads is not None and args.threads < 1):
+        parser.error("--steps must be >= 1, --warmup >= 0, --jobs >= 1, --threads >= 1")
+    args.requested_steps, args.requested_warmup = args.steps, args.warmup
+    args.warmup, args.steps = whole_intervals(args)
     if args.chart is None:
         args.chart = str(Path(args.out).with_suffix(".png"))
     return args
@@ -141,12 +154,47 @@ def _fmt_interval(interval) -> str:
     return str(interval)
 
 
+def whole_intervals(args) -> tuple[int, int]:
+    """(warmup, steps) so that the measured window is whole update intervals for every int interval planned:
+    it opens right after an update boundary (warm-up ends on one) and closes on one. Only grows the counts."""
+    period = 1
+    if any(k in args.kinds for k in ("zenflow", "ds_zenflow")):
+        for _, interval in args.settings:
+            if isinstance(interval, int):
+                period = math.lcm(period, interval)
+    first = args.full_warm_up_rounds  # boundaries fall after steps W + S - 1, W + 2S - 1, ...
+    warmup = max(args.warmup, first)
+    warmup = first + math.ceil((warmup - first) / period) * period
+    steps = math.ceil(args.steps / period) * period
+    return warmup, steps
+
+
+def available_cores() -> list[int]:
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def core_shares(cores: list[int], jobs: int) -> list[list[int]]:
+    """Disjoint, contiguous, near-equal shares of `cores`, one per concurrent lane."""
+    if jobs > len(cores):
+        raise ValueError(f"--jobs {jobs} needs at least {jobs} cores (one per concurrent system); this process may "
+                         f"use {len(cores)}: {cores}. Use --jobs {len(cores)} or fewer.")
+    size, extra = divmod(len(cores), jobs)
+    shares, start = [], 0
+    for lane in range(jobs):
+        end = start + size + (lane < extra)
+        shares.append(cores[start:end])
+        start = end
+    return shares
+
+
 def plan_systems(args) -> list[dict]:
     """One spec per row, in run order: the speed limit first (it also warms Inductor's kernel cache for the
     compiled ZenFlow runs), then compiled ZenFlow, then the DeepSpeed systems."""
     common = dict(model=args.model, batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup,
                   lr=args.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=args.weight_decay, seed=0,
-                  require_built_ds_ops=bool(args.smoke))
+                  require_built_ds_ops=bool(args.smoke), cores=None, threads=args.threads)
 
     def zenflow_block(ratio, interval, overlap):
         return dict(topk_ratio=ratio, update_interval=interval, overlap_step=overlap,
@@ -222,7 +270,8 @@ def run_system(spec: dict, log_dir: Path, timeout: float, limit: str = "--system
                 pass
             proc.wait()
     wall = time.perf_counter() - started
-    row = dict(name=spec["name"], kind=spec["kind"], settings=spec.get("zenflow"), log=str(log_path))
+    row = dict(name=spec["name"], kind=spec["kind"], settings=spec.get("zenflow"), log=str(log_path),
+               threads=spec.get("threads"), cores=spec.get("cores"))
     if result_path.exists():
         try:
             row.update(json.loads(result_path.read_text()))
@@ -269,10 +318,6 @@ def run_all(specs: list[dict], args, log_dir: Path, progress) -> list[dict]:
             progress(results[i])
         return [results[i] for i in range(len(specs))]
 
-    lanes: dict[str, list[int]] = {}
-    for i, spec in enumerate(specs):
-        lanes.setdefault(spec["lane"], []).append(i)
-    queues = list(lanes.values())
     lock = threading.Lock()
 
     def work(indices):
@@ -282,16 +327,35 @@ def run_all(specs: list[dict], args, log_dir: Path, progress) -> list[dict]:
                 results[i] = row
                 progress(row)
 
-    # at most `jobs` lanes at once; extra lanes are appended to the shortest ones
-    groups = [[] for _ in range(min(args.jobs, len(queues)))]
-    for queue in sorted(queues, key=len, reverse=True):
-        min(groups, key=len).extend(queue)
+    groups = lane_groups(specs, args.jobs)
     threads = [threading.Thread(target=work, args=(g,), daemon=True) for g in groups]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     return [results[i] for i in range(len(specs))]
+
+
+def lane_groups(specs: list[dict], jobs: int) -> list[list[int]]:
+    """Spec indices per concurrent lane: lanes (compiled systems, DeepSpeed systems) stay in order (the compiled
+    systems share one warm Inductor cache); at most `jobs` groups, extra lanes appended to the shortest."""
+    lanes: dict[str, list[int]] = {}
+    for i, spec in enumerate(specs):
+        lanes.setdefault(spec["lane"], []).append(i)
+    groups = [[] for _ in range(min(jobs, len(lanes)))]
+    for queue in sorted(lanes.values(), key=len, reverse=True):
+        min(groups, key=len).extend(queue)
+    return groups
+
+
+def assign_cores(specs: list[dict], args, cores: list[int]) -> None:
+    """Pin every system: one at a time, each gets every core; with --jobs N, each concurrent lane gets its own
+    disjoint share. Threads per system: --threads, else the size of its share."""
+    groups = lane_groups(specs, args.jobs) if args.jobs > 1 else [list(range(len(specs)))]
+    for group, share in zip(groups, core_shares(cores, len(groups))):
+        for i in group:
+            specs[i]["cores"] = share
+            specs[i]["threads"] = args.threads or len(share)
 
 
 # ------------------------------------------------------------------------------------------ environment
@@ -315,7 +379,8 @@ def environment() -> dict:
     else:
         device = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} logical cores), no CUDA"
     return dict(device=device, cuda=cuda, cuda_version=torch.version.cuda, python=platform.python_version(),
-                versions=versions, hostname=platform.node(), cpu_count=os.cpu_count())
+                versions=versions, hostname=platform.node(), cpu_count=os.cpu_count(),
+                usable_cores=available_cores())
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -324,8 +389,9 @@ def _num(row: dict, key: str) -> Optional[float]:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def analyse(rows: list[dict]) -> None:
-    """Ratios to the speed limit and the issue's targets, per ZenFlow row (in place)."""
+def analyse(rows: list[dict], on_gpu: bool) -> None:
+    """Ratios to the speed limit and the issue's targets, per ZenFlow row (in place). The targets are GPU
+    targets: on a CPU run their values are still computed, but not judged (passed is None, judged False)."""
     limit = next((r for r in rows if r["kind"] == "adamw" and r["status"] == "ok"), None)
     offload = next((r for r in rows if r["kind"] == "ds_offload" and r["status"] == "ok"), None)
     for row in rows:
@@ -346,7 +412,9 @@ def analyse(rows: list[dict]) -> None:
         ok = row["status"] == "ok"
 
         def check(name, value, passed, detail):
-            targets[name] = dict(value=value, passed=passed, detail=detail)
+            if not on_gpu:
+                passed, detail = None, f"not judged: CPU run (a GPU target). {detail}"
+            targets[name] = dict(value=value, passed=passed, detail=detail, judged=on_gpu)
 
         settings = row.get("settings") or {}
         # Step-time targets are judged on the MEAN step time: it amortises the update-boundary steps, which
@@ -399,14 +467,24 @@ def _analytic(row: dict) -> bool:
     return row.get("traffic_multiple") is not None and str(row.get("traffic_method", "")).startswith("analytic")
 
 
-def format_table(rows: list[dict]) -> str:
-    header = ["system", "status", "median ms", "mean ms", "x limit", "stall %", "peak GB", "traffic x",
+def _threads(row: dict) -> str:
+    """'2@0-1': intra-op threads @ the cores the system was pinned to."""
+    cores = row.get("cores") or []
+    if not cores:
+        return _f(row.get("threads"), "d")
+    span = f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1)) and len(cores) > 1 \
+        else ",".join(map(str, cores))
+    return f"{_f(row.get('threads'), 'd')}@{span}"
+
+
+def format_table(rows: list[dict], on_gpu: bool = True) -> str:
+    header = ["system", "status", "threads", "median ms", "mean ms", "x limit", "stall %", "peak GB", "traffic x",
               "cpu upd ms/step"]
     lines = []
     for r in rows:
         ok = r["status"] == "ok"
         lines.append([
-            r["name"], "ok" if ok else "FAILED",
+            r["name"], "ok" if ok else "FAILED", _threads(r),
             _ms(r.get("median_step_s")), _ms(r.get("mean_step_s")), _f(r.get("ratio_to_speed_limit"), ".2f"),
             _f(None if r.get("stall_fraction") is None else 100 * r["stall_fraction"], ".1f"),
             _f(r.get("peak_gpu_mem_gb"), ".2f"),
@@ -419,15 +497,17 @@ def format_table(rows: list[dict]) -> str:
     for l in lines:
         out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(l, widths))))
     failures = [r for r in rows if r["status"] != "ok"]
-    notes = ["x limit: median step / speed-limit median step.  traffic x: host<->device bytes per step / model "
-             "bytes ('a' = analytic, else measured).",
+    notes = ["x limit: median step / speed-limit median step.  mean: whole measured window (incl. the final "
+             "in-flight CPU update) / steps.  traffic x: host<->device bytes per step / model bytes ('a' = "
+             "analytic, else measured).  threads: intra-op threads @ pinned cores.",
              "stall %: GPU idle share of step time; '-' = not applicable or not observable (see the JSON notes)."]
     for r in failures:
         notes.append(f"FAILED {r['name']}: {r.get('error')}")
-    return "\n".join(out + [""] + notes)
+    title = [] if on_gpu else ["CPU figures (no GPU): every time below is a CPU measurement, not a GPU result.", ""]
+    return "\n".join(title + out + [""] + notes)
 
 
-def format_targets(rows: list[dict]) -> str:
+def format_targets(rows: list[dict], on_gpu: bool = True) -> str:
     names = [("within_1.25x_of_adamw", "<=1.25x adamw", ".2f"),
              (">=3x_faster_than_zero_offload", ">=3x zero-off", ".2f"),
              ("faster_than_ds_zenflow", "> ds zenflow", ".2f"), ("stall_below_5pct", "stall<5%", ".3f"),
@@ -435,6 +515,10 @@ def format_targets(rows: list[dict]) -> str:
     zen = [r for r in rows if r["kind"] == "zenflow"]
     if not zen:
         return "targets: no compiled ZenFlow rows"
+    if not on_gpu:
+        return ("Targets: not judged. They are GPU targets (<=1.25x adamw, >=3x ZeRO-Offload, faster than DeepSpeed "
+                "ZenFlow, stall < 5%, traffic <= 1 + 1/S) and this run had no GPU; the CPU values are in the JSON "
+                "(targets.*.value, judged: false).")
     width = max(len(r["name"]) for r in zen)
     lines = ["Targets (issue 5; step-time targets on mean step time, values: ratio / speed-up / fraction / multiple):",
              "  " + "system".ljust(width) + "".join(f"  {label:>18}" for _, label, _ in names)]
@@ -513,6 +597,11 @@ def main(argv=None) -> int:
     if not specs:
         print("nothing to run (--systems selected no system)")
         return 2
+    try:
+        assign_cores(specs, args, available_cores())
+    except ValueError as error:
+        print(error)
+        return 2
     v = env["versions"]
     sys.path.insert(0, str(HERE))
     from model import analytic_num_params
@@ -523,6 +612,11 @@ def main(argv=None) -> int:
     print(f"bench_offload: {title}")
     print(f"  torch {v['torch']} (CUDA {env['cuda_version']}), triton {v['triton']}, deepspeed {v['deepspeed']}, "
           f"transformers {v['transformers']}, python {env['python']}")
+    shares = sorted({(tuple(s["cores"]), s["threads"]) for s in specs})
+    print("  pinned: " + "; ".join(f"{t} threads on cores {list(c)}" for c, t in shares)
+          + (f"  (measured window: whole update intervals; warm-up {args.requested_warmup} -> {args.warmup}, "
+             f"steps {args.requested_steps} -> {args.steps})"
+             if (args.warmup, args.steps) != (args.requested_warmup, args.requested_steps) else ""))
     print(f"  {len(specs)} systems, {args.jobs} at a time, timeout {args.system_timeout:.0f} s each"
           + (f", {args.time_budget:.0f} s in all" if args.time_budget else "")
           + ("  [smoke: checks the harness; timings are not meaningful]" if args.smoke else ""))
@@ -543,7 +637,8 @@ def main(argv=None) -> int:
         sys.stdout.flush()
 
     rows = run_all(specs, args, log_dir, progress)
-    analyse(rows)
+    on_gpu = bool(env["cuda"])
+    analyse(rows, on_gpu)
     if tmp is not None:  # logs go away with the temporary directory: keep the failing ones' tails in the JSON
         for row in rows:
             log = row.pop("log", None)
@@ -553,9 +648,9 @@ def main(argv=None) -> int:
 
     total = time.perf_counter() - started
     print()
-    print(format_table(rows))
+    print(format_table(rows, on_gpu))
     print()
-    print(format_targets(rows))
+    print(format_targets(rows, on_gpu))
     if args.smoke:
         print("  (smoke run: timings and verdicts only show that the harness measures; they are not results)")
     report = dict(
@@ -566,8 +661,20 @@ def main(argv=None) -> int:
                     overlap=args.overlap, ds_zenflow_overlap=args.ds_zenflow_overlap,
                     select_strategy=args.select_strategy, select_interval=args.select_interval,
                     full_warm_up_rounds=args.full_warm_up_rounds, lr=args.lr, weight_decay=args.weight_decay,
-                    jobs=args.jobs, system_timeout_s=args.system_timeout, time_budget_s=args.time_budget),
+                    jobs=args.jobs, threads=args.threads, requested_steps=args.requested_steps,
+                    requested_warmup=args.requested_warmup, system_timeout_s=args.system_timeout,
+                    time_budget_s=args.time_budget),
+        fairness=dict(
+            one_at_a_time=args.jobs == 1,
+            pinning="each system process pinned (sched_setaffinity before torch loads) to its cores, with "
+                    "OMP/MKL and torch intra-op threads set; per row: threads, cores",
+            baseline_optimizer="torch.optim.AdamW(fused=True) on CUDA and CPU",
+            measured_window="whole update intervals: warm-up ends on an update boundary, steps are a multiple of "
+                            "every int update_interval, in-flight CPU work of the warm-up is finished before the "
+                            "window and the last update is applied inside it (mean = window / steps)",
+            verdict="PASS/FAIL only on a GPU" + ("" if on_gpu else "; this run: CPU, not judged")),
         environment=env, device=env["device"], versions=env["versions"],
+        judged=on_gpu,
         targets=dict(ratio_to_adamw_max=TARGET_RATIO_TO_ADAMW,
                      speedup_over_zero_offload_min=TARGET_SPEEDUP_OVER_ZERO_OFFLOAD,
                      stall_fraction_max=TARGET_STALL_FRACTION,
@@ -578,7 +685,7 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1, default=str)
     print(f"\nJSON: {args.out}")
-    chart = write_chart(rows, args.chart, f"bench_offload: {title}")
+    chart = write_chart(rows, args.chart, f"bench_offload{'' if on_gpu else ' (CPU figures)'}: {title}")
     if chart:
         print(f"chart: {chart}")
     print(f"total: {total:.1f} s")

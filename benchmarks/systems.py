@@ -11,6 +11,12 @@ Every system trains the same model (same preset, dtype, init seed) on the same s
 same loop: forward -> backward -> optimizer step -> zero_grad, then a device synchronisation; a step's time
 is the wall time of that, and the first `warmup` steps (compilation, JIT builds, first selection) are not
 measured.
+
+Fairness: the process pins itself to the spec's `cores` and `threads` before torch is imported (every thread
+it starts inherits the mask; torch's intra-op count is set once), and reports what it ran with. The measured
+window holds whole CPU work: asynchronous optimizer work still running from the warm-up is finished before
+the window opens, and the window closes only after the last in-flight update has been applied
+(`opt.synchronize()` for ZenFlow), so the mean step time includes every CPU update launched in it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,26 @@ _PROCESS_START = time.perf_counter()
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def pin_process(spec: dict) -> None:
+    """Bind this process to spec['cores'] and its OpenMP/MKL pools to spec['threads'], before torch loads."""
+    cores, threads = spec.get("cores"), spec.get("threads")
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(cores))
+    if threads:
+        for key in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[key] = str(threads)
+
+
+def placement(spec: dict) -> dict:
+    """The threads and cores this process actually runs torch with (reported in every row)."""
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(int(spec["threads"]))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return dict(threads=torch.get_num_threads(), cores=cores, num_cores=len(cores) if cores else os.cpu_count())
+
+
 def _device_and_dtype(spec: dict):
     import torch
 
@@ -78,14 +104,24 @@ def _adamw_hyper(spec: dict) -> dict:
 
 
 def _timed_loop(step_fn: Callable[[int], Any], spec: dict, device,
-                on_measure_start: Optional[Callable[[], None]] = None) -> dict:
-    """Run warmup + steps steps; return per-step times of the measured ones and the losses."""
+                on_measure_start: Optional[Callable[[], None]] = None,
+                finish: Optional[Callable[[], None]] = None) -> dict:
+    """Run warmup + steps steps; return per-step times of the measured ones, the measured window and losses.
+
+    `on_measure_start` runs before the window opens (outside it); `finish` runs inside it, after the last
+    step (it completes asynchronous work the measured steps launched), so window_s / steps is the true cost
+    of a step including its share of every CPU update.
+    """
     warmup, steps = spec["warmup"], spec["steps"]
     times, losses, warmup_times = [], [], []
     loop_start = time.perf_counter()
+    window_start = None
     for i in range(warmup + steps):
-        if i == warmup and on_measure_start is not None:
-            on_measure_start()
+        if i == warmup:
+            if on_measure_start is not None:
+                on_measure_start()
+            _sync(device)
+            window_start = time.perf_counter()
         start = time.perf_counter()
         loss = step_fn(i)
         _sync(device)
@@ -93,8 +129,13 @@ def _timed_loop(step_fn: Callable[[int], Any], spec: dict, device,
         (times if i >= warmup else warmup_times).append(elapsed)
         if i in (0, warmup + steps - 1):
             losses.append(float(loss))
+    start = time.perf_counter()
+    if finish is not None:
+        finish()
+    _sync(device)
+    end = time.perf_counter()
     return dict(step_times_s=times, warmup_step_times_s=warmup_times, first_loss=losses[0], last_loss=losses[-1],
-                loop_start=loop_start)
+                loop_start=loop_start, finish_s=end - start, window_s=end - window_start)
 
 
 def _quiet_compile_workers() -> None:
@@ -129,9 +170,10 @@ def _summary(loop: dict, facts: dict, device) -> dict:
 
     times = loop["step_times_s"]
     out = dict(facts)
-    out.update(median_step_s=statistics.median(times), mean_step_s=statistics.fmean(times),
-               min_step_s=min(times), max_step_s=max(times), total_measured_s=sum(times),
-               measured_steps=len(times), step_times_s=times,
+    # mean = the whole window (steps + the in-flight work finished after them) / steps
+    out.update(median_step_s=statistics.median(times), mean_step_s=loop["window_s"] / len(times),
+               min_step_s=min(times), max_step_s=max(times), total_measured_s=loop["window_s"],
+               finish_s=loop["finish_s"], measured_steps=len(times), step_times_s=times,
                warmup_step_times_s=loop["warmup_step_times_s"],
                setup_s=loop["loop_start"] - _PROCESS_START,
                first_loss=loop["first_loss"], last_loss=loop["last_loss"],
@@ -151,11 +193,12 @@ def _note(result: dict, key: str, text: str) -> None:
 
 # ------------------------------------------------------------------------------------------- the systems
 def run_adamw(spec: dict) -> dict:
-    """The speed limit: model compiled with Inductor, GPU-resident torch.optim.AdamW (fused on CUDA)."""
+    """The speed limit: model compiled with Inductor, device-resident torch.optim.AdamW, fused wherever torch
+    has the fused kernel for the device (CUDA and CPU), single-tensor otherwise."""
     import torch
 
     model, batches, device, facts = _setup(spec)
-    fused = device.type == "cuda"
+    fused = device.type in ("cuda", "cpu")  # torch's fused AdamW: CUDA, and CPU since torch 2.4
     opt = torch.optim.AdamW(model.parameters(), **_adamw_hyper(spec), fused=fused)
     compiled = torch.compile(model)
 
@@ -211,14 +254,15 @@ def run_zenflow(spec: dict) -> dict:
 
     def start_measuring():
         _quiet_compile_workers()
+        opt.synchronize()  # the warm-up's in-flight update lands outside the window
         _sync(device)
         marks["start"] = opt.stats()
         marks["compiles"] = _compile_counts()
 
-    loop = _timed_loop(step, spec, device, on_measure_start=start_measuring)
+    # The window ends after the last in-flight CPU update is applied (opt.synchronize(), timed).
+    loop = _timed_loop(step, spec, device, on_measure_start=start_measuring, finish=opt.synchronize)
     end = opt.stats()
     compiles = _compiles_since(marks["compiles"])
-    opt.synchronize()
     start = marks["start"]
     needed = ("stall_seconds", "cpu_update_seconds", "accumulate_seconds", "bytes_device_to_host",
               "bytes_host_to_device", "cpu_updates", "reselections", "skipped_steps")
@@ -249,8 +293,23 @@ def run_zenflow(spec: dict) -> dict:
         cpu_updates=delta["cpu_updates"], reselections=delta["reselections"],
         skipped_steps=delta["skipped_steps"],
         effective_update_interval=(steps / delta["cpu_updates"]) if delta["cpu_updates"] else None,
-        zenflow_stats=end, compiles_during_measurement=compiles)
+        zenflow_stats=end, compiles_during_measurement=compiles,
+        zenflow_workers=_zenflow_worker_placement(opt))
     return result
+
+
+def _zenflow_worker_placement(opt) -> dict:
+    """Cores and intra-op threads of ZenFlow's host workers (core reservation: pt_reserved_cores_perc)."""
+    runtime = opt._runtime
+    out = dict(pt_reserved_cores_perc=runtime.config.pt_reserved_cores_perc)
+    for worker in (runtime.accumulate_worker, runtime.update_worker):
+        cores = getattr(worker, "cores", None)
+        pinned = getattr(worker, "placement", None)
+        out[worker.name if hasattr(worker, "name") else "worker"] = dict(
+            cores=list(pinned.cores) if pinned and pinned.cores else (list(cores.workers) if cores else None),
+            threads=pinned.num_threads if pinned else None,
+            isolated=bool(cores and cores.isolated))
+    return out
 
 
 def _free_port() -> int:
@@ -383,7 +442,13 @@ def _run_deepspeed(spec: dict, zenflow: Optional[dict]) -> dict:
         measuring["on"] = True
         totals["cpu_adam"] = 0.0
 
-    loop = _timed_loop(step, spec, device, on_measure_start=start_measuring)
+    def finish():
+        # DeepSpeed ZenFlow with overlap: the update submitted at the last step runs in its optimizer
+        # process; wait for it inside the window (end of the run: its weights are not copied back).
+        if overlap and getattr(optimizer, "process_optimizer_established", False):
+            optimizer._wait_for_optimizer_process()
+
+    loop = _timed_loop(step, spec, device, on_measure_start=start_measuring, finish=finish)
     result = _summary(loop, facts, device)
     steps = result["measured_steps"]
     result.update(
@@ -455,9 +520,11 @@ def main(argv=None) -> int:
     if not (args.spec and args.result):
         parser.error("--spec and --result are required")
     spec = json.loads(args.spec)
+    pin_process(spec)  # before torch is imported: every thread inherits the mask
     started = time.perf_counter()
     try:
-        result = dict(status="ok", error=None, **SYSTEMS[spec["kind"]](spec))
+        where = placement(spec)
+        result = dict(status="ok", error=None, **where, **SYSTEMS[spec["kind"]](spec))
     except BaseException as error:  # recorded, never raised: the driver reports it in the table
         tb = traceback.format_exc()
         result = dict(status="failed", error=f"{type(error).__name__}: {error}".strip()[:2000],

@@ -2,7 +2,9 @@
 
 Checks the harness, not speed: the --smoke run exits 0 and its JSON has a row per system with the required
 fields, numeric step times for the compiled ZenFlow rows, and a reason for every system that could not run
-(e.g. DeepSpeed's JIT ops not built yet). Plus fast unit checks of the option parsing and target logic.
+(e.g. DeepSpeed's JIT ops not built yet); every system was pinned to stated cores and threads, the baseline
+is the fused AdamW, the window is whole update intervals, and a CPU run judges no GPU target. Plus fast unit
+checks of the option parsing, the core split, the window alignment and the target logic.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench_offload.py"
 
 REQUIRED_FIELDS = ("name", "kind", "status", "error", "median_step_s", "mean_step_s", "ratio_to_speed_limit",
-                   "stall_fraction", "peak_gpu_mem_gb", "traffic_multiple", "cpu_update_s_per_step", "notes")
+                   "stall_fraction", "peak_gpu_mem_gb", "traffic_multiple", "cpu_update_s_per_step", "notes",
+                   "threads", "cores")
 
 
 def _load_bench():
@@ -32,8 +35,9 @@ def _load_bench():
 @pytest.mark.slow
 def test_smoke_run_reports_every_system(tmp_path):
     out = tmp_path / "tmp.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    # --jobs 2 (two lanes at once, one core each on a 2-core machine) keeps the test short and checks the split
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--jobs", "2", "--out", str(out)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     report = json.loads(out.read_text())
 
@@ -49,15 +53,30 @@ def test_smoke_run_reports_every_system(tmp_path):
     assert sorted(r["settings"]["overlap_step"] for r in zen) == [False, True]
     assert len({r["name"] for r in rows}) == len(rows)
 
+    cpu = not report["environment"]["cuda"]
+    usable = report["environment"]["usable_cores"]
+    lanes = {}
     for row in rows:
         missing = [f for f in REQUIRED_FIELDS if f not in row]
         assert not missing, f"{row['name']}: missing {missing}"
         assert row["status"] in ("ok", "failed")
+        # pinned, and the table says how: intra-op threads @ cores
+        assert row["cores"] and set(row["cores"]) <= set(usable) and row["threads"] == len(row["cores"])
+        lanes.setdefault("compile" if row["kind"] in ("adamw", "zenflow") else "deepspeed", set()).add(
+            tuple(row["cores"]))
+        if row["status"] == "ok":
+            assert row["num_cores"] == len(row["cores"]), row  # what the system process itself saw
         if row["status"] == "failed":
             assert isinstance(row["error"], str) and row["error"].strip(), row
         else:
             assert row["error"] is None
             assert row["median_step_s"] > 0 and row["mean_step_s"] > 0
+            # the window is whole update intervals, and its final in-flight work was timed inside it
+            assert row["measured_steps"] % 2 == 0 and row["finish_s"] >= 0
+            assert row["mean_step_s"] * row["measured_steps"] >= sum(row["step_times_s"])
+    if len(usable) >= 2:  # two lanes at once: disjoint cores
+        (compile_cores,), (ds_cores,) = lanes["compile"], lanes["deepspeed"]
+        assert not set(compile_cores) & set(ds_cores)
     for row in zen:
         assert row["status"] == "ok", f"compiled ZenFlow must run on CPU: {row.get('error')}\n{row.get('log_tail', '')}"
         assert isinstance(row["median_step_s"], float) and row["median_step_s"] > 0
@@ -65,11 +84,18 @@ def test_smoke_run_reports_every_system(tmp_path):
         assert row["traffic_multiple"] > 0
         assert set(row["targets"]) == {"within_1.25x_of_adamw", ">=3x_faster_than_zero_offload",
                                        "faster_than_ds_zenflow", "stall_below_5pct", "traffic_within_bound"}
+        if cpu:  # GPU targets: never judged on a CPU
+            assert all(t["passed"] is None and t["judged"] is False for t in row["targets"].values())
+        assert row["zenflow_workers"]["pt_reserved_cores_perc"] == 0.5
     limit = rows[kinds.index("adamw")]
     if limit["status"] == "ok":
         assert limit["ratio_to_speed_limit"] == pytest.approx(1.0)
+        assert limit["optimizer"] == "torch.optim.AdamW(fused=True)"
 
     assert "system" in proc.stdout and "Targets" in proc.stdout
+    if cpu:
+        assert "CPU figures" in proc.stdout and "PASS" not in proc.stdout and "FAIL " not in proc.stdout
+        assert report["judged"] is False
     for row in rows:
         assert row["name"] in proc.stdout
     try:
@@ -109,7 +135,8 @@ def test_plan_and_targets_without_running():
             row("off", "ds_offload", 4.0),
             row("dszf", "ds_zenflow", 1.8, dict(zf)),
             dict(name="broken", kind="ds_zenflow", status="failed", error="boom", settings=zf)]
-    bench.analyse(rows)
+    cpu_rows = [dict(r, targets=None) for r in rows]
+    bench.analyse(rows, on_gpu=True)
     good, bad = rows[1]["targets"], rows[2]["targets"]
     assert all(t["passed"] for t in good.values()), good
     assert [k for k, t in bad.items() if not t["passed"]] == [
@@ -119,3 +146,47 @@ def test_plan_and_targets_without_running():
     table = bench.format_table(rows)
     assert "FAILED broken: boom" in table
     assert "PASS" in bench.format_targets(rows) and "FAIL" in bench.format_targets(rows)
+
+    # the same figures from a CPU run: values kept, nothing judged, the table says CPU
+    bench.analyse(cpu_rows, on_gpu=False)
+    for row in cpu_rows[1:3]:
+        assert {k: (t["passed"], t["judged"]) for k, t in row["targets"].items()} == {
+            k: (None, False) for k in good}
+    assert cpu_rows[1]["targets"]["within_1.25x_of_adamw"]["value"] == pytest.approx(1.2)
+    text = bench.format_targets(cpu_rows, on_gpu=False)
+    assert "not judged" in text and "PASS" not in text and "FAIL" not in text
+    assert bench.format_table(cpu_rows, on_gpu=False).startswith("CPU figures")
+
+
+def test_window_is_whole_update_intervals():
+    bench = _load_bench()
+    args = bench.resolve_args(["--zenflow-settings", "0.05:4,0.1:6", "--steps", "30", "--warmup", "5",
+                               "--full-warm-up-rounds", "2", "--out", "x.json"])
+    # boundaries after steps W + k*S - 1: warm-up ends on one for S = lcm(4, 6) = 12, steps a multiple of it
+    assert (args.warmup, args.steps) == (14, 36)
+    assert (args.requested_warmup, args.requested_steps) == (5, 30)
+    args = bench.resolve_args(["--zenflow-settings", "0.1:auto", "--steps", "7", "--warmup", "3", "--out", "x.json"])
+    assert (args.warmup, args.steps) == (3, 7)  # Zen-auto: no fixed boundary to align on
+    args = bench.resolve_args(["--systems", "adamw,ds_offload", "--steps", "7", "--warmup", "3", "--out", "x.json"])
+    assert (args.warmup, args.steps) == (3, 7)
+
+
+def test_cores_are_split_per_concurrent_lane():
+    bench = _load_bench()
+    assert bench.core_shares([0, 1, 2, 3, 4], 2) == [[0, 1, 2], [3, 4]]
+    assert bench.core_shares([5, 7], 1) == [[5, 7]]
+    with pytest.raises(ValueError, match="--jobs 3 needs at least 3 cores"):
+        bench.core_shares([0, 1], 3)
+
+    args = bench.resolve_args(["--smoke", "--jobs", "2", "--out", "x.json"])
+    specs = bench.plan_systems(args)
+    bench.assign_cores(specs, args, [0, 1, 2, 3])
+    by_lane = {}
+    for spec in specs:
+        by_lane.setdefault(spec["lane"], set()).add((tuple(spec["cores"]), spec["threads"]))
+    assert by_lane == {"compile": {((0, 1), 2)}, "deepspeed": {((2, 3), 2)}}
+
+    args = bench.resolve_args(["--smoke", "--threads", "1", "--out", "x.json"])  # one at a time: all cores
+    specs = bench.plan_systems(args)
+    bench.assign_cores(specs, args, [0, 1, 2, 3])
+    assert {(tuple(s["cores"]), s["threads"]) for s in specs} == {((0, 1, 2, 3), 1)}
