@@ -1,0 +1,128 @@
+"""Train a small causal language model with DeepSpeed's training loop and compiled ZenFlow inside.
+
+    deepspeed --num_gpus 1 examples/deepspeed/train.py                    # GPU, DeepSpeed launcher
+    torchrun --nproc_per_node 1 examples/deepspeed/train.py               # GPU, torch launcher
+    DS_ACCELERATOR=cpu python examples/deepspeed/train.py                 # CPU, single process, no launcher
+
+The config is the DeepSpeed ZenFlow tutorial's (`ds_config.json` next to this file, `"compile":
+{"deepcompile": true}` = compile with the zenflow backend). Its lr (2e-5) is a fine-tuning rate; this example
+trains from scratch on synthetic data, so it raises the lr with `--lr` (default 3e-3) to show the loss falling
+within a few dozen steps. Everything else is DeepSpeed's: dataloader, engine.backward / engine.step,
+checkpoint directories (`--save_dir`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+HERE = Path(__file__).resolve().parent
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--deepspeed_config", default=str(HERE / "ds_config.json"), help="DeepSpeed JSON config")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
+    parser.add_argument("--lr", type=float, default=3e-3, help="overrides optimizer.params.lr (None: keep JSON's)")
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--save_dir", default=None, help="engine.save_checkpoint here at the end")
+    parser.add_argument("--eager", action="store_true", help="skip engine.compile() (ZenFlow runs eagerly)")
+    return parser.parse_args()
+
+
+def single_process_defaults() -> None:
+    """Without a launcher: a one-process 'world' on this machine, the DeepSpeed CPU accelerator if no GPU."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if "LOCAL_RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29511")
+
+
+class TinyLM(nn.Module):
+    """Token embedding + learned positions -> 2 causal Transformer layers -> LM head."""
+
+    def __init__(self, vocab: int = 96, dim: int = 128, layers: int = 2, heads: int = 4, seq: int = 32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("causal", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of `tokens` [batch, seq]."""
+        x = self.embed(tokens[:, :-1]) + self.pos[: tokens.shape[1] - 1].to(self.embed.weight.dtype)
+        n = x.shape[1]
+        x = self.blocks(x, mask=self.causal[:n, :n].to(x.dtype), is_causal=True)
+        logits = self.head(self.norm(x)).float()
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def synthetic_corpus(n: int, seq: int, vocab: int = 96, seed: int = 0) -> torch.utils.data.TensorDataset:
+    """Sequences with learnable structure: each token is (3 * previous + k) % vocab, k fixed per sequence."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    k = torch.randint(1, 5, (n, 1), generator=g)
+    tokens = [start]
+    for _ in range(seq - 1):
+        tokens.append((3 * tokens[-1] + k) % vocab)
+    return torch.utils.data.TensorDataset(torch.cat(tokens, dim=1))
+
+
+def main() -> None:
+    args = parse_args()
+    single_process_defaults()
+    import zenflow_compile.deepspeed
+
+    config = json.loads(Path(args.deepspeed_config).read_text())
+    if args.lr is not None:
+        config["optimizer"]["params"]["lr"] = args.lr
+    torch.manual_seed(0)
+    model = TinyLM(seq=args.seq)
+    engine, optimizer, loader, scheduler = zenflow_compile.deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), training_data=synthetic_corpus(4096, args.seq),
+        config=config)
+    if not args.eager:
+        engine.compile()  # "compile": {"deepcompile": true} -> backend "zenflow"
+    rank0 = engine.global_rank == 0
+    if rank0:
+        print(f"engine={type(engine).__name__} (a deepspeed.DeepSpeedEngine) optimizer={type(optimizer).__name__} "
+              f"device={engine.device} compiled={engine.is_compiled}\n{optimizer.config}", flush=True)
+
+    start, step, losses = time.perf_counter(), 0, []
+    while step < args.steps:
+        for (tokens,) in loader:
+            loss = engine(tokens.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+            stepped = engine.global_steps > step  # False between gradient-accumulation boundaries
+            step = engine.global_steps
+            if rank0 and stepped and (step % 10 == 0 or step == args.steps):
+                print(f"step {step:4d}  loss {sum(losses) / len(losses):.4f}  lr {engine.get_lr()[0]:.2e}  "
+                      f"{(time.perf_counter() - start) / max(1, step):.3f} s/step", flush=True)
+                losses.clear()
+            if step >= args.steps:
+                break
+    optimizer.synchronize()  # apply the CPU update in flight before saving / evaluating
+    if args.save_dir:
+        engine.save_checkpoint(args.save_dir)
+    if rank0:
+        stats = optimizer.stats()
+        print(f"done: {stats['steps']} ZenFlow steps, {stats['cpu_updates']} CPU updates, "
+              f"{stats['reselections']} reselections, stall {stats['stall_seconds']:.3f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,412 @@
+"""DeepSpeed integration: the DeepSpeed ZenFlow user's JSON, a real DeepSpeed engine, compiled ZenFlow inside.
+
+    engine, optimizer, loader, scheduler = zenflow_compile.deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json", training_data=dataset)
+    engine.compile()              # "compile": {"deepcompile": true} -> torch.compile(backend="zenflow")
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint("ckpt")
+
+`initialize` takes the arguments of `deepspeed.initialize` and returns what it returns: a
+`deepspeed.DeepSpeedEngine` (a subclass, `ZenFlowDeepSpeedEngine`), its optimizer (a
+`zenflow_compile.ZenFlowAdamW`), DeepSpeed's dataloader and the LR scheduler of the JSON's `scheduler` block.
+
+How the user's config is read. The whole JSON is first validated by DeepSpeed's own `DeepSpeedConfig`
+(`zero_optimization.zenflow` by DeepSpeed's `ZenFlowConfig`), so a bad key gets DeepSpeed's error. Then:
+- `optimizer` (type AdamW, or Adam in adam_w_mode) -> ZenFlowAdamW's lr/betas/eps/weight_decay, with the
+  defaults of DeepSpeed's Adam optimizers (weight_decay 0, not torch's 0.01);
+- `gradient_clipping` -> `max_grad_norm` (ZenFlow clips from its norm proxy; parameters have no `.grad`);
+- `zero_optimization.zenflow` -> `ZenFlowConfig`; `steps_per_epoch` is the number of optimizer steps in one
+  pass over `training_data` (DeepSpeed's dataloader length // gradient_accumulation_steps);
+- `zero_optimization.stage` 0/1/2 and `offload_optimizer.device` "cpu" (or none) are accepted: they are what
+  DeepSpeed ZenFlow requires, and ZenFlow itself keeps the unselected columns' state on the host; stage 3,
+  NVMe, parameter offload and partial offload cannot apply and are errors naming the key;
+- `compile.deepcompile: true` -> `engine.compile()` uses backend "zenflow"; DeepCompile's pass options
+  (offload_activation, ...) cannot apply and are errors naming the key;
+- `bf16` -> DeepSpeed casts the module (its own cast, with keep_in_fp32_modules); ZenFlow keeps the fp32
+  masters. `fp16` needs dynamic loss scaling, which ZenFlowAdamW does not offer yet: an error.
+
+What the engine is given instead (why): DeepSpeed must not touch ZenFlow's state.
+- no `optimizer` block but a client optimizer callable, so DeepSpeed never builds cpu_adam / FusedAdam; it
+  calls the callable after it has cast and moved the module, so ZenFlow sees the final dtype and device;
+- `zero_optimization: {"stage": 0}`: no ZeRO optimizer, no flattening, no ZenFlowZeroOptimizer;
+- `gradient_clipping: 0`: DeepSpeed's `clip_fp32_gradients` would read `.grad`, which ZenFlow never fills;
+- no `compile` block: DeepSpeed's DeepCompile accepts only inductor/eager; `compile()` here picks the backend;
+- per engine instance (`ZenFlowDeepSpeedEngine`): `enable_backward_allreduce = False` (DeepSpeed's
+  all-reduce zero-fills every missing `.grad` and reduces it; ZenFlow's gradients never reach `.grad`);
+  `_do_optimizer_sanity_check` returns "no wrapper", because with a `bf16`/`fp16` block and a client
+  optimizer at stage 0 DeepSpeed would wrap it in FP16_UnfusedOptimizer / BF16_Optimizer (its own masters);
+  `load_checkpoint` restores the optimizer through `ZenFlowAdamW.load_state_dict` (DeepSpeed would pass its
+  wrappers' `load_optimizer_states=` argument); ZenFlowAdamW reports a skipped (non-finite) step through the
+  `overflow` attribute DeepSpeed's step reads (skipped_steps, no LR-scheduler step), set by a step hook.
+
+Data parallelism: the engine runs on one rank. Several ranks need data-parallel ZenFlow (gradients reduced
+inside the rewritten backward, host state partitioned across ranks: `ZenFlowAdamW(..., process_group=...)`),
+which does not exist yet; `initialize` raises NotImplementedError for world_size > 1 rather than train wrong.
+When it lands, `_build_optimizer` passes the engine's data-parallel group and nothing else changes here
+(DeepSpeed's own all-reduce stays off: the rewritten backward reduces).
+
+DeepSpeed is imported only inside the functions of this module (the package imports without it).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
+from zenflow_compile.optimizer import ZenFlowAdamW
+
+__all__ = ["initialize", "ZenFlowDeepSpeedPlan", "plan_from_config", "engine_class"]
+
+# DeepSpeed's Adam-family defaults (deepspeed.ops.adam: DeepSpeedCPUAdam / FusedAdam), which a DeepSpeed
+# user's `optimizer.params` falls back to.
+_DS_ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+# optimizer.params keys of DeepSpeed's Adam that only pick DeepSpeed's implementation (ZenFlow uses its own
+# kernels): accepted and ignored.
+_IMPLEMENTATION_KEYS = ("torch_adam", "foreach", "fused")
+_BACKEND = "zenflow"
+
+
+def _config_error(key: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"DeepSpeed config {key}={value!r} cannot be used with zenflow_compile.deepspeed: {why}")
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclasses.dataclass
+class ZenFlowDeepSpeedPlan:
+    """What the user's DeepSpeed config means here: ZenFlowAdamW's arguments and the engine's own config."""
+
+    adamw: dict  # lr, betas, eps, weight_decay
+    max_grad_norm: Optional[float]
+    zenflow_keys: dict  # ZenFlowConfig keys from zero_optimization.zenflow (steps_per_epoch may be None)
+    deepcompile: bool
+    engine_config: dict  # the user's config minus what ZenFlow takes over (see the module docstring)
+    user_config: dict
+
+    def zenflow_config(self, steps_per_epoch: Optional[int]) -> ZenFlowConfig:
+        keys = dict(self.zenflow_keys)
+        if keys.get("steps_per_epoch") is None:
+            keys["steps_per_epoch"] = steps_per_epoch
+        if keys["select_strategy"] == "epoch" and keys["steps_per_epoch"] is None:
+            raise ValueError(
+                "zero_optimization.zenflow.select_strategy='epoch' needs the epoch length: pass "
+                "training_data=... to zenflow_compile.deepspeed.initialize (an epoch is one pass of DeepSpeed's "
+                "dataloader over it), or set zero_optimization.zenflow.steps_per_epoch (optimizer steps per epoch)")
+        return ZenFlowConfig.from_dict(keys)
+
+
+def _adamw_from(ds_config, user_config: Mapping[str, Any]) -> dict:
+    name = ds_config.optimizer_name
+    if name is None:
+        raise ValueError("the DeepSpeed config has no 'optimizer' block: zenflow_compile.deepspeed builds "
+                         "ZenFlowAdamW from it; add {\"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": ...}}}")
+    if str(name).lower() not in ("adamw", "adam"):
+        raise _config_error("optimizer.type", user_config["optimizer"].get("type", name),
+                            "ZenFlow is AdamW; use type \"AdamW\" (or \"Adam\")")
+    params = dict(ds_config.optimizer_params or {})
+    if str(name).lower() == "adam" and params.get("adam_w_mode", True) is not True:
+        raise _config_error("optimizer.params.adam_w_mode", params["adam_w_mode"],
+                            "ZenFlow is AdamW (decoupled weight decay); remove the key or set it to true")
+    params.pop("adam_w_mode", None)
+    if "max_grad_norm" in params:  # DeepSpeed's own rule, same advice
+        raise _config_error("optimizer.params.max_grad_norm", params["max_grad_norm"],
+                            "use the top-level 'gradient_clipping' key instead")
+    for key, required in (("bias_correction", True), ("amsgrad", False), ("fp32_optimizer_states", True)):
+        if key in params and params.pop(key) is not required:
+            raise _config_error(f"optimizer.params.{key}", not required,
+                                f"ZenFlowAdamW is AdamW with fp32 state and bias correction; set it to "
+                                f"{str(required).lower()} or remove it")
+    for key in _IMPLEMENTATION_KEYS:
+        params.pop(key, None)
+    unknown = sorted(set(params) - set(_DS_ADAM_DEFAULTS))
+    if unknown:
+        raise _config_error(f"optimizer.params.{unknown[0]}", params[unknown[0]],
+                            f"ZenFlowAdamW takes {sorted(_DS_ADAM_DEFAULTS)} (plus DeepSpeed's implementation "
+                            f"switches {list(_IMPLEMENTATION_KEYS)}, ignored)")
+    adamw = {**_DS_ADAM_DEFAULTS, **params}
+    adamw["betas"] = tuple(adamw["betas"])
+    return adamw
+
+
+def _check_zero(zero) -> None:
+    if int(zero.stage) == 3:
+        raise _config_error("zero_optimization.stage", 3,
+                            "ZenFlow keeps every parameter whole on the device (stage 3 partitions parameters); "
+                            "use stage 1 or 2 (what DeepSpeed ZenFlow requires) or 0")
+    offload = zero.offload_optimizer
+    if offload is not None:
+        device = getattr(offload.device, "value", offload.device)
+        if device not in ("cpu", "none"):
+            raise _config_error("zero_optimization.offload_optimizer.device", device,
+                                "ZenFlow offloads the unselected columns' optimizer state to CPU memory; "
+                                "use \"cpu\"")
+        if offload.ratio != 1.0:
+            raise _config_error("zero_optimization.offload_optimizer.ratio", offload.ratio,
+                                "partial offload does not apply: ZenFlow decides per column (topk_ratio)")
+    param_offload = zero.offload_param
+    if param_offload is not None and getattr(param_offload.device, "value", param_offload.device) != "none":
+        raise _config_error("zero_optimization.offload_param.device",
+                            getattr(param_offload.device, "value", param_offload.device),
+                            "parameters stay on the device with ZenFlow (offload_param is a ZeRO-3 feature)")
+    if zero.zenflow is None:
+        raise ValueError("the DeepSpeed config has no 'zero_optimization.zenflow' block: add the ZenFlow settings "
+                         "(e.g. {\"topk_ratio\": 0.05, \"update_interval\": 4}) to use zenflow_compile.deepspeed")
+
+
+def _check_compile(compile_config) -> bool:
+    if not compile_config.deepcompile:
+        return False
+    defaults = type(compile_config)()
+    for name in type(compile_config).model_fields:
+        if name != "deepcompile" and getattr(compile_config, name) != getattr(defaults, name):
+            raise _config_error(f"compile.{name}", getattr(compile_config, name),
+                                "it is a DeepCompile pass option; with zenflow_compile, \"deepcompile\": true "
+                                "means torch.compile with the zenflow backend, which does not run DeepCompile's "
+                                "passes; remove the key")
+    return True
+
+
+def _check_precision(ds_config) -> None:
+    fp16_autocast = ds_config.torch_autocast_enabled and ds_config.torch_autocast_dtype == torch.float16
+    if ds_config.float16_config.enabled or fp16_autocast:
+        key = "fp16.enabled" if ds_config.float16_config.enabled else "torch_autocast.dtype"
+        raise NotImplementedError(
+            f"DeepSpeed config {key}: fp16 training needs dynamic loss scaling, which ZenFlowAdamW does not "
+            "provide yet through DeepSpeed; use {\"bf16\": {\"enabled\": true}} (ZenFlow keeps fp32 masters)")
+
+
+def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPlan:
+    """Validate a DeepSpeed config dict with DeepSpeed's own classes and split it (see the module docstring).
+
+    Needs `deepspeed.comm` initialised (DeepSpeed's batch-size checks read the world size).
+    """
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    user_config = copy.deepcopy(dict(config))
+    ds_config = DeepSpeedConfig(copy.deepcopy(user_config), mpu)  # DeepSpeed's validation and errors
+    if ds_config.hybrid_engine.enabled:
+        raise _config_error("hybrid_engine.enabled", True, "the hybrid (RLHF inference) engine is not supported")
+    _check_precision(ds_config)
+    _check_zero(ds_config.zero_config)
+    deepcompile = _check_compile(ds_config.compile_config)
+    zenflow = ds_config.zero_config.zenflow
+    zenflow_keys = {k: getattr(zenflow, k) for k in ZENFLOW_KEYS if k in type(zenflow).model_fields}
+    clip = float(ds_config.gradient_clipping or 0.0)
+
+    engine_config = copy.deepcopy(user_config)
+    engine_config.pop("optimizer", None)
+    engine_config.pop("compile", None)
+    engine_config["zero_optimization"] = {"stage": 0}
+    engine_config["gradient_clipping"] = 0.0
+    return ZenFlowDeepSpeedPlan(adamw=_adamw_from(ds_config, user_config), max_grad_norm=clip if clip > 0 else None,
+                                zenflow_keys=zenflow_keys, deepcompile=deepcompile, engine_config=engine_config,
+                                user_config=user_config)
+
+
+def _param_groups(model_parameters) -> list:
+    """DeepSpeed drops empty param groups after building the optimizer; ZenFlowAdamW numbers its groups at
+    construction, so drop them before."""
+    groups = list(model_parameters)
+    if groups and isinstance(groups[0], dict):
+        groups = [dict(g, params=list(g["params"])) for g in groups]
+        return [g for g in groups if g["params"]]
+    return groups
+
+
+# -------------------------------------------------------------------------------------------- the engine
+_ENGINE_CLASS = None
+
+
+def engine_class():
+    """`ZenFlowDeepSpeedEngine`, a `deepspeed.DeepSpeedEngine` subclass (defined on first use: DeepSpeed is
+    imported lazily)."""
+    global _ENGINE_CLASS
+    if _ENGINE_CLASS is None:
+        _ENGINE_CLASS = _define_engine_class()
+    return _ENGINE_CLASS
+
+
+def _define_engine_class():
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    class ZenFlowDeepSpeedEngine(DeepSpeedEngine):
+        """DeepSpeed's engine (loop, dataloader, scheduler, monitor, checkpoints) around a ZenFlowAdamW.
+
+        Differs from DeepSpeedEngine only where DeepSpeed would touch ZenFlow's state (module docstring).
+        """
+
+        def __init__(self, *, zenflow_plan: ZenFlowDeepSpeedPlan, **engine_kwargs):
+            plan = zenflow_plan
+
+            def build_optimizer(model_parameters):
+                # DeepSpeed calls this from _configure_optimizer, after casting and moving the module and
+                # after creating the training dataloader (the epoch length).
+                return _build_optimizer(self, plan, model_parameters)
+
+            super().__init__(optimizer=build_optimizer, **engine_kwargs)
+            self._zenflow_plan = plan
+            # The rewritten backward (and, eagerly, ZenFlow's hooks) takes every gradient: DeepSpeed's
+            # all-reduce would zero-fill and reduce `.grad`s that never exist.
+            self.enable_backward_allreduce = False
+            _report_skipped_steps(self.optimizer)
+
+        @property
+        def zenflow_plan(self) -> ZenFlowDeepSpeedPlan:
+            return self._zenflow_plan
+
+        def _do_optimizer_sanity_check(self, basic_optimizer):
+            """No DeepSpeed optimizer wrapper: with a bf16/fp16 block DeepSpeed would wrap the client optimizer
+            in FP16_UnfusedOptimizer / BF16_Optimizer, with its own masters and `.grad` flattening. ZenFlow
+            keeps the fp32 masters itself."""
+            return None
+
+        def compile(self, backend=None, compile_kwargs=None, schedule=None,
+                    compiled_autograd_enabled=False) -> None:
+            """With `"compile": {"deepcompile": true}`: torch.compile(backend="zenflow"). Without it: DeepSpeed's
+            plain torch.compile (default backend the accelerator's; ZenFlow then runs through its hooks)."""
+            if self._zenflow_plan.deepcompile:
+                if backend not in (None, _BACKEND):
+                    raise ValueError(f"engine.compile(backend={backend!r}): with \"compile\": {{\"deepcompile\": "
+                                     f"true}} zenflow_compile compiles with backend {_BACKEND!r}; leave backend unset")
+                if schedule is not None:
+                    raise ValueError("engine.compile(schedule=...): DeepCompile schedules do not apply to the "
+                                     "zenflow backend")
+                if compiled_autograd_enabled:
+                    raise ValueError("engine.compile(compiled_autograd_enabled=True): the zenflow backend "
+                                     "rewrites AOTAutograd's backward graph; compiled autograd would bypass it")
+                backend = _BACKEND
+            elif backend is None:
+                backend = get_accelerator().get_compile_backend()
+            super().compile(backend=backend, compile_kwargs=dict(compile_kwargs or {}), schedule=schedule,
+                            compiled_autograd_enabled=compiled_autograd_enabled)
+
+        def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                            load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+            """DeepSpeed's load (module, scheduler, counters, client state), then ZenFlowAdamW.load_state_dict
+            with the optimizer entry of the same file (DeepSpeed hands it back in the client state when it is
+            told not to load it itself)."""
+            load_path, client_state = super().load_checkpoint(
+                load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=False,
+                load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                custom_load_fn=custom_load_fn)
+            if load_path is None:
+                return load_path, client_state
+            saved = client_state.pop("optimizer", None)
+            if load_optimizer_states and not load_module_only:
+                if saved is None:
+                    raise ValueError(f"checkpoint {load_path} has no optimizer state; load it with "
+                                     "load_optimizer_states=False or load_module_only=True")
+                self.optimizer.load_state_dict(saved)
+            return load_path, client_state
+
+    return ZenFlowDeepSpeedEngine
+
+
+def _build_optimizer(engine, plan: ZenFlowDeepSpeedPlan, model_parameters) -> ZenFlowAdamW:
+    steps_per_epoch = None
+    if engine.training_dataloader is not None:
+        steps_per_epoch = max(1, len(engine.training_dataloader) // engine.gradient_accumulation_steps())
+    config = plan.zenflow_config(steps_per_epoch)
+    # Data-parallel ZenFlow plugs in here: process_group=engine.data_parallel_group (initialize() refuses
+    # world_size > 1 until ZenFlowAdamW takes it).
+    return ZenFlowAdamW(_param_groups(model_parameters), **plan.adamw, max_grad_norm=plan.max_grad_norm,
+                        config=config)
+
+
+def _report_skipped_steps(optimizer: ZenFlowAdamW) -> None:
+    """DeepSpeed's step reads `optimizer.overflow` (its fp16 optimizers' flag) to count a skipped step and hold
+    the LR scheduler; ZenFlow skips a step whose gradient norm is not finite. Set the flag after each step."""
+    last = {"skipped": optimizer.stats()["skipped_steps"]}
+    optimizer.overflow = False
+
+    def after_step(opt, args, kwargs):
+        skipped = opt.stats()["skipped_steps"]
+        opt.overflow = skipped > last["skipped"]
+        last["skipped"] = skipped
+
+    optimizer.register_step_post_hook(after_step)
+
+
+# ------------------------------------------------------------------------------------------- initialize
+def _resolve_config(args, config, config_params):
+    """The config the way deepspeed.initialize finds it (argument, config_params, args.deepspeed_config)."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    if config is None and config_params is not None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ValueError("got a DeepSpeed config both as args.deepspeed_config and as config=...; pass one")
+        config = from_args
+    if config is None:
+        raise ValueError("DeepSpeed requires a config: pass config=\"ds_config.json\" (or a dict), or "
+                         "--deepspeed_config through args")
+    return load_ds_config(config) if not isinstance(config, dict) else config
+
+
+def initialize(args: Any = None,
+               model: Optional[torch.nn.Module] = None,
+               optimizer: Any = None,
+               model_parameters: Any = None,
+               training_data: Any = None,
+               lr_scheduler: Any = None,
+               distributed_port: Optional[int] = None,
+               mpu: Any = None,
+               dist_init_required: Optional[bool] = None,
+               collate_fn: Optional[Callable] = None,
+               config: Any = None,
+               mesh_param: Any = None,
+               config_params: Any = None):
+    """`deepspeed.initialize` with ZenFlow: returns (engine, optimizer, training_dataloader, lr_scheduler).
+
+    The engine is a real `deepspeed.DeepSpeedEngine` (`ZenFlowDeepSpeedEngine`); the optimizer is the
+    `ZenFlowAdamW` built from the config's `optimizer`, `gradient_clipping` and `zero_optimization.zenflow`
+    (so `optimizer=` must stay None). See the module docstring for how each key is read.
+    """
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
+    from deepspeed.runtime import zero
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    if model is None:
+        raise ValueError("zenflow_compile.deepspeed.initialize requires a model")
+    if optimizer is not None:
+        raise ValueError("zenflow_compile.deepspeed.initialize builds ZenFlowAdamW from the config's 'optimizer' "
+                         "and 'zero_optimization.zenflow' blocks; pass optimizer=None")
+    if isinstance(model, deepspeed.PipelineModule):
+        raise NotImplementedError("pipeline parallelism (PipelineModule) is not supported with ZenFlow")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("model / sequence parallelism (mpu=, mesh_param=) is not supported with ZenFlow")
+
+    zero.partition_parameters.shutdown_init_context()  # as deepspeed.initialize: no zero.Init while building
+    try:
+        dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                              distributed_port=distributed_port or TORCH_DISTRIBUTED_DEFAULT_PORT,
+                              dist_init_required=dist_init_required)
+        world_size = dist.get_world_size()
+        if world_size > 1:
+            raise NotImplementedError(
+                f"zenflow_compile.deepspeed on world_size={world_size}: data-parallel ZenFlow (gradients reduced "
+                "inside the rewritten backward, host optimizer state partitioned across ranks: "
+                "ZenFlowAdamW(..., process_group=...)) is not implemented yet; run on one rank "
+                "(deepspeed --num_gpus 1, or torchrun --nproc_per_node 1)")
+        plan = plan_from_config(_resolve_config(args, config, config_params))
+        engine = engine_class()(zenflow_plan=plan, args=args, model=model, model_parameters=model_parameters,
+                                training_data=training_data, lr_scheduler=lr_scheduler, mpu=None,
+                                dist_init_required=dist_init_required, collate_fn=collate_fn,
+                                config=plan.engine_config,
+                                config_class=DeepSpeedConfig(copy.deepcopy(plan.engine_config), None))
+    finally:
+        zero.partition_parameters.restore_init_context()
+    engine._configure_python_gc()  # as deepspeed.initialize does after building its engine
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
