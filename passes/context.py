@@ -1,9 +1,10 @@
 """ZenFlowPassContext: everything the backward-graph passes know about the world, passed explicitly.
 
 A backward graph made by AOTAutograd returns one gradient per forward input ("primal"), in input order.
-The backend knows which forward inputs are ZenFlow parameters; it records their ids here by primal index,
-so the passes never look at live tensors (they see only the graph) and the context can be hashed into the
-compile caches' keys.
+The backend knows which forward inputs are ZenFlow parameters; it records their shapes here by primal index
+(the parameter's *slot*). The passes never see a live tensor or a parameter id: the hand-off op carries the
+slot, and the runtime resolves slot -> parameter for each call of the compiled graph (the same compiled graph
+serves every model it is called with), so the context can be hashed into the compile caches' keys.
 """
 
 from __future__ import annotations
@@ -18,28 +19,28 @@ __all__ = ["ZenFlowPassContext"]
 class ZenFlowPassContext:
     """What the passes need to rewrite one backward graph.
 
-    param_ids: for each forward input (= each backward output), the ZenFlow parameter id, or None for
-        inputs that are not ZenFlow parameters (activations, buffers, frozen parameters, SymInts).
-    param_shapes: the shape of each ZenFlow parameter (None elsewhere); the passes check each gradient
-        against it, so a mismatched input-to-output mapping fails loudly instead of corrupting training.
+    param_shapes: for each forward input (= each backward output), the shape of the ZenFlow parameter in that
+        slot, or None for inputs that are not ZenFlow parameters (activations, buffers, frozen parameters,
+        SymInts). The passes check each gradient against it, so a mismatched input-to-output mapping fails
+        loudly instead of corrupting training.
     param_names: human-readable names (for error messages and inspection only, not part of any cache key).
     configs: the ZenFlowConfig of each owning optimizer, as sorted `(key, value)` tuples (cache key only).
     """
 
-    param_ids: tuple[Optional[int], ...]
     param_shapes: tuple[Optional[tuple[int, ...]], ...]
     param_names: tuple[Optional[str], ...] = ()
     configs: tuple[tuple[tuple[str, object], ...], ...] = ()
 
     def __post_init__(self) -> None:
-        if len(self.param_shapes) != len(self.param_ids):
-            raise ValueError("param_shapes must have one entry per forward input")
-        if self.param_names and len(self.param_names) != len(self.param_ids):
+        if self.param_names and len(self.param_names) != len(self.param_shapes):
             raise ValueError("param_names must be empty or have one entry per forward input")
 
     @property
     def num_inputs(self) -> int:
-        return len(self.param_ids)
+        return len(self.param_shapes)
+
+    def is_param(self, index: int) -> bool:
+        return self.param_shapes[index] is not None
 
     def name(self, index: int) -> str:
         if self.param_names and self.param_names[index]:
@@ -47,5 +48,5 @@ class ZenFlowPassContext:
         return f"forward input {index}"
 
     def cache_key(self) -> tuple:
-        """What the rewritten graph depends on (ids and shapes baked in, owners' configs)."""
-        return (self.param_ids, self.param_shapes, self.configs)
+        """What the rewritten graph depends on (which slots are parameters, their shapes; owners' configs)."""
+        return (self.param_shapes, self.configs)

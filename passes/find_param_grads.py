@@ -24,9 +24,12 @@ class ZenFlowGraphError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ParamGrad:
-    output_index: int  # position in the backward graph's outputs (= forward input index)
-    param_id: int
+    output_index: int  # position in the backward graph's outputs (= forward input index = the slot)
     node: torch.fx.Node  # the node producing the gradient
+
+    @property
+    def slot(self) -> int:
+        return self.output_index
 
 
 def is_backward_graph(graph: torch.fx.Graph) -> bool:
@@ -47,14 +50,19 @@ def find_param_grads(graph: torch.fx.Graph, ctx: ZenFlowPassContext) -> list[Par
             f"{ctx.num_inputs} inputs, so gradients cannot be matched to parameters (an AOTAutograd input "
             "transformation, e.g. duplicated or aliased inputs, is not supported)")
     found = []
-    for index, (node, pid) in enumerate(zip(outputs, ctx.param_ids)):
-        if pid is None or not isinstance(node, torch.fx.Node):
+    for index, node in enumerate(outputs):
+        if not ctx.is_param(index) or not isinstance(node, torch.fx.Node):
             continue  # not a ZenFlow parameter, or no gradient flows to it in this graph
         val = node.meta.get("val")
         expected = ctx.param_shapes[index]
+        if val is not None and val.layout != torch.strided:
+            raise ValueError(
+                f"ZenFlow: {ctx.name(index)} gets a {val.layout} gradient (e.g. nn.Embedding(sparse=True)); "
+                "ZenFlow needs dense gradients. Fix: use sparse=False for that module (ZenFlow already keeps "
+                "only the selected columns on the device)")
         if val is not None and tuple(val.shape) != tuple(expected):
             raise ZenFlowGraphError(
                 f"ZenFlow: backward output {index} has shape {tuple(val.shape)} but {ctx.name(index)} "
                 f"has shape {tuple(expected)}: the gradient-to-parameter mapping is wrong")
-        found.append(ParamGrad(index, pid, node))
+        found.append(ParamGrad(index, node))
     return found

@@ -15,8 +15,10 @@ __all__ = ["insert_grad_handoff"]
 
 
 def insert_grad_handoff(graph: torch.fx.Graph, grad: torch.fx.Node, scores: torch.fx.Node,
-                        param_id: int) -> torch.fx.Node:
+                        slot: int) -> torch.fx.Node:
+    """`slot` is the parameter's forward-input index; the runtime resolves it to the parameter that the
+    compiled graph was actually called with."""
     with graph.inserting_after(scores):
-        node = graph.call_function(ACCUMULATE_GRAD, (grad, scores, param_id))
+        node = graph.call_function(ACCUMULATE_GRAD, (grad, scores, slot))
     node.meta["val"] = None  # returns nothing
     return node

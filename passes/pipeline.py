@@ -1,9 +1,9 @@
 """The ZenFlow rewrite of one backward graph: the passes, in order, over an explicit context.
 
-For every ZenFlow parameter gradient output `g` of parameter `pid`:
+For every ZenFlow parameter gradient output `g` (the gradient of forward input `slot`):
 
     scores = <norm proxy of g>                                 (insert_norm_proxy)
-    zenflow.accumulate_grad(g, scores, pid)                    (insert_grad_handoff, right after g)
+    zenflow.accumulate_grad(g, scores, slot)                   (insert_grad_handoff, right after g)
     return ..., None, ...                                      (drop_param_grads)
 
 No optimizer math goes into the graph: the device update of the selected columns runs at `opt.step()` as
@@ -31,7 +31,7 @@ def rewrite_backward(graph: torch.fx.Graph, ctx: ZenFlowPassContext) -> list[Par
     grads = find_param_grads(graph, ctx)
     for grad in grads:
         scores = insert_norm_proxy(graph, grad.node)
-        insert_grad_handoff(graph, grad.node, scores, grad.param_id)
+        insert_grad_handoff(graph, grad.node, scores, grad.slot)
     drop_param_grads(graph, [grad.output_index for grad in grads])
     graph.lint()
     return grads

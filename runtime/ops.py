@@ -1,12 +1,14 @@
 """The `zenflow::` custom ops that the rewritten backward graph calls.
 
-Schemas carry only tensors and integer parameter ids (never a live object), so a compiled graph can be
-cached and replayed; the id is resolved through `zenflow_compile.runtime.registry` at run time.
+Schemas carry only tensors and integers (never a live object), so a compiled graph can be cached, replayed
+and shared by every model it is called with; `zenflow_compile.runtime.registry` resolves the integer at run
+time.
 
-    zenflow::accumulate_grad(Tensor grad, Tensor column_scores, int param_id) -> ()
+    zenflow::accumulate_grad(Tensor grad, Tensor column_scores, int slot) -> ()
 
-hands one backward's gradient of a parameter (and its per-column squared-norm proxy, computed by fused aten
-reductions in the graph) to the runtime. The op returns nothing, so both FX dead-code elimination and
+hands one backward's gradient of the parameter in forward-input `slot` (and its per-column squared-norm
+proxy, computed by fused aten reductions in the graph) to the runtime that owns that parameter in the call
+being differentiated. The op returns nothing, so both FX dead-code elimination and
 Inductor's scheduler would drop it as unused: `torch.fx.node.has_side_effect` marks it impure, which is the
 one registry both consult (`torch._library.utils.is_impure`, used by `Node.is_impure` and by Inductor's
 `FallbackKernel.has_side_effects`).
@@ -29,15 +31,15 @@ __all__ = ["accumulate_grad", "ACCUMULATE_GRAD"]
 # cudagraph_unsafe: a CUDA graph replay would skip this Python call, silently losing the gradient, so
 # Inductor must not capture it (it partitions around it or disables CUDA graphs for that graph).
 @torch.library.custom_op("zenflow::accumulate_grad", mutates_args=(),
-                         schema="(Tensor grad, Tensor column_scores, int param_id) -> ()",
+                         schema="(Tensor grad, Tensor column_scores, int slot) -> ()",
                          tags=(torch.Tag.cudagraph_unsafe,))
-def accumulate_grad(grad: torch.Tensor, column_scores: torch.Tensor, param_id: int) -> None:
-    """Give the runtime that owns `param_id` this backward's gradient and its column scores."""
-    registry.accumulate_grad(param_id, grad, column_scores)
+def accumulate_grad(grad: torch.Tensor, column_scores: torch.Tensor, slot: int) -> None:
+    """Give the owner of the parameter in `slot` this backward's gradient and its column scores."""
+    registry.accumulate_grad_from_graph(slot, grad, column_scores)
 
 
 @accumulate_grad.register_fake
-def _accumulate_grad_fake(grad: torch.Tensor, column_scores: torch.Tensor, param_id: int) -> None:
+def _accumulate_grad_fake(grad: torch.Tensor, column_scores: torch.Tensor, slot: int) -> None:
     # Nothing to describe: the op produces no tensors.
     return None
 

@@ -60,6 +60,32 @@ def _host_buffer(shape, dtype, pin: bool) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
 
+class ParamWatch:
+    """Tells whether anyone but the optimizer wrote a parameter since the optimizer last looked.
+
+    The optimizer writes through `param.data` and raw pointers, which leave the parameter's version counter
+    alone; an in-place write by anyone else (`load_state_dict`, an init routine, `p.copy_`) bumps it, and
+    `p.data = other` changes its storage.
+    """
+
+    def __init__(self, param: torch.Tensor):
+        self.param = param
+        self.remember()
+
+    def remember(self) -> None:
+        self._seen = (self.param._version, self.param.data_ptr(), self.param.dtype)
+
+    def written_externally(self) -> bool:
+        return (self.param._version, self.param.data_ptr(), self.param.dtype) != self._seen
+
+
+def _adopt(current: torch.Tensor, last_written: torch.Tensor, master: torch.Tensor) -> None:
+    """master := current where current differs from what the optimizer last wrote (elementwise), so
+    untouched elements keep their fp32 master bits (a bf16 parameter cannot hold them)."""
+    changed = current != last_written
+    master.copy_(torch.where(changed, current.float(), master))
+
+
 class VectorState:
     """A bias or norm weight: a full AdamW on the device every step (one column of an [N, 1] view)."""
 
@@ -76,6 +102,19 @@ class VectorState:
         self.score = torch.zeros(1, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.num_grads = 0
+        self.watch = ParamWatch(param)
+
+    def written_externally(self) -> bool:
+        return self.watch.written_externally()
+
+    def adopt_param_values(self) -> None:
+        current = self.param.detach().reshape(-1, 1)
+        if current.dtype != self.grad.dtype:  # the parameter was cast (model.to(dtype)): all of it is new
+            self.grad = torch.zeros(self.master.shape, dtype=current.dtype, device=current.device)
+            self.master.copy_(current.float())
+        else:
+            _adopt(current, self.master.to(current.dtype), self.master)
+        self.watch.remember()
 
     def receive_grad(self, grad: torch.Tensor, score: Optional[torch.Tensor], grad_slot: int) -> int:
         grad = grad.detach().reshape(-1, 1)
@@ -106,6 +145,7 @@ class VectorState:
         for mine, saved in ((self.master, state.master), (self.exp_avg, state.exp_avg),
                             (self.exp_avg_sq, state.exp_avg_sq), (self.step, state.step)):
             mine.copy_(saved.reshape(mine.shape))
+        self.watch.remember()  # a later write into the parameter (model.load_state_dict) is compared to it
 
 
 class MatrixState:
@@ -130,6 +170,8 @@ class MatrixState:
         # Zen-auto: mean selected / unselected scores summed since the last CPU update.
         self.sum_selected_score = 0.0
         self.sum_unselected_score = 0.0
+        self.unapplied = False  # a launched CPU update of its host columns has not reached the device yet
+        self.watch = ParamWatch(param)
         master = param.detach().reshape(self.rows, self.cols).float().cpu()
         zeros = torch.zeros_like(master)
         self._distribute(torch.zeros(0, dtype=torch.long),
@@ -214,6 +256,54 @@ class MatrixState:
     def load_canonical(self, state: CanonicalState, selected: torch.Tensor) -> None:
         """Lay a checkpointed state out for selection `selected` (accumulators empty)."""
         self._distribute(selected, state)
+        self.unapplied = False
+        self.watch.remember()
+
+    # -- values written by others (SPEC §3 "Values") -----------------------------------------------------
+    def written_externally(self) -> bool:
+        return self.watch.written_externally()
+
+    def _applied_weights(self) -> torch.Tensor:
+        """The host columns as the device holds them: the last uploaded CPU update (or the initial values)."""
+        return self.host_weights[self.weights_slot ^ 1 if self.unapplied else self.weights_slot]
+
+    def adopt_param_values(self) -> None:
+        """The parameter was written by someone else: where it differs from what the optimizer left in it,
+        its values become the master (call with no CPU work in flight)."""
+        current = self.as_columns().detach()
+        if current.dtype != self.dev_grad.dtype:  # cast (model.to(dtype)): every value is new
+            state = self.canonical()
+            state.master.copy_(current.float().cpu())
+            accumulators = [acc.clone() for acc in self.accumulators]
+            self._distribute(self.selected, state)
+            for mine, saved in zip(self.accumulators, accumulators):
+                mine.copy_(saved)
+            self.unapplied = False
+            self.watch.remember()
+            return
+        if self.num_selected:
+            _adopt(current.index_select(1, self.selected_on_device), self.dev_master.to(current.dtype),
+                   self.dev_master)
+        if self.num_host:
+            wait_events(self.upload_done)  # an upload may still be reading the host weights
+            host_now = current.t().index_select(0, self.host_columns_on_device).cpu()
+            applied = self._applied_weights()
+            _adopt(host_now, applied, self.host_master)
+            applied.copy_(host_now)
+            if self.unapplied:  # the pending update now carries the written values where they changed
+                self.host_weights[self.weights_slot].copy_(self.host_master)
+        self.watch.remember()
+
+    def device_columns(self) -> torch.Tensor:
+        """[R, C] in the parameter's dtype: the host columns as the device holds them (checkpoints)."""
+        view = torch.zeros(self.rows, self.cols, dtype=self.param.dtype)
+        view[:, self.host_columns] = self._applied_weights().t()
+        return view
+
+    def load_device_columns(self, view: torch.Tensor) -> None:
+        """Restore a checkpoint taken while this matrix's CPU update was pending (after load_canonical)."""
+        self.unapplied = True
+        self._applied_weights().copy_(view[:, self.host_columns].t())
 
     def _step_grad(self, grad_slot: int) -> torch.Tensor:
         """This step's gradient in [R, C] layout on the host (waits for its offload)."""
@@ -318,4 +408,5 @@ class MatrixState:
         slot = self.weights_slot
         values, self.upload_done[slot] = self.transfers.to_device(self.host_weights[slot])
         merge_columns(self.as_columns(), self.host_columns_on_device, values)
+        self.unapplied = False
         return values.numel() * values.element_size()

@@ -1,8 +1,13 @@
-"""Integer ids for optimized parameters: the only thing the compiled graph knows about the runtime.
+"""Parameter ownership: which ZenFlow runtime owns a tensor, and which parameters a compiled graph ran with.
 
-Custom ops in a compiled backward carry a parameter's id (an int), never a live tensor or object, so a
-graph can be cached and replayed. Ids are handed out in registration order, so two identical programs get
-the same ids (and hit the same cache entries); the passes put the ids they baked in into the cache key.
+Every optimized parameter gets an integer id owned by one runtime (weakly: a deleted optimizer frees its ids).
+
+A compiled backward graph knows no ids: its hand-off op carries the parameter's *slot* (forward-input index),
+because one compiled graph serves every model it is called with (Dynamo reuses a graph for another instance
+of the same module class). Each call of the compiled forward resolves its slots to ids from the tensors it
+was actually called with (`bind_param_ids`) and attaches them to the autograd node that call created; the
+backward of that call finds them on the node it is running in (`accumulate_grad_from_graph`). So gradients
+reach the owner of the tensors the graph ran with, for any number of models and optimizers in a process.
 """
 
 from __future__ import annotations
@@ -20,6 +25,13 @@ if TYPE_CHECKING:
 _next_id = itertools.count()
 _id_of_param: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _runtime_of_id: dict[int, "weakref.ReferenceType[ZenFlowRuntime]"] = {}
+# Bumped by every (un)registration, so callers can cache "which ids do these tensors have" cheaply.
+_generation = 0
+
+
+def generation() -> int:
+    """A number that changes whenever a parameter gains or loses an owner."""
+    return _generation
 
 
 def register_param(param: torch.Tensor, runtime: "ZenFlowRuntime") -> int:
@@ -30,14 +42,23 @@ def register_param(param: torch.Tensor, runtime: "ZenFlowRuntime") -> int:
             raise ValueError(
                 "a parameter of shape {} is already owned by another ZenFlowAdamW; each parameter must "
                 "belong to exactly one ZenFlow optimizer".format(tuple(param.shape)))
+    global _generation
     pid = next(_next_id)
     _id_of_param[param] = pid
-    _runtime_of_id[pid] = weakref.ref(runtime)
+    _runtime_of_id[pid] = weakref.ref(runtime, _on_runtime_deleted)
+    _generation += 1
     return pid
 
 
 def unregister_param(pid: int) -> None:
+    global _generation
     _runtime_of_id.pop(pid, None)
+    _generation += 1
+
+
+def _on_runtime_deleted(_ref) -> None:
+    global _generation
+    _generation += 1
 
 
 def param_id(param: torch.Tensor) -> Optional[int]:
@@ -53,6 +74,59 @@ def runtime_of(pid: int) -> Optional["ZenFlowRuntime"]:
     return None if ref is None else ref()
 
 
+_GRAPH_IDS_KEY = "zenflow_param_ids"
+_COMPILED_NODE_NAME = "CompiledFunctionBackward"  # AOTAutograd's autograd.Function for a compiled graph
+
+
+def bind_param_ids(outputs, param_ids: tuple[Optional[int], ...]) -> None:
+    """Attach the parameter ids of one call of a compiled graph (one per forward input, None for
+    non-parameters) to the autograd node that the call created."""
+    node = _compiled_node(outputs)
+    if node is not None:
+        node.metadata[_GRAPH_IDS_KEY] = param_ids
+
+
+def _compiled_node(outputs):
+    """The AOTAutograd node behind a compiled call's outputs (outputs that alias an input or another output
+    are regenerated outside it, so look a few nodes up)."""
+    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    seen = set()
+    for _ in range(64):
+        if not stack:
+            return None
+        node = stack.pop(0)
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() == _COMPILED_NODE_NAME:
+            return node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return None
+
+
+def _tensors(outputs):
+    if isinstance(outputs, torch.Tensor):
+        return [outputs]
+    if isinstance(outputs, (list, tuple)):
+        return [t for t in outputs if isinstance(t, torch.Tensor)]
+    return []
+
+
+def accumulate_grad_from_graph(slot: int, grad: torch.Tensor, column_scores: torch.Tensor) -> None:
+    """The compiled backward's hand-off: resolve `slot` through the call that is being differentiated."""
+    node = torch._C._current_autograd_node()
+    param_ids = None if node is None else node.metadata.get(_GRAPH_IDS_KEY)
+    if param_ids is None:
+        raise RuntimeError(
+            "zenflow::accumulate_grad ran outside the backward of a graph compiled with backend='zenflow' "
+            "(or under compiled autograd, which ZenFlow does not support): no parameters are bound to it")
+    pid = param_ids[slot]
+    if pid is None:
+        raise RuntimeError(f"ZenFlow: forward input {slot} of this graph got a gradient but no ZenFlowAdamW "
+                           "owned it when the graph ran")
+    accumulate_grad(pid, grad, column_scores)
+
+
 def accumulate_grad(pid: int, grad: torch.Tensor, column_scores: Optional[torch.Tensor] = None) -> None:
     """Hand one backward pass's gradient of parameter `pid` to its runtime.
 
@@ -63,6 +137,6 @@ def accumulate_grad(pid: int, grad: torch.Tensor, column_scores: Optional[torch.
     runtime = runtime_of(pid)
     if runtime is None:
         raise RuntimeError(
-            f"ZenFlow parameter id {pid} has no live optimizer: the ZenFlowAdamW that owned it was deleted. "
-            "Recompile the model (torch._dynamo.reset()) after creating a new optimizer.")
+            f"ZenFlow parameter id {pid} has no live optimizer: the ZenFlowAdamW that owned it was deleted "
+            "while a backward that uses it was still pending. Run the backward before deleting the optimizer.")
     runtime.accumulate_grad(pid, grad, column_scores)

@@ -92,15 +92,20 @@ class StallClock:
             end = torch.cuda.Event(enable_timing=True)
             end.record(torch.cuda.current_stream(self.device))
             self._pending.append((start, end))
+            self._resolve_completed()  # keeps the list to the waits the GPU has not reached yet
+
+    def _resolve_completed(self) -> None:
+        """Fold the timings of completed event pairs (non-blocking `query`); oldest first, in stream order."""
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.pop(0)
+            self._resolved_gpu_seconds += start.elapsed_time(end) / 1e3
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
 
     def gpu_idle_seconds(self) -> Optional[float]:
         if not self.is_cuda:
             return None
-        still_pending = []
-        for start, end in self._pending:
-            if end.query():
-                self._resolved_gpu_seconds += start.elapsed_time(end) / 1e3
-            else:
-                still_pending.append((start, end))
-        self._pending = still_pending
+        self._resolve_completed()
         return self._resolved_gpu_seconds

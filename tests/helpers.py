@@ -137,3 +137,34 @@ def bf16_ulp_distance(a: torch.Tensor, b: torch.Tensor) -> int:
     if a.numel() == 0:
         return 0
     return int((ordered(a) - ordered(b)).abs().max())
+
+
+class CompiledFunction(torch.autograd.Function):
+    """Named like AOTAutograd's autograd.Function, so `registry.bind_param_ids` finds its node. Its backward
+    runs `body()`: a rewritten backward graph called by hand then resolves its slots as in a real backward."""
+
+    @staticmethod
+    def forward(ctx, x, body, result):
+        ctx.body, ctx.result = body, result
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.result.append(ctx.body())
+        return grad, None, None
+
+
+def run_bound(body: Callable, param_ids: Sequence) -> object:
+    """Run `body()` inside the backward of a node bound to `param_ids` (one per slot, None for non-params)."""
+    from zenflow_compile.runtime import registry
+
+    result: list = []
+    y = CompiledFunction.apply(torch.zeros(1, requires_grad=True), body, result)
+    registry.bind_param_ids(y, tuple(param_ids))
+    y.sum().backward()
+    return result[0]
+
+
+def slot_ids(ctx, pid_of_name: dict) -> tuple:
+    """The per-slot parameter ids of a ZenFlowPassContext, from parameter names."""
+    return tuple(pid_of_name.get(ctx.name(i)) if ctx.is_param(i) else None for i in range(ctx.num_inputs))

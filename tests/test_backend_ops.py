@@ -1,5 +1,11 @@
-"""The `zenflow::accumulate_grad` custom op: schema, fake kernel, side effects, runtime hand-off."""
+"""The `zenflow::accumulate_grad` custom op: schema, fake kernel, side effects, runtime hand-off.
 
+The op carries a slot (forward-input index); the parameter ids of a call are bound to the autograd node of
+that call (`registry.bind_param_ids`), as the backend does for AOTAutograd's `CompiledFunction`. Here a
+stand-in autograd.Function of the same name calls the op from its backward.
+"""
+
+import pytest
 import torch
 import torch.fx
 from torch import nn
@@ -20,27 +26,65 @@ class RecordingRuntime:
         self.calls.append((pid, grad.clone(), None if scores is None else scores.clone()))
 
 
-def test_schema_has_only_tensors_and_an_int_id():
+class CompiledFunction(torch.autograd.Function):
+    """Named like AOTAutograd's, so `bind_param_ids` finds its node; its backward runs `hand_off(grad)`."""
+
+    @staticmethod
+    def forward(ctx, x, hand_off):
+        ctx.hand_off = hand_off
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hand_off(grad)
+        return grad, None
+
+
+def run_backward(hand_off, param_ids, shape=(3, 2)):
+    x = torch.randn(shape, requires_grad=True)
+    y = CompiledFunction.apply(x, hand_off)
+    registry.bind_param_ids(y, param_ids)
+    y.sum().backward()
+
+
+def test_schema_has_only_tensors_and_an_int_slot():
     schema = ACCUMULATE_GRAD._schema
-    assert str(schema) == "zenflow::accumulate_grad(Tensor grad, Tensor column_scores, int param_id) -> ()"
+    assert str(schema) == "zenflow::accumulate_grad(Tensor grad, Tensor column_scores, int slot) -> ()"
     assert not schema.is_mutable
     assert torch.Tag.cudagraph_unsafe in ACCUMULATE_GRAD.tags  # never captured into a CUDA graph
 
 
-def test_op_calls_the_runtime_of_the_id():
-    runtime, p = RecordingRuntime(), nn.Parameter(torch.zeros(3, 2))
-    pid = registry.register_param(p, runtime)
-    g, s = torch.randn(3, 2), torch.rand(2)
-    torch.ops.zenflow.accumulate_grad(g, s, pid)
-    ((got_pid, got_g, got_s),) = runtime.calls
-    assert got_pid == pid and torch.equal(got_g, g) and torch.equal(got_s, s)
+def test_op_calls_the_runtime_of_the_parameter_bound_to_the_slot():
+    runtimes, params = [RecordingRuntime(), RecordingRuntime()], [nn.Parameter(torch.zeros(3, 2)) for _ in "ab"]
+    pids = [registry.register_param(p, r) for p, r in zip(params, runtimes)]
+    s = torch.rand(2)
+    # The same "graph" (hand off slot 1) bound to different parameters on two calls.
+    for bound in ((None, pids[0]), (None, pids[1])):
+        run_backward(lambda g: torch.ops.zenflow.accumulate_grad(g, s, 1), bound)
+    for runtime, pid in zip(runtimes, pids):
+        ((got_pid, got_g, got_s),) = runtime.calls
+        assert got_pid == pid and torch.equal(got_g, torch.ones(3, 2)) and torch.equal(got_s, s)
+
+
+def test_op_outside_a_zenflow_backward_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="outside the backward of a graph compiled with backend='zenflow'"):
+        torch.ops.zenflow.accumulate_grad(torch.randn(3, 2), torch.rand(2), 0)
+
+
+def test_slot_without_an_owner_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="forward input 0 of this graph got a gradient but no ZenFlowAdamW"):
+        run_backward(lambda g: torch.ops.zenflow.accumulate_grad(g, g.pow(2).sum(0), 0), (None,))
 
 
 def test_opcheck_fake_kernel_and_schema():
     runtime, p = RecordingRuntime(), nn.Parameter(torch.zeros(4, 3))
     pid = registry.register_param(p, runtime)
-    torch.library.opcheck(ACCUMULATE_GRAD, (torch.randn(4, 3), torch.rand(3), pid),
-                          test_utils=("test_schema", "test_faketensor"))
+
+    def check(grad):
+        torch.library.opcheck(ACCUMULATE_GRAD, (grad, grad.pow(2).sum(0), 0),
+                              test_utils=("test_schema", "test_faketensor"))
+
+    run_backward(check, (pid,), shape=(4, 3))
 
 
 def test_marked_impure_so_dce_keeps_it():
@@ -63,13 +107,15 @@ def test_inductor_keeps_and_runs_the_op():
     pid = registry.register_param(p, runtime)
 
     def f(g):
-        torch.ops.zenflow.accumulate_grad(g * 2, (g * 2).pow(2).sum(0), pid)
+        torch.ops.zenflow.accumulate_grad(g * 2, (g * 2).pow(2).sum(0), 0)
         return g + 1
 
     torch._dynamo.reset()
-    g = torch.randn(5, 2)
-    out = torch.compile(f, backend="inductor", fullgraph=True)(g)
-    torch.testing.assert_close(out, g + 1)
+    compiled = torch.compile(f, backend="inductor", fullgraph=True)
+    outs = []
+    run_backward(lambda g: outs.append(compiled(g)), (pid,), shape=(5, 2))
+    g = torch.ones(5, 2)
+    torch.testing.assert_close(outs[0], g + 1)
     ((got_pid, got_g, got_s),) = runtime.calls
     assert got_pid == pid
     torch.testing.assert_close(got_g, g * 2)

@@ -1,7 +1,7 @@
 """Inspection of the rewritten backward graphs: Python API, snapshots, debug files, structured trace/tlparse.
 
 Snapshots (`assertExpectedInline`) are of `BackwardGraph.normalized_after_code()`: `print_readable` without
-comment lines (source locations) and with parameter ids shown as `pid[name]`. After an intended change to
+comment lines (source locations) and with each hand-off's slot shown as `slot[name]`. After an intended change to
 the passes (or a torch upgrade), refresh them with `EXPECTTEST_ACCEPT=1 pytest tests/test_inspect.py`.
 """
 
@@ -92,7 +92,7 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_2: "f32[4, 8]" = torch.ops.aten.pow.Tensor_Scalar(mm_1, 2)
         sum_dim_int_list_1: "f32[8]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_2, [0]);  pow_tensor_scalar_2 = None
-        accumulate_grad_default_2 = torch.ops.zenflow.accumulate_grad.default(mm_1, sum_dim_int_list_1, pid[fc2.weight]);  mm_1 = sum_dim_int_list_1 = accumulate_grad_default_2 = None
+        accumulate_grad_default_2 = torch.ops.zenflow.accumulate_grad.default(mm_1, sum_dim_int_list_1, slot[fc2.weight]);  mm_1 = sum_dim_int_list_1 = accumulate_grad_default_2 = None
 
         sum_1: "f32[1, 4]" = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
         view: "f32[4]" = torch.ops.aten.reshape.default(sum_1, [4]);  sum_1 = None
@@ -100,7 +100,7 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_3: "f32[4]" = torch.ops.aten.pow.Tensor_Scalar(view, 2)
         sum_default_1: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_3);  pow_tensor_scalar_3 = None
         reshape_default_1: "f32[1]" = torch.ops.aten.reshape.default(sum_default_1, [1]);  sum_default_1 = None
-        accumulate_grad_default_3 = torch.ops.zenflow.accumulate_grad.default(view, reshape_default_1, pid[fc2.bias]);  view = reshape_default_1 = accumulate_grad_default_3 = None
+        accumulate_grad_default_3 = torch.ops.zenflow.accumulate_grad.default(view, reshape_default_1, slot[fc2.bias]);  view = reshape_default_1 = accumulate_grad_default_3 = None
 
         le: "b8[3, 8]" = torch.ops.aten.le.Scalar(relu, 0);  relu = None
         full_default: "f32[]" = torch.ops.aten.full.default([], 0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
@@ -110,7 +110,7 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar: "f32[8, 6]" = torch.ops.aten.pow.Tensor_Scalar(mm_2, 2)
         sum_dim_int_list: "f32[6]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar, [0]);  pow_tensor_scalar = None
-        accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(mm_2, sum_dim_int_list, pid[fc1.weight]);  mm_2 = sum_dim_int_list = accumulate_grad_default = None
+        accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(mm_2, sum_dim_int_list, slot[fc1.weight]);  mm_2 = sum_dim_int_list = accumulate_grad_default = None
 
         sum_2: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(where, [0], True);  where = None
         view_1: "f32[8]" = torch.ops.aten.reshape.default(sum_2, [8]);  sum_2 = None
@@ -118,7 +118,7 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_1: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(view_1, 2)
         sum_default: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_1);  pow_tensor_scalar_1 = None
         reshape_default: "f32[1]" = torch.ops.aten.reshape.default(sum_default, [1]);  sum_default = None
-        accumulate_grad_default_1 = torch.ops.zenflow.accumulate_grad.default(view_1, reshape_default, pid[fc1.bias]);  view_1 = reshape_default = accumulate_grad_default_1 = None
+        accumulate_grad_default_1 = torch.ops.zenflow.accumulate_grad.default(view_1, reshape_default, slot[fc1.bias]);  view_1 = reshape_default = accumulate_grad_default_1 = None
         return (None, None, None, None, None)
 """)
 
@@ -137,7 +137,7 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_10: "f32[8, 32]" = torch.ops.aten.pow.Tensor_Scalar(mm_1, 2)
         sum_dim_int_list_3: "f32[32]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_10, [0]);  pow_tensor_scalar_10 = None
-        accumulate_grad_default_10 = torch.ops.zenflow.accumulate_grad.default(mm_1, sum_dim_int_list_3, pid[fc2.weight]);  mm_1 = sum_dim_int_list_3 = accumulate_grad_default_10 = None
+        accumulate_grad_default_10 = torch.ops.zenflow.accumulate_grad.default(mm_1, sum_dim_int_list_3, slot[fc2.weight]);  mm_1 = sum_dim_int_list_3 = accumulate_grad_default_10 = None
 
         sum_1: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(view_12, [0], True);  view_12 = None
         view_13: "f32[8]" = torch.ops.aten.reshape.default(sum_1, [8]);  sum_1 = None
@@ -145,7 +145,7 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_11: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(view_13, 2)
         sum_default_7: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_11);  pow_tensor_scalar_11 = None
         reshape_default_7: "f32[1]" = torch.ops.aten.reshape.default(sum_default_7, [1]);  sum_default_7 = None
-        accumulate_grad_default_11 = torch.ops.zenflow.accumulate_grad.default(view_13, reshape_default_7, pid[fc2.bias]);  view_13 = reshape_default_7 = accumulate_grad_default_11 = None
+        accumulate_grad_default_11 = torch.ops.zenflow.accumulate_grad.default(view_13, reshape_default_7, slot[fc2.bias]);  view_13 = reshape_default_7 = accumulate_grad_default_11 = None
 
         view_14: "f32[2, 4, 32]" = torch.ops.aten.reshape.default(mm, [2, 4, 32]);  mm = None
         view_9: "f32[2, 4, 32]" = torch.ops.aten.reshape.default(addmm_2, [2, 4, 32]);  addmm_2 = None
@@ -169,7 +169,7 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_8: "f32[32, 8]" = torch.ops.aten.pow.Tensor_Scalar(mm_3, 2)
         sum_dim_int_list_2: "f32[8]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_8, [0]);  pow_tensor_scalar_8 = None
-        accumulate_grad_default_8 = torch.ops.zenflow.accumulate_grad.default(mm_3, sum_dim_int_list_2, pid[fc1.weight]);  mm_3 = sum_dim_int_list_2 = accumulate_grad_default_8 = None
+        accumulate_grad_default_8 = torch.ops.zenflow.accumulate_grad.default(mm_3, sum_dim_int_list_2, slot[fc1.weight]);  mm_3 = sum_dim_int_list_2 = accumulate_grad_default_8 = None
 
         sum_2: "f32[1, 32]" = torch.ops.aten.sum.dim_IntList(view_15, [0], True);  view_15 = None
         view_16: "f32[32]" = torch.ops.aten.reshape.default(sum_2, [32]);  sum_2 = None
@@ -177,7 +177,7 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_9: "f32[32]" = torch.ops.aten.pow.Tensor_Scalar(view_16, 2)
         sum_default_6: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_9);  pow_tensor_scalar_9 = None
         reshape_default_6: "f32[1]" = torch.ops.aten.reshape.default(sum_default_6, [1]);  sum_default_6 = None
-        accumulate_grad_default_9 = torch.ops.zenflow.accumulate_grad.default(view_16, reshape_default_6, pid[fc1.bias]);  view_16 = reshape_default_6 = accumulate_grad_default_9 = None
+        accumulate_grad_default_9 = torch.ops.zenflow.accumulate_grad.default(view_16, reshape_default_6, slot[fc1.bias]);  view_16 = reshape_default_6 = accumulate_grad_default_9 = None
 
         view_17: "f32[2, 4, 8]" = torch.ops.aten.reshape.default(mm_2, [2, 4, 8]);  mm_2 = None
         mul_15: "f32[2, 4, 8]" = torch.ops.aten.mul.Tensor(view_17, primals_8);  primals_8 = None
@@ -207,14 +207,14 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_6: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(sum_5, 2)
         sum_default_4: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_6);  pow_tensor_scalar_6 = None
         reshape_default_4: "f32[1]" = torch.ops.aten.reshape.default(sum_default_4, [1]);  sum_default_4 = None
-        accumulate_grad_default_6 = torch.ops.zenflow.accumulate_grad.default(sum_5, reshape_default_4, pid[ln2.weight]);  sum_5 = reshape_default_4 = accumulate_grad_default_6 = None
+        accumulate_grad_default_6 = torch.ops.zenflow.accumulate_grad.default(sum_5, reshape_default_4, slot[ln2.weight]);  sum_5 = reshape_default_4 = accumulate_grad_default_6 = None
 
         sum_6: "f32[8]" = torch.ops.aten.sum.dim_IntList(view_17, [0, 1]);  view_17 = None
 
         pow_tensor_scalar_7: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(sum_6, 2)
         sum_default_5: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_7);  pow_tensor_scalar_7 = None
         reshape_default_5: "f32[1]" = torch.ops.aten.reshape.default(sum_default_5, [1]);  sum_default_5 = None
-        accumulate_grad_default_7 = torch.ops.zenflow.accumulate_grad.default(sum_6, reshape_default_5, pid[ln2.bias]);  sum_6 = reshape_default_5 = accumulate_grad_default_7 = None
+        accumulate_grad_default_7 = torch.ops.zenflow.accumulate_grad.default(sum_6, reshape_default_5, slot[ln2.bias]);  sum_6 = reshape_default_5 = accumulate_grad_default_7 = None
 
         add_9: "f32[2, 4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mul_19);  tangents_1 = mul_19 = None
 
@@ -230,7 +230,7 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_4: "f32[8, 8]" = torch.ops.aten.pow.Tensor_Scalar(mm_5, 2)
         sum_dim_int_list_1: "f32[8]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_4, [0]);  pow_tensor_scalar_4 = None
-        accumulate_grad_default_4 = torch.ops.zenflow.accumulate_grad.default(mm_5, sum_dim_int_list_1, pid[proj.weight]);  mm_5 = sum_dim_int_list_1 = accumulate_grad_default_4 = None
+        accumulate_grad_default_4 = torch.ops.zenflow.accumulate_grad.default(mm_5, sum_dim_int_list_1, slot[proj.weight]);  mm_5 = sum_dim_int_list_1 = accumulate_grad_default_4 = None
 
         sum_7: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(view_18, [0], True);  view_18 = None
         view_19: "f32[8]" = torch.ops.aten.reshape.default(sum_7, [8]);  sum_7 = None
@@ -238,7 +238,7 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_5: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(view_19, 2)
         sum_default_3: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_5);  pow_tensor_scalar_5 = None
         reshape_default_3: "f32[1]" = torch.ops.aten.reshape.default(sum_default_3, [1]);  sum_default_3 = None
-        accumulate_grad_default_5 = torch.ops.zenflow.accumulate_grad.default(view_19, reshape_default_3, pid[proj.bias]);  view_19 = reshape_default_3 = accumulate_grad_default_5 = None
+        accumulate_grad_default_5 = torch.ops.zenflow.accumulate_grad.default(view_19, reshape_default_3, slot[proj.bias]);  view_19 = reshape_default_3 = accumulate_grad_default_5 = None
 
         view_20: "f32[2, 4, 8]" = torch.ops.aten.reshape.default(mm_4, [2, 4, 8]);  mm_4 = None
         view_21: "f32[2, 4, 2, 4]" = torch.ops.aten.reshape.default(view_20, [2, 4, 2, 4]);  view_20 = None
@@ -266,7 +266,7 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_2: "f32[24, 8]" = torch.ops.aten.pow.Tensor_Scalar(mm_7, 2)
         sum_dim_int_list: "f32[8]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_2, [0]);  pow_tensor_scalar_2 = None
-        accumulate_grad_default_2 = torch.ops.zenflow.accumulate_grad.default(mm_7, sum_dim_int_list, pid[qkv.weight]);  mm_7 = sum_dim_int_list = accumulate_grad_default_2 = None
+        accumulate_grad_default_2 = torch.ops.zenflow.accumulate_grad.default(mm_7, sum_dim_int_list, slot[qkv.weight]);  mm_7 = sum_dim_int_list = accumulate_grad_default_2 = None
 
         sum_8: "f32[1, 24]" = torch.ops.aten.sum.dim_IntList(view_25, [0], True);  view_25 = None
         view_26: "f32[24]" = torch.ops.aten.reshape.default(sum_8, [24]);  sum_8 = None
@@ -274,7 +274,7 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_3: "f32[24]" = torch.ops.aten.pow.Tensor_Scalar(view_26, 2)
         sum_default_2: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_3);  pow_tensor_scalar_3 = None
         reshape_default_2: "f32[1]" = torch.ops.aten.reshape.default(sum_default_2, [1]);  sum_default_2 = None
-        accumulate_grad_default_3 = torch.ops.zenflow.accumulate_grad.default(view_26, reshape_default_2, pid[qkv.bias]);  view_26 = reshape_default_2 = accumulate_grad_default_3 = None
+        accumulate_grad_default_3 = torch.ops.zenflow.accumulate_grad.default(view_26, reshape_default_2, slot[qkv.bias]);  view_26 = reshape_default_2 = accumulate_grad_default_3 = None
 
         view_27: "f32[2, 4, 8]" = torch.ops.aten.reshape.default(mm_6, [2, 4, 8]);  mm_6 = None
         var_mean = torch.ops.aten.var_mean.correction(primals_1, [2], correction = 0, keepdim = True)
@@ -290,14 +290,14 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(sum_11, 2)
         sum_default: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar);  pow_tensor_scalar = None
         reshape_default: "f32[1]" = torch.ops.aten.reshape.default(sum_default, [1]);  sum_default = None
-        accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(sum_11, reshape_default, pid[ln1.weight]);  sum_11 = reshape_default = accumulate_grad_default = None
+        accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(sum_11, reshape_default, slot[ln1.weight]);  sum_11 = reshape_default = accumulate_grad_default = None
 
         sum_12: "f32[8]" = torch.ops.aten.sum.dim_IntList(view_27, [0, 1]);  view_27 = None
 
         pow_tensor_scalar_1: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(sum_12, 2)
         sum_default_1: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_1);  pow_tensor_scalar_1 = None
         reshape_default_1: "f32[1]" = torch.ops.aten.reshape.default(sum_default_1, [1]);  sum_default_1 = None
-        accumulate_grad_default_1 = torch.ops.zenflow.accumulate_grad.default(sum_12, reshape_default_1, pid[ln1.bias]);  sum_12 = reshape_default_1 = accumulate_grad_default_1 = None
+        accumulate_grad_default_1 = torch.ops.zenflow.accumulate_grad.default(sum_12, reshape_default_1, slot[ln1.bias]);  sum_12 = reshape_default_1 = accumulate_grad_default_1 = None
         return (None, None, None, None, None, None, None, None, None, None, None, None, None)
 """)
 
@@ -310,7 +310,7 @@ def test_capture_gives_graphs_before_and_after():
     before_out = record.before.graph.output_node().args[0]
     after_out = record.after.graph.output_node().args[0]
     assert sorted(record.param_names.values()) == sorted(n for n, _ in model.named_parameters())
-    for index in record.param_ids:
+    for index in record.param_names:
         assert before_out[index] is not None and after_out[index] is None
     assert "zenflow.accumulate_grad" not in record.before_code
     assert record.after_code.count("torch.ops.zenflow.accumulate_grad.default(") == 4
@@ -330,11 +330,11 @@ def test_debug_dir_option_and_env(tmp_path, monkeypatch):
         compile(after.split("\n", 1)[1].replace("class GraphModule", "class G", 1), files[0], "exec")
 
 
-def test_normalize_code_hides_ids_and_comments():
+def test_normalize_code_names_slots_and_hides_comments():
     code = ("    # File: /some/where.py:12 in forward\n"
             "    accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(mm, sum_1, 17);  mm = None\n")
     assert zf_inspect.normalize_code(code, {17: "fc1.weight"}) == (
-        "    accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(mm, sum_1, pid[fc1.weight]);"
+        "    accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(mm, sum_1, slot[fc1.weight]);"
         "  mm = None\n")
 
 

@@ -22,6 +22,8 @@ from zenflow_compile.passes.find_param_grads import ZenFlowGraphError
 from zenflow_compile.runtime import registry
 from zenflow_compile.runtime.ops import ACCUMULATE_GRAD
 
+from helpers import run_bound, slot_ids
+
 
 class RecordingRuntime:
     def __init__(self, config=None):
@@ -100,12 +102,13 @@ def test_rewritten_graph_hands_every_param_grad_and_returns_none(conv_case):
     rewritten = copy.deepcopy(rec["backward"])
     grads = rewrite_backward(rewritten.graph, rec["ctx"])
     rewritten.recompile()
-    assert sorted(g.param_id for g in grads) == sorted(names)
+    ids = slot_ids(rec["ctx"], {name: pid for pid, name in names.items()})
+    assert sorted(ids[g.slot] for g in grads) == sorted(names)
 
-    outputs = rewritten(*copy.copy(rec["args"]))
+    outputs = run_bound(lambda: rewritten(*copy.copy(rec["args"])), ids)
     by_pid = {pid: (g, s) for pid, g, s in runtime.calls}
     assert sorted(by_pid) == sorted(names)  # each parameter exactly once
-    for index, pid in enumerate(rec["ctx"].param_ids):
+    for index, pid in enumerate(ids):
         if pid is None:
             # other outputs (the input x's gradient) are untouched
             if isinstance(original[index], torch.Tensor):
@@ -139,14 +142,14 @@ def test_handoff_goes_right_after_the_gradient_producer(conv_case):
 def test_bf16_gradients_get_fp32_scores():
     torch.manual_seed(0)
     model, runtime = nn.Linear(4, 3).to(torch.bfloat16), RecordingRuntime()
-    own(model, runtime)
+    names = own(model, runtime)
     rec = capture(model, torch.randn(2, 4, dtype=torch.bfloat16))
     runtime.calls.clear()
     original = rec["backward"](*copy.copy(rec["args"]))
     gm = copy.deepcopy(rec["backward"])
     rewrite_backward(gm.graph, rec["ctx"])
     gm.recompile()
-    gm(*copy.copy(rec["args"]))
+    run_bound(lambda: gm(*copy.copy(rec["args"])), slot_ids(rec["ctx"], {n: p for p, n in names.items()}))
     assert {s.dtype for _, _, s in runtime.calls} == {torch.float32}
     assert {g.dtype for _, g, _ in runtime.calls} == {torch.bfloat16}
     grads = {tuple(g.shape): (g, s) for _, g, s in runtime.calls}
@@ -174,7 +177,7 @@ def test_pass_leaves_forward_and_inference_graphs_unchanged(conv_case):
 def test_output_count_mismatch_leaves_graph_alone(conv_case, caplog):
     _, _, _, rec = conv_case
     ctx = rec["ctx"]
-    wrong = ZenFlowPassContext(ctx.param_ids[:-1], ctx.param_shapes[:-1])
+    wrong = ZenFlowPassContext(ctx.param_shapes[:-1])
     gm = copy.deepcopy(rec["backward"])
     before = str(gm.graph)
     with caplog.at_level(logging.WARNING, logger="zenflow_compile.backend"):
@@ -187,26 +190,25 @@ def test_output_count_mismatch_leaves_graph_alone(conv_case, caplog):
 def test_shape_mismatch_is_an_error(conv_case):
     _, _, _, rec = conv_case
     ctx = rec["ctx"]
-    index = next(i for i, pid in enumerate(ctx.param_ids) if pid is not None)
+    index = next(i for i in range(ctx.num_inputs) if ctx.is_param(i))
     shapes = list(ctx.param_shapes)
     shapes[index] = (99, 99)
     with pytest.raises(ZenFlowGraphError, match="mapping is wrong"):
-        rewrite_backward(copy.deepcopy(rec["backward"]).graph, ZenFlowPassContext(ctx.param_ids, tuple(shapes)))
+        rewrite_backward(copy.deepcopy(rec["backward"]).graph, ZenFlowPassContext(tuple(shapes)))
 
 
-def test_uuid_covers_ids_shapes_configs_and_pass_sources():
-    base = ZenFlowPassContext((None, 3, 4), (None, (2, 2), (2,)), configs=((("topk_ratio", 0.1),),))
+def test_uuid_covers_slots_shapes_configs_and_pass_sources():
+    base = ZenFlowPassContext((None, (2, 2), (2,)), configs=((("topk_ratio", 0.1),),))
 
     def uuid(ctx):
         return zf_backend.ZenFlowGraphPass(ctx).uuid()
 
     assert uuid(base) == uuid(copy.deepcopy(base))
-    assert uuid(base) == uuid(ZenFlowPassContext(base.param_ids, base.param_shapes, ("a", "b", "c"),
+    assert uuid(base) == uuid(ZenFlowPassContext(base.param_shapes, ("a", "b", "c"),
                                                  base.configs))  # names are cosmetic
-    assert uuid(base) != uuid(ZenFlowPassContext((None, 4, 3), base.param_shapes, configs=base.configs))
-    assert uuid(base) != uuid(ZenFlowPassContext(base.param_ids, (None, (4,), (2,)), configs=base.configs))
-    assert uuid(base) != uuid(ZenFlowPassContext(base.param_ids, base.param_shapes,
-                                                 configs=((("topk_ratio", 0.2),),)))
+    assert uuid(base) != uuid(ZenFlowPassContext(((2, 2), None, (2,)), configs=base.configs))  # other slots
+    assert uuid(base) != uuid(ZenFlowPassContext((None, (4,), (2,)), configs=base.configs))
+    assert uuid(base) != uuid(ZenFlowPassContext(base.param_shapes, configs=((("topk_ratio", 0.2),),)))
     # the pass travels to Inductor compile subprocesses by pickle, keeping its identity
     graph_pass = zf_backend.ZenFlowGraphPass(base, debug_dir="somewhere")
     assert pickle.loads(pickle.dumps(graph_pass)).uuid() == graph_pass.uuid()
@@ -229,9 +231,8 @@ def test_pass_context_maps_inputs_by_identity_and_rejects_unowned():
     model[1].bias.requires_grad_(False)
     rec = capture(model, torch.randn(2, 3))
     ctx = rec["ctx"]
-    named = {ctx.param_names[i]: pid for i, pid in enumerate(ctx.param_ids) if pid is not None}
-    assert named == {name: pid for pid, name in names.items()}
-    assert all(ctx.param_shapes[i] is not None for i, pid in enumerate(ctx.param_ids) if pid is not None)
+    named = {ctx.param_names[i]: ctx.param_shapes[i] for i in range(ctx.num_inputs) if ctx.is_param(i)}
+    assert named == {name: tuple(p.shape) for name, p in model.named_parameters()}  # the frozen bias too
 
     stray = nn.Sequential(nn.Linear(3, 4))
     with pytest.raises(Exception, match=r"parameter 0\.weight \(shape \(4, 3\).*no ZenFlowAdamW owns it"):

@@ -32,6 +32,8 @@ from ._triton import HAVE_TRITON, TORCH_TO_TL, DualKernel, constexpr, f32, split
 __all__ = ["adamw_selected_columns_", "adamw_selected_columns_reference_"]
 
 _BLOCK_R = 32
+# Checked without triton too: the torch twin serves the same dtypes (TORCH_TO_TL is empty without triton).
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK_C = 32
 
 # One row of the per-parameter int64 table (the kernel reads these offsets):
@@ -217,7 +219,7 @@ def _check(i, grad, master, exp_avg, exp_avg_sq, step, param, cols, gcols, devic
             bad(f"{name} must be fp32 [{R}, {k}], got {t.dtype} {tuple(t.shape)}")
     if step.dtype != torch.float32 or step.shape != (k,):
         bad(f"step must be fp32 [{k}], got {step.dtype} {tuple(step.shape)}")
-    if param.dtype not in TORCH_TO_TL or grad.dtype not in TORCH_TO_TL:
+    if param.dtype not in _FLOAT_DTYPES or grad.dtype not in _FLOAT_DTYPES:
         bad(f"param/grad dtype must be fp32, bf16 or fp16, got {param.dtype}/{grad.dtype}")
     if grad.dim() != 2 or grad.shape[0] != R:
         bad(f"grad must be 2-D with {R} rows, got {tuple(grad.shape)}")

@@ -5,15 +5,20 @@
 
 How it works:
 - Dynamo hands the backend the graph and its example inputs (real tensors; with inlined nn.Modules, the
-  parameters are graph inputs). The backend maps each input that is a ZenFlow parameter to its integer id
-  (`registry.param_id`, by tensor identity) and records the ids by forward-input position in a
-  `ZenFlowPassContext`. A parameter that requires grad with no owning ZenFlowAdamW is an error here.
+  parameters are graph inputs). The backend records which forward inputs are ZenFlow parameters (their
+  *slots*, with shapes) in a `ZenFlowPassContext`. A parameter that requires grad with no owning
+  ZenFlowAdamW is an error here.
 - It then calls Inductor's `compile_fx` with our pass as `post_grad_custom_post_pass`. Inductor runs that
   hook on the forward graph and on the (lazily compiled) backward graph; `compile_fx` re-applies its
   `config_patches` around the backward compile, which a `with config.patch(...)` around this call would not.
   The pass leaves forward and inference graphs untouched and rewrites backward graphs (`passes/`).
+- Dynamo reuses one compiled graph for every instance of a module class (its guards do not pin parameter
+  identity), so the graph cannot know whose parameters it runs with. The backend returns a thin wrapper
+  (`GraphOwnerBinding`) that, at each call, resolves the slots to the ids of the tensors it is called with
+  and binds them to that call's autograd node (`registry.bind_param_ids`); the backward's hand-off ops read
+  them back. Any number of models and optimizers share compiled graphs safely, with no recompilation.
 - Caches: Inductor's FX-graph cache and AOTAutograd's cache both hash the pass's `uuid()`, which covers the
-  source of the pass modules, the owners' ZenFlow configs and the ids baked into the graph, so a cached
+  source of the pass modules, the owners' ZenFlow configs and the parameter slots and shapes, so a cached
   graph compiled without the passes or for other settings is never reused.
 
 Logs: `TORCH_LOGS="+zenflow_compile"` (human logs), `TORCH_LOGS="post_grad_graphs"` (rewritten graphs),
@@ -26,6 +31,7 @@ import hashlib
 import logging
 import os
 import re
+import weakref
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -40,7 +46,8 @@ from zenflow_compile.passes.find_param_grads import graph_outputs, is_backward_g
 from zenflow_compile.passes.pipeline import rewrite_backward
 from zenflow_compile.runtime import registry
 
-__all__ = ["zenflow_backend", "ZenFlowGraphPass", "make_pass_context", "register", "BACKEND_NAME"]
+__all__ = ["zenflow_backend", "ZenFlowGraphPass", "GraphOwnerBinding", "make_pass_context", "register",
+           "BACKEND_NAME"]
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +133,53 @@ def zenflow_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
                                                       inductor_config.post_grad_custom_post_pass))
     patches["post_grad_custom_post_pass"] = [*user_passes, graph_pass] if user_passes else graph_pass
     log.debug("ZenFlow: compiling a graph with %d ZenFlow parameter input(s)",
-              sum(pid is not None for pid in ctx.param_ids))
-    return compile_fx(gm, example_inputs, config_patches=patches)
+              sum(shape is not None for shape in ctx.param_shapes))
+    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    return GraphOwnerBinding(compiled, gm, ctx)
+
+
+class GraphOwnerBinding:
+    """A compiled graph that, at each call, binds its parameter slots to the ids of the tensors it runs with.
+
+    The backward of that call hands each gradient to the owner of the tensor that was in the slot
+    (`registry.accumulate_grad_from_graph`). Resolution is cached on tensor identity and the registry's
+    generation, so a training loop pays one identity check per parameter per call.
+    """
+
+    def __init__(self, compiled, gm: torch.fx.GraphModule, ctx: ZenFlowPassContext):
+        self.compiled = compiled
+        self.ctx = ctx
+        # AOTAutograd's forward inputs: the module's own parameters and buffers (when not inlined), then
+        # the graph's inputs (see _forward_inputs).
+        attrs = [t for _, t in gm.named_parameters(remove_duplicate=False)]
+        attrs += [t for _, t in gm.named_buffers(remove_duplicate=False)]
+        num_attrs = len(attrs)
+        self._attr_params = {slot: attrs[slot] for slot in range(num_attrs) if ctx.is_param(slot)}
+        self._arg_slots = [(slot, slot - num_attrs) for slot in range(num_attrs, ctx.num_inputs)
+                           if ctx.is_param(slot)]
+        self._cached_ids: Optional[tuple] = None
+        self._cached_for: list = []  # weak references to the tensors the cached ids were resolved for
+        self._cached_generation = -1
+
+    def __call__(self, *args):
+        param_ids = self._param_ids(args)
+        outputs = self.compiled(*args)
+        registry.bind_param_ids(outputs, param_ids)
+        return outputs
+
+    def _param_ids(self, inputs) -> tuple:
+        tensors = [inputs[i] for _, i in self._arg_slots]
+        if (self._cached_generation == registry.generation() and len(tensors) == len(self._cached_for)
+                and all(ref() is t for ref, t in zip(self._cached_for, tensors))):
+            return self._cached_ids
+        ids: list[Optional[int]] = [None] * self.ctx.num_inputs
+        for slot, tensor in [*self._attr_params.items(), *((s, inputs[i]) for s, i in self._arg_slots)]:
+            ids[slot] = registry.param_id(tensor)
+            if ids[slot] is None and _needs_owner(tensor):
+                raise ValueError(_unowned_message(self.ctx.name(slot), tensor))
+        self._cached_ids, self._cached_generation = tuple(ids), registry.generation()
+        self._cached_for = [weakref.ref(t) for t in tensors]
+        return self._cached_ids
 
 
 def _split_options(opts: Mapping[str, Any]) -> tuple[dict, dict, dict]:
@@ -179,16 +231,11 @@ def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     invalid or differ from an owning optimizer's config.
     """
     zenflow_keys = zenflow_keys or {}
-    ids, shapes, names, owners = [], [], [], {}
+    shapes, names, owners = [], [], {}
     for value, name in _forward_inputs(gm, example_inputs):
         pid = registry.param_id(value) if isinstance(value, torch.Tensor) else None
         if pid is None and _needs_owner(value):
-            raise ValueError(
-                f"backend='zenflow': parameter {name} (shape {tuple(value.shape)}, dtype {value.dtype}) "
-                "requires grad but no ZenFlowAdamW owns it. Fix: create "
-                "zenflow_compile.ZenFlowAdamW(model.parameters(), ...) covering every trainable parameter "
-                "before the first compiled call, or freeze it with requires_grad_(False).")
-        ids.append(pid)
+            raise ValueError(_unowned_message(name, value))
         shapes.append(tuple(value.shape) if pid is not None else None)
         names.append(name)
         if pid is not None:
@@ -197,13 +244,20 @@ def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     configs = [_owner_config(runtime) for runtime in owners.values()]
     _check_options(zenflow_keys, configs)
     return ZenFlowPassContext(
-        param_ids=tuple(ids), param_shapes=tuple(shapes), param_names=tuple(names),
+        param_shapes=tuple(shapes), param_names=tuple(names),
         configs=tuple(tuple(sorted(cfg.to_dict().items())) for cfg in configs))
 
 
 def _needs_owner(value: Any) -> bool:
     # Under no_grad no backward is built, so an un-owned parameter is harmless (e.g. eval-only compiles).
     return (isinstance(value, torch.nn.Parameter) and value.requires_grad and torch.is_grad_enabled())
+
+
+def _unowned_message(name: str, value: torch.Tensor) -> str:
+    return (f"backend='zenflow': parameter {name} (shape {tuple(value.shape)}, dtype {value.dtype}) "
+            "requires grad but no ZenFlowAdamW owns it. Fix: create "
+            "zenflow_compile.ZenFlowAdamW(model.parameters(), ...) covering every trainable parameter "
+            "before calling the compiled model, or freeze it with requires_grad_(False).")
 
 
 def _owner_config(runtime: Any) -> ZenFlowConfig:

@@ -57,8 +57,7 @@ class BackwardGraph:
 
     name: str  # e.g. "backward_0_0" (from the compile id), unique within the process
     compile_id: Optional[str]
-    param_ids: dict[int, int]  # backward output index -> ZenFlow parameter id handed to the runtime
-    param_names: dict[int, str]  # backward output index -> parameter name
+    param_names: dict[int, str]  # slot (backward output index) of each handed-off gradient -> parameter name
     before: torch.fx.GraphModule
     after: torch.fx.GraphModule
 
@@ -71,8 +70,8 @@ class BackwardGraph:
         return readable(self.after)
 
     def normalized_after_code(self) -> str:
-        """`after_code` with ids replaced by parameter names and comments dropped (stable across runs)."""
-        return normalize_code(self.after_code, {self.param_ids[i]: self.param_names[i] for i in self.param_ids})
+        """`after_code` with slots shown with their parameter names and comments dropped (stable across runs)."""
+        return normalize_code(self.after_code, self.param_names)
 
 
 def capture(*, disable_caches: bool = True) -> "contextlib.AbstractContextManager[list[BackwardGraph]]":
@@ -112,22 +111,22 @@ def readable(gm: torch.fx.GraphModule, *, verbose: bool = False) -> str:
     return gm.print_readable(print_output=False, include_stride=verbose, include_device=verbose)
 
 
-_ID_ARG = re.compile(r"(torch\.ops\.zenflow\.\w+\.default\(.*, )(\d+)\)")
+_SLOT_ARG = re.compile(r"(torch\.ops\.zenflow\.\w+\.default\(.*, )(\d+)\)")
 
 
-def normalize_code(code: str, id_names: Optional[Mapping[int, str]] = None) -> str:
-    """Drop comment lines (source locations vary) and show parameter ids as `pid[name]` (ids vary)."""
+def normalize_code(code: str, slot_names: Optional[Mapping[int, str]] = None) -> str:
+    """Drop comment lines (source locations vary) and show each op's slot as `slot[name]`."""
 
     def name(match: re.Match) -> str:
-        pid = int(match.group(2))
-        label = id_names.get(pid, "?") if id_names is not None else "?"
-        return f"{match.group(1)}pid[{label}])"
+        slot = int(match.group(2))
+        label = slot_names.get(slot, "?") if slot_names is not None else "?"
+        return f"{match.group(1)}slot[{label}])"
 
     lines = []
     for line in code.splitlines():
         if line.strip().startswith("#"):
             continue
-        lines.append(_ID_ARG.sub(name, line.rstrip()))
+        lines.append(_SLOT_ARG.sub(name, line.rstrip()))
     return "\n".join(lines).strip("\n") + "\n"
 
 
@@ -148,8 +147,7 @@ def record_backward(before: torch.fx.GraphModule, graph: torch.fx.Graph, ctx: "Z
     record = BackwardGraph(
         name=_unique_name(compile_id),
         compile_id=compile_id,
-        param_ids={g.output_index: g.param_id for g in grads},
-        param_names={g.output_index: ctx.name(g.output_index) for g in grads},
+        param_names={g.slot: ctx.name(g.slot) for g in grads},
         before=before, after=after)
     _history.append(record)
     for records in _captures:
@@ -177,7 +175,7 @@ def _unique_name(compile_id: Optional[str]) -> str:
 
 def _dump(record: BackwardGraph, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    names = ", ".join(f"{pid}={record.param_names[i]}" for i, pid in record.param_ids.items())
-    header = f"# ZenFlow {record.name} (compile id {record.compile_id}); parameter ids: {names}\n"
+    names = ", ".join(f"{slot}={name}" for slot, name in record.param_names.items())
+    header = f"# ZenFlow {record.name} (compile id {record.compile_id}); parameter slots: {names}\n"
     for stage, gm in (("before", record.before), ("after", record.after)):
         (directory / f"{record.name}_{stage}.py").write_text(header + readable(gm, verbose=True))

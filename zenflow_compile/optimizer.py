@@ -8,6 +8,7 @@ directly and returns no gradient, so the hooks never fire for the parameters of 
 from __future__ import annotations
 
 import math
+import numbers
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
@@ -18,19 +19,28 @@ from zenflow_compile.runtime import registry
 from zenflow_compile.runtime.engine import ZenFlowRuntime
 
 
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm) -> None:
     def bad(name, value, allowed):
         raise ValueError(f"ZenFlowAdamW {name}={value!r} is invalid: expected {allowed}")
 
-    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and 0.0 <= lr < math.inf):
+    if isinstance(lr, torch.Tensor):  # as torch.optim.AdamW: a one-element tensor (e.g. for schedulers)
+        if lr.numel() != 1 or not lr.dtype.is_floating_point:
+            bad("lr", lr, "a float, or a one-element floating-point tensor")
+        lr = lr.item()
+    if not (_is_real(lr) and 0.0 <= lr < math.inf):
         bad("lr", lr, "a finite float >= 0")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2
+            and all(_is_real(b) and 0.0 <= b < 1.0 for b in betas)):
         bad("betas", betas, "a pair of floats in [0, 1)")
-    if not (isinstance(eps, (int, float)) and 0.0 <= eps < math.inf):
+    if not (_is_real(eps) and 0.0 <= eps < math.inf):
         bad("eps", eps, "a finite float >= 0")
-    if not (isinstance(weight_decay, (int, float)) and 0.0 <= weight_decay < math.inf):
+    if not (_is_real(weight_decay) and 0.0 <= weight_decay < math.inf):
         bad("weight_decay", weight_decay, "a finite float >= 0")
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and 0.0 < max_grad_norm < math.inf):
+    if max_grad_norm is not None and not (_is_real(max_grad_norm) and 0.0 < max_grad_norm < math.inf):
         bad("max_grad_norm", max_grad_norm, "None (no clipping) or a finite float > 0")
 
 
@@ -40,7 +50,17 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     Args: as torch.optim.AdamW (lr, betas, eps, weight_decay), plus `max_grad_norm` (global-norm clipping
     computed from the gradient-norm proxy; None = off) and either `config=ZenFlowConfig(...)` or the
     ZenFlow keys themselves (topk_ratio, update_interval, overlap_step, ...).
+
+    Follows torch.optim conventions: parameters that never get a gradient (frozen, unused, integer tensors)
+    are never touched and cost nothing; one that starts requiring grad later trains from then on; values
+    written into a parameter between steps are what its next update starts from. Works with
+    `torch.amp.GradScaler` (`scaler.step(opt)`): the loss scale is divided out and an inf/NaN gradient skips
+    the step and is reported to the scaler.
     """
+
+    # GradScaler hands itself to step() (`grad_scaler=`) instead of unscaling `.grad`s, which ZenFlow
+    # parameters never have; step() reports found-inf back to it.
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -65,7 +85,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "set offload=False: selected columns' state lives on the device")
         self._runtime = ZenFlowRuntime(config, max_grad_norm)
         self._param_ids: dict[int, int] = {}  # id(param) -> runtime id
-        self._hook_handles = []
+        self._hook_handles: dict[int, Any] = {}  # id(param) -> its post-accumulate-grad hook
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         weakref.finalize(self, ZenFlowRuntime.close, self._runtime)
@@ -79,25 +99,51 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return self._runtime.max_grad_norm
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        group_index = len(self.param_groups) - 1
-        for param in self.param_groups[-1]["params"]:
-            pid = self._runtime.add_param(param, group_index)
-            self._param_ids[id(param)] = pid
+        group_index = len(self.param_groups)
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        _check_params(params, group_index, self._param_ids, self._runtime)
+        merged = {**self.defaults, **param_group}
+        _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], None)
+        super().add_param_group({**param_group, "params": params})
+        for param in params:
+            if not param.is_floating_point():
+                continue  # never gets a gradient (e.g. a quantized frozen weight); torch.optim skips it too
+            self._param_ids[id(param)] = self._runtime.add_param(param, group_index)
             if param.requires_grad:
-                self._hook_handles.append(param.register_post_accumulate_grad_hook(_handoff_hook(pid)))
+                self._hook(param)
+
+    def _hook(self, param: torch.Tensor) -> None:
+        pid = self._param_ids[id(param)]
+        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(_handoff_hook(pid))
 
     def param_id(self, param: torch.Tensor) -> int:
         return self._param_ids[id(param)]
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Any]] = None):
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scaler=None):
+        """One optimizer step. `grad_scaler` is passed by `torch.amp.GradScaler.step(opt)`, not by users."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._runtime.step(self.param_groups)
+        self._collect_unhooked_grads()
+        scale = None if grad_scaler is None else grad_scaler._get_scale_async()
+        stepped = self._runtime.step(self.param_groups, grad_scale=scale)
+        if grad_scaler is not None:
+            found_inf = torch.full((), 0.0 if stepped else 1.0, device=scale.device)
+            grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {scale.device: found_inf}
         return loss
+
+    def _collect_unhooked_grads(self) -> None:
+        """Gradients that reached `.grad` without a hook (a parameter unfrozen after construction): hand them
+        to the runtime, and hook the parameter for the next steps."""
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and id(param) in self._param_ids:
+                    if id(param) not in self._hook_handles:
+                        self._hook(param)
+                    _handoff_hook(self._param_ids[id(param)])(param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients received since the last step (as torch.optim does with `.grad`)."""
@@ -118,9 +164,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return self._runtime.selected_columns(self.param_id(param))
 
     def master(self, param: torch.Tensor) -> torch.Tensor:
-        """The fp32 master of a parameter, in its shape (waits for CPU work in flight)."""
+        """The fp32 master of a parameter, in its shape (waits for CPU work in flight); before its first
+        gradient, the parameter's own values."""
         self._runtime.quiesce()
-        entry = self._runtime.export_state(self.param_id(param))
+        pid = self.param_id(param)
+        if not self._runtime.has_state(pid):
+            return param.detach().float().cpu().clone()
+        entry = self._runtime.export_state(pid)
         return entry["master"].reshape(param.shape)
 
     # -- checkpoints --------------------------------------------------------------------------------------
@@ -135,8 +185,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         self._runtime.quiesce()
         saved = super().state_dict()
-        saved["state"] = {i: self._runtime.export_state(self.param_id(p))
-                          for i, p in enumerate(self._params_in_order())}
+        saved["state"] = {i: self._runtime.export_state(self._param_ids[id(p)])
+                          for i, p in enumerate(self._params_in_order())
+                          if id(p) in self._param_ids and self._runtime.has_state(self._param_ids[id(p)])}
         saved["zenflow"] = self._runtime.export_globals()
         return saved
 
@@ -148,7 +199,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self._runtime.import_globals(state_dict["zenflow"])
         for i, param in enumerate(self._params_in_order()):
-            self._runtime.import_state(self.param_id(param), state_dict["state"][i])
+            if i in state_dict["state"]:
+                self._runtime.import_state(self.param_id(param), state_dict["state"][i])
 
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
@@ -157,7 +209,38 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 def _handoff_hook(pid: int):
     def hook(param: torch.Tensor) -> None:
         if param.grad is not None:
+            if param.grad.layout != torch.strided:
+                raise ValueError(
+                    f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} got a {param.grad.layout} gradient "
+                    "(e.g. nn.Embedding(sparse=True)); ZenFlow needs dense gradients. Fix: use sparse=False "
+                    "for that module")
             registry.accumulate_grad(pid, param.grad, None)
             param.grad = None
 
     return hook
+
+
+def _check_params(params: list, group_index: int, known: dict, runtime: ZenFlowRuntime) -> None:
+    """Reject what ZenFlow cannot optimize before anything is registered (nothing changes on error)."""
+    seen = set()
+    devices = {p.device for p in params if isinstance(p, torch.Tensor) and p.is_floating_point()}
+    if len(devices) > 1:
+        raise ValueError(f"ZenFlowAdamW: param group {group_index} has parameters on several devices "
+                         f"{sorted(map(str, devices))}. Fix: use one optimizer per device")
+    for i, param in enumerate(params):
+        where = f"parameter {i} of param group {group_index} (shape {tuple(param.shape)})"
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(f"ZenFlowAdamW: {where} is a {type(param).__name__}, not a tensor")
+        if id(param) in seen or id(param) in known:
+            raise ValueError(f"ZenFlowAdamW: {where} appears more than once in the optimizer's parameters. "
+                             "Fix: pass each parameter once (e.g. deduplicate tied weights)")
+        seen.add(id(param))
+        if not param.is_floating_point():
+            continue
+        if param.dim() >= 2 and param.numel() == 0:
+            raise ValueError(f"ZenFlowAdamW: {where} is an empty matrix; ZenFlow views a matrix as [rows, "
+                             "columns] and needs at least one of each. Fix: leave empty parameters out")
+        if param.dim() >= 2 and not param.is_contiguous():
+            raise ValueError(f"ZenFlowAdamW: {where} is not contiguous (strides {param.stride()}). Fix: make it "
+                             "contiguous first (param.data = param.data.contiguous())")
+        runtime.check_device(param)
