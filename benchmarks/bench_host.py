@@ -14,9 +14,9 @@ What is measured (on the host, no GPU needed; the GPU's part of the offload is D
   ds_cpu_adam  DeepSpeed's DeepSpeedCPUAdam.step() on the same master and gradient tensors (its own moments);
                the op is built once, outside any timing (a --smoke run never builds it)
   torch_fused  torch.optim.AdamW(fused=True).step() on the same tensors (its own moments), called directly
-  bandwidth    a plain large-tensor copy and add, measured in the same run, same threads: the machine's memory
-               bandwidth (the better of the two), which bounds every row: bound = bandwidth / bytes per param
-               the row must at least move (its minimal reads + writes, in the JSON as bytes_per_param)
+  bandwidth    plain large-tensor copy, add and in-place add, measured in the same run, same threads: the
+               machine's memory bandwidth (the best of the three), which bounds every row: bound = bandwidth /
+               the bytes per param the row must at least move (its minimal reads + writes, bytes_per_param)
 
 Matrices are [1024, 2048] (Llama-like rows) with every column unselected (host-resident), fp32 masters and
 moments, gradients in the parameter dtype (bf16 or fp32). Each round measures every row once, in turn; the
@@ -166,7 +166,12 @@ class HostWork:
 
 
 class Bandwidth:
-    """A plain large-tensor copy and add: the memory bandwidth the rows are bounded by."""
+    """Plain large-tensor copy and adds: the memory bandwidth the rows are bounded by.
+
+    Counted bytes are the tensors' reads + writes. A write to a line not yet in cache also reads it first
+    (write-allocate), which the in-place add (c += a: read c, read a, write c) does not pay, like the
+    optimizer's in-place updates; the bound is the best of the three.
+    """
 
     def __init__(self, numel: int = 64 << 20):  # 3 x 256 MB fp32: far beyond any cache
         self.a, self.b, self.c = (torch.ones(numel) for _ in range(3))
@@ -177,10 +182,13 @@ class Bandwidth:
     def add(self) -> None:
         torch.add(self.a, self.b, out=self.c)
 
-    def gbps(self, copy_s: float, add_s: float) -> dict:
+    def add_inplace(self) -> None:
+        self.c.add_(self.a)
+
+    def gbps(self, copy_s: float, add_s: float, add_inplace_s: float) -> dict:
         nbytes = self.a.numel() * 4
-        copy, add = 2 * nbytes / copy_s / 1e9, 3 * nbytes / add_s / 1e9
-        return dict(copy_gbps=copy, add_gbps=add, bound_gbps=max(copy, add))
+        copy, add, inplace = 2 * nbytes / copy_s / 1e9, 3 * nbytes / add_s / 1e9, 3 * nbytes / add_inplace_s / 1e9
+        return dict(copy_gbps=copy, add_gbps=add, add_inplace_gbps=inplace, bound_gbps=max(copy, add, inplace))
 
 
 # ------------------------------------------------------------------------------------------ measuring
@@ -215,7 +223,8 @@ def make_places(threads: Optional[int], reserve: float) -> list[Place]:
 def measure(work: HostWork, bandwidth: Bandwidth, place: Place, repeats: int) -> dict:
     """Median seconds per row over `repeats` rounds; each round runs every row once, in turn."""
     ops = {"accumulate": work.accumulate, "adamw": work.adamw, "update": work.update,
-           "torch_fused": work.torch_fused_step, "copy": bandwidth.copy, "add": bandwidth.add}
+           "torch_fused": work.torch_fused_step, "copy": bandwidth.copy, "add": bandwidth.add,
+           "add_inplace": bandwidth.add_inplace}
     if work.ds is not None:
         ops["ds_cpu_adam"] = work.ds_cpu_adam
     for fn in ops.values():  # warm-up: first-touch of optimizer state, thread pools
@@ -229,7 +238,7 @@ def measure(work: HostWork, bandwidth: Bandwidth, place: Place, repeats: int) ->
 
 
 def analyse(work: HostWork, grad_bytes: int, timings: dict, bandwidth: Bandwidth) -> dict:
-    bw = bandwidth.gbps(timings["copy"]["median_s"], timings["add"]["median_s"])
+    bw = bandwidth.gbps(timings["copy"]["median_s"], timings["add"]["median_s"], timings["add_inplace"]["median_s"])
     rows = {}
     for name in ("accumulate", "adamw", "update", "ds_cpu_adam", "torch_fused"):
         if name not in timings:

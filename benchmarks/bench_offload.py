@@ -47,10 +47,10 @@ TARGET_RATIO_TO_ADAMW = 1.25
 TARGET_SPEEDUP_OVER_ZERO_OFFLOAD = 3.0
 TARGET_STALL_FRACTION = 0.05
 
-SMOKE_DEFAULTS = dict(model="smoke", batch=2, seq=64, steps=4, warmup=2, zenflow_settings="0.1:2",
+SMOKE_DEFAULTS = dict(model="smoke", batch=2, seq=64, steps=4, warmup=2, zenflow_settings="0.1:2", overlap="on",
                       jobs=1, system_timeout=90.0, time_budget=150.0)
 FULL_DEFAULTS = dict(model="1b", batch=8, seq=1024, steps=30, warmup=5, zenflow_settings="0.05:4,0.1:4,0.05:8",
-                     jobs=1, system_timeout=1800.0, time_budget=0.0)
+                     overlap="both", jobs=1, system_timeout=1800.0, time_budget=0.0)
 
 
 # ------------------------------------------------------------------------------------------------ options
@@ -91,8 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="measured steps per system (default 30)")
     p.add_argument("--warmup", type=int, help="unmeasured steps first: compilation, JIT builds (default 5)")
     p.add_argument("--zenflow-settings", help="topk_ratio:update_interval list (default 0.05:4,0.1:4,0.05:8)")
-    p.add_argument("--overlap", choices=["both", "on", "off"], default="both",
-                   help="compiled ZenFlow with overlap_step on, off or both (default both)")
+    p.add_argument("--overlap", choices=["both", "on", "off"],
+                   help="compiled ZenFlow with overlap_step on, off or both (default both; --smoke: on)")
     p.add_argument("--ds-zenflow-overlap", choices=["on", "off", "both"], default="on",
                    help="DeepSpeed ZenFlow overlap_step (default on, as in the DeepSpeed tutorial config)")
     p.add_argument("--select-strategy", default="auto", choices=["auto", "step", "epoch"])

@@ -41,7 +41,8 @@ def test_smoke_run_reports_every_row(tmp_path):
     for r in results:
         assert r["place"] in places and 0.9 * r["requested_params"] <= r["num_params"] <= 1.1 * r["requested_params"]
         assert set(r["rows"]) == expected_rows
-        assert r["bandwidth"]["bound_gbps"] == max(r["bandwidth"]["copy_gbps"], r["bandwidth"]["add_gbps"]) > 0
+        bw = r["bandwidth"]
+        assert bw["bound_gbps"] == max(bw["copy_gbps"], bw["add_gbps"], bw["add_inplace_gbps"]) > 0
         for name, row in r["rows"].items():
             assert row["seconds"] > 0 and row["gparams_per_s"] > 0
             assert row["fraction_of_bound"] == pytest.approx(row["gparams_per_s"] / row["bound_gparams_per_s"])
