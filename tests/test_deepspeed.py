@@ -249,6 +249,53 @@ def test_bf16_block_casts_the_module_and_zenflow_keeps_fp32_masters(ds):
     assert_same_run(ds_run, direct_run, atol=0, rtol=0)
 
 
+def test_torch_autocast_fp16_uses_deepspeeds_grad_scaler_on_zenflow(ds):
+    """torch_autocast with fp16 at stage 0: DeepSpeed autocasts the forward and scales the loss with its own
+    torch.amp.GradScaler, whose step/update drive ZenFlowAdamW; equals the same written directly."""
+    config = ds_config(torch_autocast={"enabled": True, "dtype": "fp16"})
+    batches = make_batches(5)
+    engine, opt, _, _ = ds_initialize(config)
+    scaler = engine.torch_autocast_z0_gradscaler
+    assert isinstance(scaler, torch.amp.GradScaler)
+    assert all(p.dtype == torch.float32 for p in engine.module.parameters())
+    ds_run = train_engine(engine, batches)
+
+    model = tiny_model()
+    direct = direct_optimizer(model, config)
+    direct_scaler = torch.amp.GradScaler("cpu")
+    direct_run = []
+    for batch in batches:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_fn(model, batch)
+        direct_scaler.scale(loss).backward()
+        direct_scaler.step(direct)
+        direct_scaler.update()
+        direct.zero_grad()
+        direct_run.append(snapshot(model))
+    assert scaler.get_scale() == direct_scaler.get_scale()
+    assert opt.stats()["steps"] + opt.stats()["skipped_steps"] == 5
+    assert_same_run(ds_run, direct_run)
+    assert_moved(ds_run, snapshot(tiny_model()))
+
+
+def test_non_finite_step_is_skipped_the_deepspeed_way(ds):
+    """A non-finite gradient: ZenFlow skips the step, and DeepSpeed sees it (skipped_steps, was_step_applied,
+    no LR-scheduler step), as with its own fp16 optimizers."""
+    sched = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 4, "warmup_type": "linear"}
+    engine, opt, _, scheduler = ds_initialize(ds_config(scheduler={"type": "WarmupLR", "params": sched}))
+    x, y = make_batches(1)[0]
+    good, bad = (x, y), (x, torch.full_like(y, float("inf")))
+    train_engine(engine, [good])
+    before, lr = snapshot(engine.module), engine.get_lr()
+    engine.backward(loss_fn(engine, bad))
+    engine.step()
+    assert not engine.was_step_applied() and engine.skipped_steps == 1 and opt.stats()["skipped_steps"] == 1
+    assert engine.get_lr() == lr and scheduler.last_batch_iteration == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, snapshot(engine.module)))
+    train_engine(engine, [good])
+    assert engine.was_step_applied() and opt.stats()["steps"] == 2 and engine.get_lr() != lr
+
+
 def test_gradient_clipping_is_zenflow_max_grad_norm(ds):
     """gradient_clipping -> max_grad_norm. With update_interval=1 and no overlap, ZenFlow equals
     clip_grad_norm_ + torch.optim.AdamW (SPEC §3 invariant 1), so that is the oracle here."""
@@ -277,7 +324,8 @@ def test_checkpoint_resume_is_exact(ds, tmp_path):
     the same 3 steps: bitwise. The save falls while a CPU update is in flight (overlap, interval 2) and the
     LR scheduler is mid-warm-up; both resume."""
     sched = {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2, "warmup_num_steps": 5, "warmup_type": "linear"}
-    config = ds_config({"full_warm_up_rounds": 0, "select_interval": 4}, scheduler={"type": "WarmupLR", "params": sched})
+    config = ds_config({"full_warm_up_rounds": 0, "select_interval": 4},
+                       scheduler={"type": "WarmupLR", "params": sched})
     batches = make_batches(6)
     engine, opt, _, _ = ds_initialize(config)
     train_engine(engine, batches[:3])
@@ -350,7 +398,7 @@ def test_invalid_zenflow_keys_get_deepspeeds_validation_error(ds):
     (lambda c: c["optimizer"]["params"].update(amsgrad=True), ValueError, r"optimizer\.params\.amsgrad"),
     (lambda c: c.update(compile={"deepcompile": True, "offload_activation": True}), ValueError,
      r"compile\.offload_activation=True"),
-    (lambda c: c.update(fp16={"enabled": True}), NotImplementedError, r"fp16\.enabled.*bf16"),
+    (lambda c: c.update(fp16={"enabled": True}), NotImplementedError, r"fp16\.enabled=true.*bf16.*torch_autocast"),
     (lambda c: c["zero_optimization"]["zenflow"].update(select_strategy="epoch", select_interval=1), ValueError,
      r"select_strategy='epoch' needs the epoch length: pass training_data"),
 ], ids=["stage3", "nvme", "no-zenflow-block", "not-adamw", "amsgrad", "deepcompile-pass", "fp16",

@@ -26,7 +26,9 @@ How the user's config is read. The whole JSON is first validated by DeepSpeed's 
 - `compile.deepcompile: true` -> `engine.compile()` uses backend "zenflow"; DeepCompile's pass options
   (offload_activation, ...) cannot apply and are errors naming the key;
 - `bf16` -> DeepSpeed casts the module (its own cast, with keep_in_fp32_modules); ZenFlow keeps the fp32
-  masters. `fp16` needs dynamic loss scaling, which ZenFlowAdamW does not offer yet: an error.
+  masters. `torch_autocast` (bf16 or fp16) is DeepSpeed's as is: at stage 0 it scales fp16 losses with its
+  own torch.amp.GradScaler, which ZenFlowAdamW supports. The `fp16` block (DeepSpeed's loss scaler inside its
+  FP16 optimizer wrappers) is an error that names both alternatives.
 
 What the engine is given instead (why): DeepSpeed must not touch ZenFlow's state.
 - no `optimizer` block but a client optimizer callable, so DeepSpeed never builds cpu_adam / FusedAdam; it
@@ -71,6 +73,15 @@ _DS_ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
 # kernels): accepted and ignored.
 _IMPLEMENTATION_KEYS = ("torch_adam", "foreach", "fused")
 _BACKEND = "zenflow"
+
+
+def _require_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise ImportError("zenflow_compile.deepspeed needs DeepSpeed: pip install \"zenflow-compile[deepspeed]\" "
+                          f"(importing it failed: {error})") from error
+    return deepspeed
 
 
 def _config_error(key: str, value: Any, why: str) -> ValueError:
@@ -173,12 +184,15 @@ def _check_compile(compile_config) -> bool:
 
 
 def _check_precision(ds_config) -> None:
-    fp16_autocast = ds_config.torch_autocast_enabled and ds_config.torch_autocast_dtype == torch.float16
-    if ds_config.float16_config.enabled or fp16_autocast:
-        key = "fp16.enabled" if ds_config.float16_config.enabled else "torch_autocast.dtype"
+    # torch_autocast with fp16 passes: at stage 0 DeepSpeed drives its own torch.amp.GradScaler, which
+    # ZenFlowAdamW supports (the scale is divided out in step(), found-inf reported back).
+    if ds_config.float16_config.enabled:
         raise NotImplementedError(
-            f"DeepSpeed config {key}: fp16 training needs dynamic loss scaling, which ZenFlowAdamW does not "
-            "provide yet through DeepSpeed; use {\"bf16\": {\"enabled\": true}} (ZenFlow keeps fp32 masters)")
+            "DeepSpeed config fp16.enabled=true: DeepSpeed's fp16 mode scales the loss inside its FP16 optimizer "
+            "wrappers, which zenflow_compile does not use (they would own the fp32 masters ZenFlow keeps), so "
+            "fp16 parameters would train without loss scaling; use {\"bf16\": {\"enabled\": true}} "
+            "(ZenFlow keeps fp32 masters) or {\"torch_autocast\": {\"enabled\": true, \"dtype\": "
+            "\"torch.float16\"}} (fp32 parameters, DeepSpeed's GradScaler)")
 
 
 def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPlan:
@@ -186,6 +200,7 @@ def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPla
 
     Needs `deepspeed.comm` initialised (DeepSpeed's batch-size checks read the world size).
     """
+    _require_deepspeed()
     from deepspeed.runtime.config import DeepSpeedConfig
 
     user_config = copy.deepcopy(dict(config))
@@ -204,9 +219,9 @@ def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPla
     engine_config.pop("compile", None)
     engine_config["zero_optimization"] = {"stage": 0}
     engine_config["gradient_clipping"] = 0.0
-    return ZenFlowDeepSpeedPlan(adamw=_adamw_from(ds_config, user_config), max_grad_norm=clip if clip > 0 else None,
-                                zenflow_keys=zenflow_keys, deepcompile=deepcompile, engine_config=engine_config,
-                                user_config=user_config)
+    return ZenFlowDeepSpeedPlan(adamw=_adamw_from(ds_config, user_config),
+                                max_grad_norm=clip if clip > 0 else None, zenflow_keys=zenflow_keys,
+                                deepcompile=deepcompile, engine_config=engine_config, user_config=user_config)
 
 
 def _param_groups(model_parameters) -> list:
@@ -227,6 +242,7 @@ def engine_class():
     """`ZenFlowDeepSpeedEngine`, a `deepspeed.DeepSpeedEngine` subclass (defined on first use: DeepSpeed is
     imported lazily)."""
     global _ENGINE_CLASS
+    _require_deepspeed()
     if _ENGINE_CLASS is None:
         _ENGINE_CLASS = _define_engine_class()
     return _ENGINE_CLASS
@@ -371,7 +387,7 @@ def initialize(args: Any = None,
     `ZenFlowAdamW` built from the config's `optimizer`, `gradient_clipping` and `zero_optimization.zenflow`
     (so `optimizer=` must stay None). See the module docstring for how each key is read.
     """
-    import deepspeed
+    deepspeed = _require_deepspeed()
     from deepspeed import comm as dist
     from deepspeed.accelerator import get_accelerator
     from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
