@@ -207,10 +207,12 @@ def test_lr_scheduler_from_json_drives_zenflow(ds):
     assert_same_run([ds_final], [snapshot(model)])
 
 
-def test_gradient_accumulation_as_deepspeed_means_it(ds):
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["no-clip", "clip"])
+def test_gradient_accumulation_as_deepspeed_means_it(ds, clip):
     """gradient_accumulation_steps=3: engine.backward scales the loss by 1/3, engine.step() steps ZenFlow on
-    every third micro-batch only; equals the direct path summing (loss / 3) over 3 backwards per step."""
-    config = ds_config(gradient_accumulation_steps=3)
+    every third micro-batch only; equals the direct path summing (loss / 3) over 3 backwards per step (with
+    gradient_clipping too: ZenFlow clips the summed gradient of the step)."""
+    config = ds_config(gradient_accumulation_steps=3, **({"gradient_clipping": clip} if clip else {}))
     batches = make_batches(9)
     engine, opt, _, _ = ds_initialize(config)
     assert engine.train_batch_size() == 3 * MICRO_BATCH
@@ -226,6 +228,14 @@ def test_gradient_accumulation_as_deepspeed_means_it(ds):
     direct_run = train_direct(model, direct_optimizer(model, config), batches, micro_per_step=3)
     assert_same_run([ds_final], [direct_run[-1]])
     assert_moved([ds_final], snapshot(tiny_model()))
+
+
+def test_epoch_strategy_takes_the_epoch_from_training_data(ds):
+    """select_strategy "epoch": one epoch = one pass of DeepSpeed's dataloader = len(loader) // gas steps."""
+    config = ds_config({"select_strategy": "epoch", "select_interval": 1}, gradient_accumulation_steps=3)
+    x, y = make_batches(1, batch=6 * MICRO_BATCH)[0]
+    engine, opt, loader, _ = ds_initialize(config, training_data=torch.utils.data.TensorDataset(x, y))
+    assert len(loader) == 6 and opt.config.steps_per_epoch == 2 and opt.config.reselect_every == 2
 
 
 def test_bf16_block_casts_the_module_and_zenflow_keeps_fp32_masters(ds):
