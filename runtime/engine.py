@@ -39,9 +39,13 @@ class ZenFlowRuntime:
     def __init__(self, config: ZenFlowConfig, max_grad_norm: Optional[float]):
         self.config = config
         self.max_grad_norm = max_grad_norm
+        self.params: dict[int, tuple[torch.Tensor, int]] = {}  # every owned parameter: id -> (param, group)
+        # Optimizer state exists only for parameters that got a gradient: a frozen (or never used) parameter
+        # costs no host memory and no transfers, and is never written.
         self.states: dict[int, MatrixState | VectorState] = {}
         self.step_count = 0  # t: completed (non-skipped) steps
         self.selection_start = 0  # first step run under the current selection
+        self.selection_epoch = 0  # select_strategy="epoch": epoch-grid points passed at the last selection
         self.steps_accumulated = 0  # steps since the last update boundary
         self.update_pending = False  # overlap: a launched CPU update not yet applied to the device
         self.grad_slot = 0  # which host-gradient buffer this step's backward fills
@@ -59,18 +63,33 @@ class ZenFlowRuntime:
                              bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0)
 
     # -- parameters ---------------------------------------------------------------------------------------
-    def add_param(self, param: torch.Tensor, group_index: int) -> int:
-        if self.transfers is None:
-            self.transfers, self.stall_clock = Transfers(param.device), StallClock(param.device)
-        elif param.device != self.transfers.device:
+    def check_device(self, param: torch.Tensor) -> None:
+        if self.transfers is not None and param.device != self.transfers.device:
             raise ValueError(f"all parameters of one ZenFlowAdamW must be on one device; got {param.device} "
                              f"and {self.transfers.device}. Use one optimizer per device.")
+
+    def add_param(self, param: torch.Tensor, group_index: int) -> int:
+        self.check_device(param)
+        if self.transfers is None:
+            self.transfers, self.stall_clock = Transfers(param.device), StallClock(param.device)
         pid = registry.register_param(param, self)
-        if param.dim() >= 2:
-            self.states[pid] = MatrixState(param, pid, group_index, self.transfers)
-        else:
-            self.states[pid] = VectorState(param, pid, group_index)
+        self.params[pid] = (param, group_index)
         return pid
+
+    def _state(self, pid: int) -> MatrixState | VectorState:
+        """The parameter's optimizer state, created from its current values at its first gradient."""
+        state = self.states.get(pid)
+        if state is None:
+            param, group_index = self.params[pid]
+            if param.dim() >= 2:
+                state = MatrixState(param, pid, group_index, self.transfers)
+            else:
+                state = VectorState(param, pid, group_index)
+            self.states[pid] = state
+            # Registration order (ids grow with it), not gradient order: the global norm sums the scores in
+            # this order, so a resumed run (states created by load_state_dict) must use the same one.
+            self.states = dict(sorted(self.states.items()))
+        return state
 
     @property
     def matrices(self) -> list[MatrixState]:
@@ -85,7 +104,7 @@ class ZenFlowRuntime:
             if pending is not None:
                 self._wait(pending)
             self._step_open = True
-        self.counters["bytes_device_to_host"] += self.states[pid].receive_grad(grad, scores, self.grad_slot)
+        self.counters["bytes_device_to_host"] += self._state(pid).receive_grad(grad, scores, self.grad_slot)
 
     def discard_step_grads(self) -> None:
         for state in self.states.values():
@@ -93,18 +112,32 @@ class ZenFlowRuntime:
         self._step_open = False
 
     # -- the step -----------------------------------------------------------------------------------------
-    def step(self, param_groups: list[dict]) -> None:
+    def step(self, param_groups: list[dict], grad_scale: Optional[torch.Tensor] = None) -> bool:
+        """One optimizer step; False if it was skipped for a non-finite gradient.
+
+        `grad_scale`: the loss scale the gradients carry (torch.amp.GradScaler), divided out here.
+        """
         self._check_failure()
+        self._adopt_external_writes()
         cfg, t = self.config, self.step_count
         stepped = [s for s in self.states.values() if s.num_grads]
-        # One reduction over every score (O(1) launches), one scalar read: the step's host sync.
+        # One reduction over every score (O(1) launches), one read of it (with the loss scale, if any):
+        # the step's host sync.
         sumsq = torch.cat([s.step_scores(self.grad_slot) for s in stepped]).sum() if stepped else None
-        norm = math.sqrt(float(sumsq)) if sumsq is not None else 0.0
+        scale = 1.0
+        if sumsq is None:
+            norm = 0.0
+        elif grad_scale is None:
+            norm = math.sqrt(float(sumsq))
+        else:
+            sumsq, scale = torch.stack([sumsq.float(), grad_scale.to(sumsq.device).float().reshape(())]).tolist()
+            norm = math.sqrt(sumsq) / scale
         if not math.isfinite(norm):
             self.counters["skipped_steps"] += 1
             self.discard_step_grads()
-            return
+            return False
         coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
+        coef /= scale  # the clip coefficient of the unscaled gradient, applied to the scaled one
 
         stepped_matrices = [s for s in stepped if s.is_matrix]
         if t >= cfg.full_warm_up_rounds:
@@ -132,6 +165,16 @@ class ZenFlowRuntime:
         self.counters["steps"] += 1
         self.grad_slot ^= 1
         self.discard_step_grads()
+        return True
+
+    def _adopt_external_writes(self) -> None:
+        """SPEC §3 "Values": the parameter is the source of truth. Values written into it by anyone else
+        since the optimizer's last write (its version counter or storage changed) become the master."""
+        written = [s for s in self.states.values() if s.written_externally()]
+        if written:
+            self._drain()  # CPU work in flight reads and writes the host masters
+            for state in written:
+                state.adopt_param_values()
 
     @staticmethod
     def _update_on_device(stepped: list, param_groups: list[dict], coef: float) -> None:
@@ -184,6 +227,8 @@ class ZenFlowRuntime:
 
     def _should_reselect(self, t: int, stepped_matrices: list[MatrixState]) -> bool:
         cfg = self.config
+        if cfg.select_strategy == "epoch":  # the first boundary at or after each point of the epoch grid
+            return self._epoch_grid_point(t) > self.selection_epoch
         if cfg.reselect_every is not None:
             return t - self.selection_start + 1 >= cfg.reselect_every
         # "auto": reselect once matrices holding half of the columns kept fewer than half of S in the top-k.
@@ -194,6 +239,13 @@ class ZenFlowRuntime:
                 drifted_columns += m.cols
         total_columns = sum(m.cols for m in stepped_matrices)
         return total_columns > 0 and 2 * drifted_columns >= total_columns
+
+    def _epoch_grid_point(self, t: int) -> int:
+        """How many multiples of select_interval * steps_per_epoch steps (from W) have completed by step t."""
+        cfg = self.config
+        if cfg.select_strategy != "epoch":
+            return 0
+        return (t - cfg.full_warm_up_rounds + 1) // cfg.reselect_every
 
     def _update_boundary(self, param_groups: list[dict], overlap: bool) -> None:
         if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
@@ -213,12 +265,21 @@ class ZenFlowRuntime:
 
     def _launch_cpu_update(self, param_groups: list[dict]) -> Future:
         acc_slot = self.acc_slot
-        by_group: dict[int, list[MatrixState]] = {}
+        # One fused CPU AdamW per (param group, lr multiplier). The multiplier is 1, or with the opt-in
+        # interval_aware_update the matrix's m accumulated steps (its update stands for m steps).
+        by_group: dict[tuple[int, int], list[MatrixState]] = {}
         for m in self.matrices:
             if m.num_host and m.steps_accumulated:  # a matrix that got no gradient all interval is skipped
-                by_group.setdefault(m.group_index, []).append(m)
-        hyper = {g: _hyperparameters(param_groups[g]) for g in by_group}  # the group's values at launch
+                scale = m.steps_accumulated if self.config.interval_aware_update else 1
+                by_group.setdefault((m.group_index, scale), []).append(m)
+        hyper = {}  # the group's values at launch
+        for g, scale in by_group:
+            hyper[g, scale] = _hyperparameters(param_groups[g])
+            hyper[g, scale]["lr"] *= scale
         num_steps = {m.pid: m.steps_accumulated for members in by_group.values() for m in members}
+        for members in by_group.values():
+            for m in members:
+                m.unapplied = True  # its new columns reach the device at the next apply
 
         def cpu_update():
             for g, members in by_group.items():
@@ -231,8 +292,10 @@ class ZenFlowRuntime:
         return self.update_worker.submit(cpu_update, after=self._last_accumulate)
 
     def _apply_host_columns(self) -> None:
+        """Write the last launched CPU update into the device parameters of the matrices it updated."""
         for m in self.matrices:
-            self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_)
+            if m.unapplied:
+                self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_)
         self.update_pending = False
 
     def _reselect(self, t: int, matrices: list[MatrixState]) -> None:
@@ -241,6 +304,7 @@ class ZenFlowRuntime:
             total += m.num_selected
             moved += m.select(top_k_columns(m.scores, self.config.num_selected(m.cols)))
         self.selection_start = t + 1
+        self.selection_epoch = self._epoch_grid_point(t)
         self.counters["reselections"] += 1
         self.counters["selection_churn"] = moved / (2 * total) if total else 0.0
 
@@ -278,6 +342,7 @@ class ZenFlowRuntime:
         """Wait for all CPU work and apply any in-flight update to the device parameters."""
         self._check_failure()
         self._drain()
+        self._adopt_external_writes()
         if self.update_pending:
             self._apply_host_columns()
 
@@ -291,7 +356,7 @@ class ZenFlowRuntime:
     def close(self) -> None:
         for worker in (self.accumulate_worker, self.update_worker):
             worker.shutdown()
-        for pid in self.states:
+        for pid in self.params:
             registry.unregister_param(pid)
 
     # -- inspection and checkpoints -----------------------------------------------------------------------
@@ -312,10 +377,13 @@ class ZenFlowRuntime:
         return stats
 
     def selected_columns(self, pid: int) -> Optional[torch.Tensor]:
-        state = self.states[pid]
-        if not state.is_matrix or (state.num_selected == 0):
+        state = self.states.get(pid)
+        if state is None or not state.is_matrix or (state.num_selected == 0):
             return None
         return state.selected.clone()
+
+    def has_state(self, pid: int) -> bool:
+        return pid in self.states
 
     def export_state(self, pid: int) -> dict:
         """Checkpoint entry of one parameter (call after `quiesce`): canonical layout, host tensors."""
@@ -332,10 +400,12 @@ class ZenFlowRuntime:
                          zen_auto=torch.tensor([state.sum_selected_score, state.sum_unselected_score],
                                                dtype=torch.float64),
                          steps_accumulated=state.steps_accumulated)
+            if state.unapplied:  # overlap: what the device holds until the pending update is applied
+                entry.update(unapplied=True, device_columns=state.device_columns())
         return entry
 
     def import_state(self, pid: int, entry: dict) -> None:
-        state = self.states[pid]
+        state = self._state(pid)
         canonical = CanonicalState(*(entry[k].float() for k in ("master", "exp_avg", "exp_avg_sq", "step")))
         if not state.is_matrix:
             state.load_canonical(canonical)
@@ -344,15 +414,18 @@ class ZenFlowRuntime:
         state.accumulators[0].copy_(entry["accumulator"][:, state.host_columns].t())
         state.sum_selected_score, state.sum_unselected_score = entry["zen_auto"].tolist()
         state.steps_accumulated = int(entry["steps_accumulated"])
+        if entry.get("unapplied", False):
+            state.load_device_columns(entry["device_columns"])
 
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
         self._check_failure()
         self._drain()
+        self._adopt_external_writes()
 
     def export_globals(self) -> dict:
         return dict(step_count=self.step_count, selection_start=self.selection_start,
-                    steps_accumulated=self.steps_accumulated, update_pending=self.update_pending,
+                    selection_epoch=self.selection_epoch, steps_accumulated=self.steps_accumulated, update_pending=self.update_pending,
                     counters=dict(self.counters), config=self.config.to_dict(),
                     max_grad_norm=self.max_grad_norm)
 
@@ -363,6 +436,7 @@ class ZenFlowRuntime:
                              "construct the optimizer with the saved config to resume exactly")
         self.step_count = saved["step_count"]
         self.selection_start = saved["selection_start"]
+        self.selection_epoch = saved.get("selection_epoch", 0)
         self.steps_accumulated = saved["steps_accumulated"]
         self.update_pending = saved["update_pending"]
         self.counters.update(saved["counters"])

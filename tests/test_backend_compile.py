@@ -241,7 +241,7 @@ def test_input_gradients_are_still_returned():
     del opt
 
 
-def test_new_optimizer_needs_a_recompile_and_says_so():
+def test_a_deleted_optimizer_leaves_an_unowned_parameter_error_not_a_misroute():
     torch.manual_seed(0)
     model = MLP()
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR)
@@ -253,5 +253,10 @@ def test_new_optimizer_needs_a_recompile_and_says_so():
 
     gc.collect()
     assert registry.param_id(model.fc1.weight) is None
-    with pytest.raises(RuntimeError, match="no live optimizer"):
+    with pytest.raises(ValueError, match=r"requires grad but no ZenFlowAdamW owns it"):
         loss_of(compiled(torch.randn(2, 6))).backward()
+    # A new optimizer over the compiled model: no recompile needed, its gradients arrive.
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR)
+    loss_of(compiled(torch.randn(2, 6))).backward()
+    opt.step()
+    assert opt.stats()["steps"] == 1

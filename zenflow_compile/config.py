@@ -11,6 +11,7 @@ import math
 import numbers
 import os
 import warnings
+from fractions import Fraction
 from typing import Any, Mapping, Optional, Union
 
 __all__ = ["ZenFlowConfig", "ZENFLOW_KEYS"]
@@ -45,6 +46,12 @@ class ZenFlowConfig:
     pt_reserved_cores_perc: fraction in [0, 1] of CPU cores left to PyTorch threads (the rest run CPU AdamW).
     steps_per_epoch: int >= 1 steps in an epoch; required by select_strategy "epoch".
     max_update_interval: int >= 1 cap on Zen-auto's interval (this project's key, not DeepSpeed's).
+    interval_aware_update: opt-in (this project's key, not DeepSpeed's; False keeps DeepSpeed parity). At an
+        update boundary the unselected columns take one AdamW step with the mean of the m accumulated
+        gradients, so they move about 1/m as far as under AdamW. True sizes that step for the m steps it
+        stands for: lr * m (weight decay included, so the decay is (1 - lr*wd)^m to first order, as the
+        selected columns get). m is the matrix's steps since its last update: update_interval, or under
+        Zen-auto up to max_update_interval (lower that cap to bound the largest step).
     """
 
     topk_ratio: float = 0.1
@@ -58,6 +65,7 @@ class ZenFlowConfig:
     pt_reserved_cores_perc: float = 0.5
     steps_per_epoch: Optional[int] = None
     max_update_interval: int = 16
+    interval_aware_update: bool = False
 
     def __post_init__(self) -> None:
         def put(key: str, value: Any) -> None:
@@ -83,7 +91,7 @@ class ZenFlowConfig:
             raise _bad("select_strategy", self.select_strategy, 'one of "auto", "step", "epoch"')
         int_at_least("select_interval", 1, '"auto" or an int >= 1', auto=True)
         int_at_least("update_interval", 1, '"auto" or an int >= 1', auto=True)
-        for key in ("overlap_step", "offload"):
+        for key in ("overlap_step", "offload", "interval_aware_update"):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "a bool (True or False)")
         real_in("auto_ratio", 0.0, 1.0, False, "a float in [0, 1]")
@@ -153,7 +161,8 @@ class ZenFlowConfig:
         """Columns selected in a matrix of ``num_columns`` columns: max(1, floor(topk_ratio * C))."""
         if not (_is_int(num_columns) and num_columns >= 1):
             raise ValueError(f"num_columns={num_columns!r} is invalid: expected an int >= 1")
-        return max(1, math.floor(self.topk_ratio * int(num_columns)))
+        # The exact decimal product: 0.29 * 100 is 28.999999999999996 in floating point, but k is 29.
+        return max(1, math.floor(Fraction(repr(self.topk_ratio)) * int(num_columns)))
 
     @property
     def auto_update(self) -> bool:

@@ -88,7 +88,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._hook_handles: dict[int, Any] = {}  # id(param) -> its post-accumulate-grad hook
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        weakref.finalize(self, ZenFlowRuntime.close, self._runtime)
+        weakref.finalize(self, _close, self._runtime, self._hook_handles)
 
     @property
     def config(self) -> ZenFlowConfig:
@@ -114,8 +114,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 self._hook(param)
 
     def _hook(self, param: torch.Tensor) -> None:
-        pid = self._param_ids[id(param)]
-        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(_handoff_hook(pid))
+        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(_handoff)
 
     def param_id(self, param: torch.Tensor) -> int:
         return self._param_ids[id(param)]
@@ -143,7 +142,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if param.grad is not None and id(param) in self._param_ids:
                     if id(param) not in self._hook_handles:
                         self._hook(param)
-                    _handoff_hook(self._param_ids[id(param)])(param)
+                    _handoff(param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients received since the last step (as torch.optim does with `.grad`)."""
@@ -206,18 +205,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
 
 
-def _handoff_hook(pid: int):
-    def hook(param: torch.Tensor) -> None:
-        if param.grad is not None:
-            if param.grad.layout != torch.strided:
-                raise ValueError(
-                    f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} got a {param.grad.layout} gradient "
-                    "(e.g. nn.Embedding(sparse=True)); ZenFlow needs dense gradients. Fix: use sparse=False "
-                    "for that module")
-            registry.accumulate_grad(pid, param.grad, None)
-            param.grad = None
+def _handoff(param: torch.Tensor) -> None:
+    """Eager hand-off (post-accumulate-grad hook): the gradient goes to the parameter's current owner."""
+    if param.grad is None:
+        return
+    if param.grad.layout != torch.strided:
+        raise ValueError(
+            f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} got a {param.grad.layout} gradient "
+            "(e.g. nn.Embedding(sparse=True)); ZenFlow needs dense gradients. Fix: use sparse=False "
+            "for that module")
+    pid = registry.param_id(param)
+    if pid is not None:
+        registry.accumulate_grad(pid, param.grad, None)
+        param.grad = None
 
-    return hook
+
+def _close(runtime: ZenFlowRuntime, hook_handles: dict) -> None:
+    for handle in hook_handles.values():
+        handle.remove()
+    runtime.close()
 
 
 def _check_params(params: list, group_index: int, known: dict, runtime: ZenFlowRuntime) -> None:

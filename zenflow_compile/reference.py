@@ -24,8 +24,10 @@ Decisions taken where SPEC section 3 is silent (the rest of the project follows 
   iff sumU >= sumK / acc_steps, or U is empty. Boundary iff #ripe >= auto_ratio * #matrices or
   m_acc >= max_update_interval (#matrices: those with acc_steps > 0; none at all: every step is a boundary).
   Int update_interval S: boundary iff (t - W + 1) % S == 0.
-- Reselection, only at boundaries, from this step's scores: "step"/"epoch": iff t - sel_start + 1 >=
-  config.reselect_every (sel_start starts at W). "auto": a matrix has drifted iff 2*|S & topk(s)| < k;
+- Reselection, only at boundaries, from this step's scores: "step": iff t - sel_start + 1 >=
+  select_interval (sel_start starts at W); "epoch": at the first boundary at or after each multiple of
+  E = select_interval * steps_per_epoch completed steps counted from W, i.e. iff (t - W + 1) // E has grown
+  since the last selection (on the grid, never drifting). "auto": a matrix has drifted iff 2*|S & topk(s)| < k;
   reselect iff 2 * sum(C of drifted) >= sum(C) over matrices with a grad this step (no matrix: never).
 - At a boundary, in order: (1) overlap and pending: device[:, U] = master[:, U] for every matrix;
   (2) CPU AdamW of U with the mean accumulated grad, acc/sums reset, cpu_updates += 1; (3) overlap and not
@@ -33,6 +35,10 @@ Decisions taken where SPEC section 3 is silent (the rest of the project follows 
   device[:, U] = master[:, U]; (4) reselecting: S = top-k(s), sel_start = t + 1, reselections += 1.
   Nothing in the state is reset on reselection (state "moves with the column").
 - lr / betas / eps / weight_decay: the param group's values at the step the update is made.
+- The parameter is the source of truth for its value: state is created from the parameter at its first
+  gradient, and at every step() (and synchronize()) each element that differs from what this optimizer last
+  wrote into the parameter was written by someone else, and its value becomes the master. Parameters that
+  never get a gradient are never written.
 - The first selection (t == W) is not counted in stats()["reselections"].
 - state_dict() returns a deep copy (torch's returns live references) with the global counters under
   "zenflow"; load_state_dict() restores state tensors exactly (no cast to the param dtype).
@@ -96,7 +102,7 @@ class ZenFlowReference(torch.optim.Optimizer):
         self.config = config
         self.max_grad_norm = max_grad_norm
         W = config.full_warm_up_rounds
-        self.zf = dict(t=0, sel_start=W, m_acc=0, pending=False, skipped_steps=0, cpu_updates=0,
+        self.zf = dict(t=0, sel_start=W, sel_epoch=0, m_acc=0, pending=False, skipped_steps=0, cpu_updates=0,
                        reselections=0)
 
     # ------------------------------------------------------------------------------------------- helpers
@@ -119,7 +125,20 @@ class ZenFlowReference(torch.optim.Optimizer):
         if self._is_matrix(p):
             st["acc"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
             st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
+        st["written"] = p.detach().clone()  # what this optimizer last left in the parameter
         return st
+
+    def _adopt_external_writes(self):
+        """Elements of a parameter that differ from what this optimizer last wrote become the master."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if not st:
+                    continue
+                changed = (p.detach() != st["written"]).reshape(st["master"].shape)
+                if changed.any():
+                    st["master"][changed] = p.detach().reshape(st["master"].shape).float()[changed]
+                    st["written"] = p.detach().clone()
 
     @staticmethod
     def _update_columns(st, g2d, cols, group):
@@ -141,10 +160,11 @@ class ZenFlowReference(torch.optim.Optimizer):
         master = self.state[p]["master"]
         if cols is None:
             p.data.copy_(master.reshape(p.shape))
-            return
-        dev = p.data.reshape(master.shape).clone()
-        dev[:, cols] = master[:, cols].to(p.dtype)
-        p.data.copy_(dev.reshape(p.shape))
+        else:
+            dev = p.data.reshape(master.shape).clone()
+            dev[:, cols] = master[:, cols].to(p.dtype)
+            p.data.copy_(dev.reshape(p.shape))
+        self.state[p]["written"] = p.detach().clone()
 
     def _unselected(self, p):
         st = self.state[p]
@@ -168,6 +188,7 @@ class ZenFlowReference(torch.optim.Optimizer):
                 loss = closure()
         z, cfg, W = self.zf, self.config, self.config.full_warm_up_rounds
         t = z["t"]
+        self._adopt_external_writes()
         live = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
         grads = {}
         total = torch.zeros((), dtype=torch.float32)
@@ -226,7 +247,9 @@ class ZenFlowReference(torch.optim.Optimizer):
 
         if boundary:
             # Reselect? Decided from this step's scores.
-            if cfg.reselect_every is not None:
+            if cfg.select_strategy == "epoch":
+                reselect = (t - W + 1) // cfg.reselect_every > z["sel_epoch"]
+            elif cfg.reselect_every is not None:
                 reselect = t - z["sel_start"] + 1 >= cfg.reselect_every
             else:
                 total_c = drifted_c = 0
@@ -244,6 +267,8 @@ class ZenFlowReference(torch.optim.Optimizer):
             for group, p in self._matrices():
                 st = self.state[p]
                 if st["acc_steps"] > 0:
+                    if cfg.interval_aware_update:  # opt-in: the step stands for its acc_steps steps
+                        group = dict(group, lr=group["lr"] * st["acc_steps"])
                     self._update_columns(st, st["acc"] / st["acc_steps"], self._unselected(p), group)
                 st["acc"].zero_()
                 st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
@@ -259,6 +284,8 @@ class ZenFlowReference(torch.optim.Optimizer):
                 for p, s in scores.items():
                     self.state[p]["S"] = top_k(s, cfg.num_selected(s.numel()))
                 z["sel_start"] = t + 1
+                if cfg.select_strategy == "epoch":
+                    z["sel_epoch"] = (t - W + 1) // cfg.reselect_every
                 z["reselections"] += 1
         z["t"] = t + 1
         return loss
@@ -266,6 +293,7 @@ class ZenFlowReference(torch.optim.Optimizer):
     @torch.no_grad()
     def synchronize(self):
         """Apply the CPU update still in flight (overlap_step), if any."""
+        self._adopt_external_writes()
         if self.zf["pending"]:
             self._apply_unselected()
             self.zf["pending"] = False
