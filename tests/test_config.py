@@ -41,7 +41,8 @@ SPEC_JSON = """\
 
 DEFAULTS = dict(topk_ratio=0.1, select_strategy="auto", select_interval="auto", update_interval="auto",
                 overlap_step=False, offload=False, auto_ratio=0.99, full_warm_up_rounds=0,
-                pt_reserved_cores_perc=0.5, steps_per_epoch=None, max_update_interval=16)
+                pt_reserved_cores_perc=0.5, steps_per_epoch=None, max_update_interval=16,
+                interval_aware_update=False)
 
 
 # ------------------------------------------------------------------------------------------------ defaults
@@ -82,6 +83,7 @@ INVALID = [
     ("update_interval", 1.5), ("update_interval", True), ("update_interval", None),
     ("overlap_step", 1), ("overlap_step", "true"), ("overlap_step", None),
     ("offload", 0), ("offload", "yes"),
+    ("interval_aware_update", 1), ("interval_aware_update", "true"), ("interval_aware_update", None),
     ("auto_ratio", 1.5), ("auto_ratio", -0.01), ("auto_ratio", float("nan")), ("auto_ratio", "0.9"),
     ("auto_ratio", False),
     ("full_warm_up_rounds", -1), ("full_warm_up_rounds", 1.0), ("full_warm_up_rounds", True),
@@ -276,7 +278,7 @@ def test_deepspeed_defaults_parity():
     ds = DS()
     ours = ZenFlowConfig()
     shared = [k for k in ZENFLOW_KEYS if k in type(ds).model_fields]
-    assert set(ZENFLOW_KEYS) - set(shared) == {"max_update_interval"}
+    assert set(ZENFLOW_KEYS) - set(shared) == {"max_update_interval", "interval_aware_update"}
     assert set(type(ds).model_fields) <= set(ZENFLOW_KEYS)
     for k in shared:
         assert getattr(ours, k) == getattr(ds, k), k
