@@ -195,10 +195,13 @@ def test_lora_frozen_base_is_never_written_and_costs_nothing(mode):
 
 
 def test_a_layer_unfrozen_mid_run_trains_from_then_on(mode):
-    pair = Pair(mode, tiny_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ZENFLOW_KEYS),
-                lambda ps: ZenFlowReference(ps, lr=LR, **ZENFLOW_KEYS))
-    for model in (pair.a, pair.b):
+    def frozen_fc1():  # frozen before the optimizer is built, as when fine-tuning the top layers first
+        model = tiny_model()
         model.fc1.requires_grad_(False)
+        return model
+
+    pair = Pair(mode, frozen_fc1, lambda ps: ZenFlowAdamW(ps, lr=LR, **ZENFLOW_KEYS),
+                lambda ps: ZenFlowReference(ps, lr=LR, **ZENFLOW_KEYS))
     batches = make_batches(7)
     frozen = pair.a.fc1.weight.detach().clone()
     pair.train(batches[:3], "frozen")
@@ -263,12 +266,12 @@ def test_hugging_face_model_from_pretrained(tmp_path, mode):
         return transformers.AutoModelForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float32)
 
     a, b = load(), load()
-    # The optimizer is built first and the weights loaded after, as when resuming from a pretrained dir.
     opt = ZenFlowAdamW(a.parameters(), lr=LR, **ADAMW_KEYS)
     oracle = torch.optim.AdamW(b.parameters(), lr=LR)
-    with torch.no_grad():
-        for p in list(a.parameters()) + list(b.parameters()):
-            p.mul_(0.0)
+    # Then other pretrained weights are loaded into the models the optimizers already hold.
+    torch.manual_seed(1)
+    other = transformers.LlamaForCausalLM(config)
+    other.save_pretrained(tmp_path)
     a.load_state_dict(load().state_dict())
     b.load_state_dict(load().state_dict())
     run_a, run_b = prepare(a, mode), prepare(b, mode, backend="inductor")
@@ -300,11 +303,12 @@ def test_bad_input_is_a_clear_value_error_naming_it():
 
 def test_integer_tensors_are_skipped_like_torch_does():
     model = tiny_model()
-    model.register_parameter("codes", nn.Parameter(torch.arange(6), requires_grad=False))  # e.g. quantized
+    codes = torch.arange(6).reshape(2, 3)
+    model.register_parameter("codes", nn.Parameter(codes.clone(), requires_grad=False))  # e.g. quantized
     opt = ZenFlowAdamW(model.parameters(), lr=LR, **ZENFLOW_KEYS)
     for batch in make_batches(3):
         step(model, opt, batch)
-    assert torch.equal(model.codes, torch.arange(6))
+    assert torch.equal(model.codes, codes)
     opt.state_dict()  # and checkpoints work
 
 
