@@ -231,27 +231,32 @@ def train_one(name: str, data, args, header: dict) -> None:
 
 # ------------------------------------------------------------------------------------------ table and chart
 def table(results: dict) -> str:
+    """Held-out accuracy and loss of every run at every evaluated step, and the accuracy gap to AdamW."""
     runs = results.get("runs", {})
     if not runs:
         return "(no runs)"
     steps = sorted({p["step"] for r in runs.values() for p in r["curve"]})
     base = {p["step"]: p for p in runs.get("adamw", {}).get("curve", [])}
     width = max(len(n) for n in runs)
-    head = f"{'run':<{width}}  " + "  ".join(f"{'acc@' + str(s):>8}" for s in steps) + "  final loss  Δacc vs adamw (points)"
-    lines = [head, "-" * len(head)]
-    for name, r in runs.items():
-        curve = {p["step"]: p for p in r["curve"]}
-        accs = "  ".join(f"{curve[s]['accuracy']:8.4f}" if s in curve else f"{'-':>8}" for s in steps)
-        last = r["curve"][-1] if r["curve"] else None
-        gaps = [f"{100 * (curve[s]['accuracy'] - base[s]['accuracy']):+.1f}@{s}" for s in steps
-                if s in curve and s in base and s > 0]
-        status = "" if r["status"] == "done" else f"  ({r['status']})"
-        lines.append(f"{name:<{width}}  {accs}  {last['loss'] if last else float('nan'):10.4f}  "
-                     f"{' '.join(gaps) if name != 'adamw' else ''}{status}")
+    lines = []
+    for metric in ("accuracy", "loss"):
+        head = f"{metric:<{width}}  " + "  ".join(f"{'@' + str(s):>7}" for s in steps)
+        if metric == "accuracy":
+            head += "  vs adamw (points)"
+        lines += [head, "-" * len(head)]
+        for name, r in runs.items():
+            curve = {p["step"]: p for p in r["curve"]}
+            row = "  ".join(f"{curve[s][metric]:7.4f}" if s in curve else f"{'-':>7}" for s in steps)
+            if metric == "accuracy" and name != "adamw":
+                row += "  " + " ".join(f"{100 * (curve[s]['accuracy'] - base[s]['accuracy']):+.1f}@{s}"
+                                       for s in steps if s in curve and s in base and s > 0)
+            status = "" if r["status"] == "done" else f"  ({r['status']})"
+            lines.append(f"{name:<{width}}  {row}{status}")
+        lines.append("")
     return "\n".join(lines)
 
 
-def chart(results: dict, png: Path) -> None:
+def chart(results: dict, png: Path, only: list | None = None) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -261,6 +266,8 @@ def chart(results: dict, png: Path) -> None:
         return
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80)
     for name, r in results.get("runs", {}).items():
+        if only and name not in only:
+            continue
         xs = [p["step"] for p in r["curve"]]
         style = dict(lw=2.2, color="black") if name == "adamw" else dict(lw=1.3)
         if name.startswith("reference"):
@@ -269,7 +276,7 @@ def chart(results: dict, png: Path) -> None:
         ax_loss.plot(xs, [p["loss"] for p in r["curve"]], **style)
     s = results["setup"]
     ax_acc.set(xlabel="step", ylabel="held-out accuracy", ylim=(0, 1))
-    ax_loss.set(xlabel="step", ylabel="held-out loss", yscale="log")
+    ax_loss.set(xlabel="step", ylabel="held-out loss")
     fig.suptitle(f"all-MiniLM-L6-v2 on 20 Newsgroups: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
                  f"{s['eval_size']} held-out docs", fontsize=9)
     ax_acc.legend(fontsize=6.5, loc="lower right")
@@ -307,6 +314,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=Path("accuracy.json"))
     p.add_argument("--png", type=Path, default=None, help="chart of the curves (default: --out with .png)")
     p.add_argument("--report-only", action="store_true", help="print the table / draw the chart from --out")
+    p.add_argument("--plot", nargs="+", default=None, help="runs to draw (default: all in --out)")
     p.add_argument("--smoke", action="store_true", help="1 layer, 6 steps, tiny subsets: checks the pipeline")
     args = p.parse_args(argv)
     if args.smoke:
@@ -340,7 +348,7 @@ def main(argv=None) -> int:
     with locked_results(args.out, header) as results:
         pass
     print(table(results))
-    chart(results, args.png)
+    chart(results, args.png, [run_name(parse_run(r)) for r in args.plot] if args.plot else None)
     return 0
 
 

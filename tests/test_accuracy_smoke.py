@@ -38,4 +38,4 @@ def test_accuracy_smoke(tmp_path):
     for a, b in zip(runs[zen]["curve"], runs[ref]["curve"]):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4), (a, b)
     assert not math.isclose(runs["adamw"]["curve"][-1]["loss"], runs[zen]["curve"][-1]["loss"], rel_tol=1e-4)
-    assert "acc@6" in proc.stdout and zen in proc.stdout  # the table
+    assert "@6" in proc.stdout and zen in proc.stdout and "loss" in proc.stdout  # the table

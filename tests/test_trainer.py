@@ -104,8 +104,10 @@ def test_trainer_matches_hand_written_loop(minilm, tmp_path):
     assert callback.optimizer is opt and find_zenflow_optimizer(trainer.optimizer) is opt
     assert opt.max_grad_norm == CLIP            # forwarded from TrainingArguments
     assert args.max_grad_norm == CLIP           # restored after train()
+    # Adam turns a rounding difference in a near-zero gradient element (Trainer's loss path, thread-parallel
+    # reductions) into up to ~lr in that element: compare to a tenth of one step's size.
     for name, p in model.named_parameters():
-        torch.testing.assert_close(p.detach(), hand[name], rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.detach(), hand[name], rtol=1e-3, atol=0.1 * LR, msg=lambda m: f"{name}: {m}")
     assert opt.stats()["steps"] == STEPS and opt.stats()["cpu_updates"] == hand_cpu_updates
 
     history = trainer.state.log_history
