@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="1M params, 0.3 s per scenario, 1 pass")
     p.add_argument("--out", default="bench_cores.json")
     args = p.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows in logs as it happens
     if args.smoke:
         args.params, args.seconds, args.repeats = "1M", 0.3, 1
     loops = [k.strip() for k in args.loops.split(",") if k.strip()]

@@ -192,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="20 layers, 2 rounds of 4 steps")
     p.add_argument("--out", default="bench_step_overhead.json")
     args = p.parse_args(argv)
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows in logs as it happens
     if args.smoke:
         args.layers, args.rounds, args.steps, args.warmup = 20, 2, 4, 4
     args.kinds = [k.strip() for k in args.systems.split(",") if k.strip()]

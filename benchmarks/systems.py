@@ -299,16 +299,18 @@ def run_zenflow(spec: dict) -> dict:
 
 
 def _zenflow_worker_placement(opt) -> dict:
-    """Cores and intra-op threads of ZenFlow's host workers (core reservation: pt_reserved_cores_perc)."""
+    """Cores and intra-op threads ZenFlow's host workers run with (core reservation: pt_reserved_cores_perc),
+    asked on the worker threads themselves."""
+    import torch
+
+    def where():
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+        return dict(cores=cores, threads=torch.get_num_threads())
+
     runtime = opt._runtime
     out = dict(pt_reserved_cores_perc=runtime.config.pt_reserved_cores_perc)
     for worker in (runtime.accumulate_worker, runtime.update_worker):
-        cores = getattr(worker, "cores", None)
-        pinned = getattr(worker, "placement", None)
-        out[worker.name if hasattr(worker, "name") else "worker"] = dict(
-            cores=list(pinned.cores) if pinned and pinned.cores else (list(cores.workers) if cores else None),
-            threads=pinned.num_threads if pinned else None,
-            isolated=bool(cores and cores.isolated))
+        out[getattr(worker, "name", "worker")] = worker.submit(where).result()
     return out
 
 
@@ -442,16 +444,22 @@ def _run_deepspeed(spec: dict, zenflow: Optional[dict]) -> dict:
         measuring["on"] = True
         totals["cpu_adam"] = 0.0
 
+    finished = {"how": "nothing in flight (synchronous optimizer)"}
+
     def finish():
         # DeepSpeed ZenFlow with overlap: the update submitted at the last step runs in its optimizer
         # process; wait for it inside the window (end of the run: its weights are not copied back).
         if overlap and getattr(optimizer, "process_optimizer_established", False):
             optimizer._wait_for_optimizer_process()
+            finished["how"] = "waited for DeepSpeed ZenFlow's optimizer process (its last submitted update)"
+        elif overlap:
+            finished["how"] = "DeepSpeed ZenFlow's optimizer process never started: nothing in flight"
 
     loop = _timed_loop(step, spec, device, on_measure_start=start_measuring, finish=finish)
     result = _summary(loop, facts, device)
     steps = result["measured_steps"]
     result.update(
+        finish=finished["how"],
         optimizer=facts["ds_optimizer"],
         stall_fraction=totals["step"] / result["total_measured_s"],
         stall_method="host-blocking time in engine.step() (device synchronised before and after) / total time; "

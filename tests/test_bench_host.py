@@ -42,7 +42,8 @@ def test_smoke_run_reports_every_row(tmp_path):
         assert r["place"] in places and 0.9 * r["requested_params"] <= r["num_params"] <= 1.1 * r["requested_params"]
         assert set(r["rows"]) == expected_rows
         bw = r["bandwidth"]
-        assert bw["bound_gbps"] == max(bw["copy_gbps"], bw["add_gbps"], bw["add_inplace_gbps"]) > 0
+        assert bw["bound_gbps"] == max(bw[f"{k}_gbps"] for k in ("copy", "add", "add_inplace", "scale_inplace",
+                                                            "addcmul_inplace")) > 0
         for name, row in r["rows"].items():
             assert row["seconds"] > 0 and row["gparams_per_s"] > 0
             assert row["fraction_of_bound"] == pytest.approx(row["gparams_per_s"] / row["bound_gparams_per_s"])

@@ -86,7 +86,10 @@ def test_smoke_run_reports_every_system(tmp_path):
                                        "faster_than_ds_zenflow", "stall_below_5pct", "traffic_within_bound"}
         if cpu:  # GPU targets: never judged on a CPU
             assert all(t["passed"] is None and t["judged"] is False for t in row["targets"].values())
-        assert row["zenflow_workers"]["pt_reserved_cores_perc"] == 0.5
+        workers = row["zenflow_workers"]
+        assert workers["pt_reserved_cores_perc"] == 0.5
+        for name in ("accumulate", "update"):  # inside the system's cores, at most as many threads
+            assert set(workers[name]["cores"]) <= set(row["cores"]) and 1 <= workers[name]["threads"] <= row["threads"]
     limit = rows[kinds.index("adamw")]
     if limit["status"] == "ok":
         assert limit["ratio_to_speed_limit"] == pytest.approx(1.0)
