@@ -96,7 +96,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     @property
     def max_grad_norm(self) -> Optional[float]:
+        """Global-norm clipping threshold (None = off); settable between steps (e.g. by a Trainer callback)."""
         return self._runtime.max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: Optional[float]) -> None:
+        _check_hyperparameters(self.defaults["lr"], self.defaults["betas"], self.defaults["eps"],
+                               self.defaults["weight_decay"], value)
+        self._runtime.max_grad_norm = None if value is None else float(value)
 
     def add_param_group(self, param_group: dict) -> None:
         group_index = len(self.param_groups)

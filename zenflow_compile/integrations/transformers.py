@@ -107,8 +107,7 @@ class ZenFlowCallback(TrainerCallback):
         wanted = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         if wanted is not None:
             if opt.max_grad_norm is None:
-                # The runtime reads its max_grad_norm at every step; the optimizer exposes it read-only.
-                opt._runtime.max_grad_norm = float(wanted)
+                opt.max_grad_norm = float(wanted)
             elif opt.max_grad_norm != wanted:
                 raise ValueError(
                     f"TrainingArguments.max_grad_norm={args.max_grad_norm!r} and ZenFlowAdamW(max_grad_norm="
