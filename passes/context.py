@@ -25,11 +25,14 @@ class ZenFlowPassContext:
         loudly instead of corrupting training.
     param_names: human-readable names (for error messages and inspection only, not part of any cache key).
     configs: the ZenFlowConfig of each owning optimizer, as sorted `(key, value)` tuples (cache key only).
+    data_parallel: None, or `(world_size, bucket_numel)` when the owners reduce gradients across ranks: the
+        gradients are then handed over in buckets of about `bucket_numel` elements (`insert_grad_reduce`).
     """
 
     param_shapes: tuple[Optional[tuple[int, ...]], ...]
     param_names: tuple[Optional[str], ...] = ()
     configs: tuple[tuple[tuple[str, object], ...], ...] = ()
+    data_parallel: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         if self.param_names and len(self.param_names) != len(self.param_shapes):
@@ -48,5 +51,6 @@ class ZenFlowPassContext:
         return f"forward input {index}"
 
     def cache_key(self) -> tuple:
-        """What the rewritten graph depends on (which slots are parameters, their shapes; owners' configs)."""
-        return (self.param_shapes, self.configs)
+        """What the rewritten graph depends on (which slots are parameters, their shapes; owners' configs and
+        data-parallel settings)."""
+        return (self.param_shapes, self.configs, self.data_parallel)

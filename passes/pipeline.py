@@ -6,6 +6,10 @@ For every ZenFlow parameter gradient output `g` (the gradient of forward input `
     zenflow.accumulate_grad(g, scores, slot)                   (insert_grad_handoff, right after g)
     return ..., None, ...                                      (drop_param_grads)
 
+Data parallel (the owners reduce across ranks), instead of the first two:
+
+    zenflow.reduce_grads([g1, g2, ...], [slot1, slot2, ...])    (insert_grad_reduce, one per bucket)
+
 No optimizer math goes into the graph: the device update of the selected columns runs at `opt.step()` as
 one fused multi-parameter update, because skipping a non-finite step and clipping both need the step's
 global gradient norm, known only after the last gradient of the step (possibly in another graph, or
@@ -21,6 +25,7 @@ from zenflow_compile.passes.context import ZenFlowPassContext
 from zenflow_compile.passes.drop_param_grads import drop_param_grads
 from zenflow_compile.passes.find_param_grads import ParamGrad, find_param_grads, is_backward_graph
 from zenflow_compile.passes.insert_grad_handoff import insert_grad_handoff
+from zenflow_compile.passes.insert_grad_reduce import insert_grad_reduce
 from zenflow_compile.passes.insert_norm_proxy import insert_norm_proxy
 
 __all__ = ["ZenFlowPassContext", "rewrite_backward", "is_backward_graph"]
@@ -29,9 +34,13 @@ __all__ = ["ZenFlowPassContext", "rewrite_backward", "is_backward_graph"]
 def rewrite_backward(graph: torch.fx.Graph, ctx: ZenFlowPassContext) -> list[ParamGrad]:
     """Rewrite a backward graph in place; return the parameter gradients handed to the runtime."""
     grads = find_param_grads(graph, ctx)
-    for grad in grads:
-        scores = insert_norm_proxy(graph, grad.node)
-        insert_grad_handoff(graph, grad.node, scores, grad.slot)
+    if ctx.data_parallel is None:
+        for grad in grads:
+            scores = insert_norm_proxy(graph, grad.node)
+            insert_grad_handoff(graph, grad.node, scores, grad.slot)
+    else:
+        _, bucket_numel = ctx.data_parallel
+        insert_grad_reduce(graph, grads, ctx.param_shapes, bucket_numel)
     drop_param_grads(graph, [grad.output_index for grad in grads])
     graph.lint()
     return grads

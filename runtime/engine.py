@@ -7,6 +7,12 @@ selected columns and vectors -> hand the unselected columns' gradient to the acc
 boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
 reselection (after waiting for and applying the boundary's own update, so state moves fully current).
 
+Data parallel (SPEC §5, `data_parallel` set): gradients arrive averaged across ranks (`GradReducer`); the
+step all-reduces the column scores first, so the norm, clipping, Zen-auto and every selection are computed
+from the same numbers on every rank and every rank issues the same collectives in the same order. Host
+state is partitioned by matrix (`DataParallel.assign_owner`): only a matrix's owner accumulates and runs
+its CPU AdamW; at the apply the owner broadcasts the updated columns.
+
 Determinism: the device only ever receives a CPU update at a fixed point of the schedule (the boundary
 after its launch, or its own boundary without overlap), so results never depend on thread timing; if the
 CPU is late the training thread waits, and the wait is counted as stall time.
@@ -24,6 +30,8 @@ import torch
 from zenflow_compile.config import ZenFlowConfig
 from zenflow_compile.runtime import kernels
 from zenflow_compile.runtime import registry
+from zenflow_compile.runtime.collectives import DataParallel
+from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.param_state import CanonicalState, MatrixState, VectorState, top_k_columns
 from zenflow_compile.runtime.transfers import StallClock, Transfers
 from zenflow_compile.runtime.worker import CpuWorker
@@ -36,9 +44,15 @@ def _hyperparameters(group: dict) -> dict:
 
 
 class ZenFlowRuntime:
-    def __init__(self, config: ZenFlowConfig, max_grad_norm: Optional[float]):
+    def __init__(self, config: ZenFlowConfig, max_grad_norm: Optional[float],
+                 data_parallel: Optional[DataParallel] = None, reduce_bucket_numel: int = 25_000_000):
         self.config = config
         self.max_grad_norm = max_grad_norm
+        self.data_parallel = data_parallel
+        self.rank = data_parallel.rank if data_parallel is not None else 0
+        self.reducer = (GradReducer(data_parallel, reduce_bucket_numel, self._receive_reduced)
+                        if data_parallel is not None else None)
+        self.owners: dict[int, int] = {}  # data parallel: pid -> rank holding its host state (set at creation)
         self.params: dict[int, tuple[torch.Tensor, int]] = {}  # every owned parameter: id -> (param, group)
         # Optimizer state exists only for parameters that got a gradient: a frozen (or never used) parameter
         # costs no host memory and no transfers, and is never written.
@@ -81,15 +95,26 @@ class ZenFlowRuntime:
         state = self.states.get(pid)
         if state is None:
             param, group_index = self.params[pid]
+            owner = self._owner(pid, param)
             if param.dim() >= 2:
-                state = MatrixState(param, pid, group_index, self.transfers)
+                state = MatrixState(param, pid, group_index, self.transfers, owner=owner,
+                                    owns_host=owner == self.rank)
             else:
-                state = VectorState(param, pid, group_index)
+                state = VectorState(param, pid, group_index, owner=owner)
             self.states[pid] = state
             # Registration order (ids grow with it), not gradient order: the global norm sums the scores in
             # this order, so a resumed run (states created by load_state_dict) must use the same one.
             self.states = dict(sorted(self.states.items()))
         return state
+
+    def _owner(self, pid: int, param: torch.Tensor) -> int:
+        """The rank that holds the parameter's host state: decided when its state is created, in the same
+        order on every rank (a checkpoint's assignment is restored through `owners`)."""
+        if self.data_parallel is None:
+            return 0
+        if pid not in self.owners:
+            self.owners[pid] = self.data_parallel.assign_owner(param.numel())
+        return self.owners[pid]
 
     @property
     def matrices(self) -> list[MatrixState]:
@@ -97,6 +122,24 @@ class ZenFlowRuntime:
 
     # -- gradients ----------------------------------------------------------------------------------------
     def accumulate_grad(self, pid: int, grad: torch.Tensor, scores: Optional[torch.Tensor]) -> None:
+        """One backward's gradient of one parameter (eager hook, or the compiled graph without data
+        parallelism). Data parallel: it joins the reducer's open bucket (`scores` are of the local gradient,
+        unused)."""
+        self._open_step()
+        if self.reducer is not None:
+            self.reducer.add(self._state(pid), grad)
+            return
+        self.counters["bytes_device_to_host"] += self._state(pid).receive_grad(grad, scores, self.grad_slot)
+
+    def reduce_grads(self, pids: list[int], grads: list[torch.Tensor]) -> None:
+        """Data parallel, compiled: one bucket of gradients (graph order), reduced asynchronously."""
+        self._open_step()
+        if self.reducer is None:
+            raise RuntimeError("zenflow::reduce_grads reached a ZenFlowAdamW without a data-parallel group: the "
+                               "graph was compiled for another world size; recompile (torch._dynamo.reset())")
+        self.reducer.launch([(self._state(pid), grad) for pid, grad in zip(pids, grads)])
+
+    def _open_step(self) -> None:
         self._check_failure()
         if not self._step_open:
             # The accumulate task of two steps ago read the buffers this step fills.
@@ -104,9 +147,26 @@ class ZenFlowRuntime:
             if pending is not None:
                 self._wait(pending)
             self._step_open = True
-        self.counters["bytes_device_to_host"] += self._state(pid).receive_grad(grad, scores, self.grad_slot)
+
+    def _receive_reduced(self, state, replicated: Optional[torch.Tensor], host: Optional[torch.Tensor]) -> None:
+        if state.is_matrix:
+            sent = state.receive_reduced(replicated, host, self.grad_slot)
+        else:
+            sent = state.receive_grad(replicated, None, self.grad_slot)
+        self.counters["bytes_device_to_host"] += sent
+
+    def _all_reduce_scores(self, stepped: list, scores: list[torch.Tensor]) -> None:
+        """Every rank's scores become the full scores of the averaged gradient: each state's owner reports
+        it (the others contribute zeros), one all-reduce for all of them."""
+        mine = [t if s.owner == self.rank else torch.zeros_like(t) for s, t in zip(stepped, scores)]
+        packed = torch.cat(mine)
+        self.data_parallel.all_reduce(packed)
+        for t, reduced in zip(scores, packed.split([t.numel() for t in scores])):
+            t.copy_(reduced)
 
     def discard_step_grads(self) -> None:
+        if self.reducer is not None:
+            self.reducer.finish_all()  # every rank runs the same collectives, used or not
         for state in self.states.values():
             state.num_grads = 0
         self._step_open = False
@@ -118,12 +178,17 @@ class ZenFlowRuntime:
         `grad_scale`: the loss scale the gradients carry (torch.amp.GradScaler), divided out here.
         """
         self._check_failure()
+        if self.reducer is not None:
+            self.reducer.finish_all()
         self._adopt_external_writes()
         cfg, t = self.config, self.step_count
         stepped = [s for s in self.states.values() if s.num_grads]
+        scores = [s.step_scores(self.grad_slot) for s in stepped]
+        if self.data_parallel is not None and stepped:
+            self._all_reduce_scores(stepped, scores)
         # One reduction over every score (O(1) launches), one read of it (with the loss scale, if any):
         # the step's host sync.
-        sumsq = torch.cat([s.step_scores(self.grad_slot) for s in stepped]).sum() if stepped else None
+        sumsq = torch.cat(scores).sum() if stepped else None
         scale = 1.0
         if sumsq is None:
             norm = 0.0
@@ -145,10 +210,11 @@ class ZenFlowRuntime:
                 self.selection_start = t
             for m in stepped_matrices:  # first selection (a matrix's first gradient at t >= W), before updates
                 if not m.num_selected:
-                    m.select(top_k_columns(m.scores, cfg.num_selected(m.cols)), grad_slot=self.grad_slot)
+                    m.select(top_k_columns(m.scores, cfg.num_selected(m.cols)), grad_slot=self.grad_slot,
+                             data_parallel=self.data_parallel)
 
         self._update_on_device(stepped, param_groups, coef)
-        self._submit_accumulate([m for m in stepped_matrices if m.num_host], coef)
+        self._submit_accumulate([m for m in stepped_matrices if m.num_host and m.owns_host], coef)
         for m in stepped_matrices:
             m.steps_accumulated += 1
         self.steps_accumulated += 1
@@ -281,8 +347,12 @@ class ZenFlowRuntime:
             for m in members:
                 m.unapplied = True  # its new columns reach the device at the next apply
 
+        owned = {key: [m for m in members if m.owns_host] for key, members in by_group.items()}
+
         def cpu_update():
-            for g, members in by_group.items():
+            for g, members in owned.items():
+                if not members:
+                    continue
                 batch = [item for m in members for item in m.host_adamw_batch(acc_slot, num_steps[m.pid])]
                 kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **hyper[g])
                 for m in members:
@@ -293,16 +363,23 @@ class ZenFlowRuntime:
 
     def _apply_host_columns(self) -> None:
         """Write the last launched CPU update into the device parameters of the matrices it updated."""
-        for m in self.matrices:
-            if m.unapplied:
-                self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_)
+        unapplied = [m for m in self.matrices if m.unapplied]
+        # Data parallel: the other ranks wait in the broadcast for the owners' CPU updates (counted as stall).
+        waits = self.data_parallel is not None and unapplied
+        marker, start = (self.stall_clock.before_wait(), time.perf_counter()) if waits else (None, 0.0)
+        for m in unapplied:
+            self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_,
+                                                                          self.data_parallel)
+        if waits:
+            self.stall_clock.after_wait(marker, time.perf_counter() - start)
         self.update_pending = False
 
     def _reselect(self, t: int, matrices: list[MatrixState]) -> None:
         moved = total = 0
         for m in matrices:
             total += m.num_selected
-            moved += m.select(top_k_columns(m.scores, self.config.num_selected(m.cols)))
+            moved += m.select(top_k_columns(m.scores, self.config.num_selected(m.cols)),
+                              data_parallel=self.data_parallel)
         self.selection_start = t + 1
         self.selection_epoch = self._epoch_grid_point(t)
         self.counters["reselections"] += 1
@@ -374,6 +451,10 @@ class ZenFlowRuntime:
         stats["accumulate_seconds"] = self.accumulate_worker.busy_seconds
         stats["current_interval"] = self.steps_accumulated
         stats["update_pending"] = self.update_pending
+        # Host memory held for optimizer state (data parallel: this rank's share).
+        stats["host_state_bytes"] = sum(t.numel() * t.element_size() for m in self.matrices for t in m.host_buffers())
+        if self.data_parallel is not None:
+            stats.update(self.data_parallel.stats())
         return stats
 
     def selected_columns(self, pid: int) -> Optional[torch.Tensor]:
@@ -386,8 +467,11 @@ class ZenFlowRuntime:
         return pid in self.states
 
     def export_state(self, pid: int) -> dict:
-        """Checkpoint entry of one parameter (call after `quiesce`): canonical layout, host tensors."""
+        """Checkpoint entry of one parameter (call after `quiesce`): canonical layout, host tensors. Data
+        parallel, a matrix whose host part another rank owns: only what this rank holds (its device part)."""
         state = self.states[pid]
+        if state.is_matrix and not state.owns_host:
+            return self._export_device_part(state)
         canonical = state.canonical()
         entry = dict(master=canonical.master, exp_avg=canonical.exp_avg, exp_avg_sq=canonical.exp_avg_sq,
                      step=canonical.step)
@@ -404,18 +488,44 @@ class ZenFlowRuntime:
                 entry.update(unapplied=True, device_columns=state.device_columns())
         return entry
 
+    @staticmethod
+    def _export_device_part(state: MatrixState) -> dict:
+        selected = torch.zeros(state.cols, dtype=torch.bool)
+        selected[state.selected] = True
+        return dict(host_owner=state.owner, selected=selected, host_columns=state.host_columns.clone(),
+                    selected_master=state.dev_master.cpu(),
+                    selected_exp_avg=state.dev_exp_avg.cpu(), selected_exp_avg_sq=state.dev_exp_avg_sq.cpu(),
+                    selected_step=state.dev_step.cpu(),
+                    zen_auto=torch.tensor([state.sum_selected_score, state.sum_unselected_score],
+                                          dtype=torch.float64),
+                    steps_accumulated=state.steps_accumulated, unapplied=state.unapplied)
+
     def import_state(self, pid: int, entry: dict) -> None:
         state = self._state(pid)
-        canonical = CanonicalState(*(entry[k].float() for k in ("master", "exp_avg", "exp_avg_sq", "step")))
+        if "host_owner" in entry:  # a data-parallel share: this rank's device part only
+            canonical = CanonicalState(*(torch.full((state.rows, state.cols), math.nan) for _ in range(3)),
+                                       torch.full((state.cols,), math.nan))
+            selected = entry["selected"].nonzero().flatten()
+            for full, part in ((canonical.master, "selected_master"), (canonical.exp_avg, "selected_exp_avg"),
+                               (canonical.exp_avg_sq, "selected_exp_avg_sq")):
+                full[:, selected] = entry[part].float()
+            canonical.step[selected] = entry["selected_step"].float()
+        else:
+            canonical = CanonicalState(*(entry[k].float() for k in ("master", "exp_avg", "exp_avg_sq", "step")))
+            selected = entry["selected"].nonzero().flatten() if state.is_matrix else None
         if not state.is_matrix:
             state.load_canonical(canonical)
             return
-        state.load_canonical(canonical, entry["selected"].nonzero().flatten())
-        state.accumulators[0].copy_(entry["accumulator"][:, state.host_columns].t())
+        state.load_canonical(canonical, selected, entry.get("host_columns"))
+        if state.owns_host:
+            state.accumulators[0].copy_(entry["accumulator"][:, state.host_columns].t())
         state.sum_selected_score, state.sum_unselected_score = entry["zen_auto"].tolist()
         state.steps_accumulated = int(entry["steps_accumulated"])
         if entry.get("unapplied", False):
-            state.load_device_columns(entry["device_columns"])
+            if state.owns_host:
+                state.load_device_columns(entry["device_columns"])
+            else:
+                state.unapplied = True  # it receives the owner's pending update at the next apply
 
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
@@ -429,7 +539,8 @@ class ZenFlowRuntime:
                     counters=dict(self.counters), config=self.config.to_dict(),
                     max_grad_norm=self.max_grad_norm)
 
-    def import_globals(self, saved: dict) -> None:
+    def import_globals(self, saved: dict, owners: Optional[dict[int, int]] = None) -> None:
+        """`owners`: pid -> rank for a data-parallel share saved at this world size (None: assign afresh)."""
         if saved["config"] != self.config.to_dict():
             differing = sorted(k for k, v in saved["config"].items() if self.config.to_dict().get(k) != v)
             raise ValueError(f"checkpoint was saved with a different ZenFlow config (keys {differing}); "
@@ -440,6 +551,13 @@ class ZenFlowRuntime:
         self.steps_accumulated = saved["steps_accumulated"]
         self.update_pending = saved["update_pending"]
         self.counters.update(saved["counters"])
+        # States are re-created from the checkpoint (with the checkpoint's owners, if it is a rank's share).
+        self.states = {}
+        self.owners = dict(owners or {})
+        if self.data_parallel is not None:
+            self.data_parallel.reset_ownership()
+            for pid, owner in self.owners.items():
+                self.data_parallel.claim(owner, self.params[pid][0].numel())
         self.grad_slot = self.acc_slot = 0
         self._accumulate_done = [None, None]
         self._last_accumulate = self._update_future = None

@@ -8,7 +8,13 @@ time.
 
 hands one backward's gradient of the parameter in forward-input `slot` (and its per-column squared-norm
 proxy, computed by fused aten reductions in the graph) to the runtime that owns that parameter in the call
-being differentiated. The op returns nothing, so both FX dead-code elimination and
+being differentiated.
+
+    zenflow::reduce_grads(Tensor[] grads, int[] slots) -> ()
+
+data parallel (SPEC §5): hands one bucket of gradients over at once; the runtime starts their asynchronous
+reduction across ranks (`runtime/grad_reduce.py`) and computes the column scores from the averaged
+gradient, so the graph computes no norm proxy for them. The op returns nothing, so both FX dead-code elimination and
 Inductor's scheduler would drop it as unused: `torch.fx.node.has_side_effect` marks it impure, which is the
 one registry both consult (`torch._library.utils.is_impure`, used by `Node.is_impure` and by Inductor's
 `FallbackKernel.has_side_effects`).
@@ -24,7 +30,7 @@ from torch.fx.node import has_side_effect
 
 from zenflow_compile.runtime import registry
 
-__all__ = ["accumulate_grad", "ACCUMULATE_GRAD"]
+__all__ = ["accumulate_grad", "reduce_grads", "ACCUMULATE_GRAD", "REDUCE_GRADS"]
 
 
 # Explicit schema: `int`, not the SymInt custom_op would infer (an id is never symbolic).
@@ -44,8 +50,23 @@ def _accumulate_grad_fake(grad: torch.Tensor, column_scores: torch.Tensor, slot:
     return None
 
 
-#: The OpOverload the passes insert into backward graphs.
-ACCUMULATE_GRAD = torch.ops.zenflow.accumulate_grad.default
+@torch.library.custom_op("zenflow::reduce_grads", mutates_args=(),
+                         schema="(Tensor[] grads, int[] slots) -> ()",
+                         tags=(torch.Tag.cudagraph_unsafe,))
+def reduce_grads(grads: list[torch.Tensor], slots: list[int]) -> None:
+    """Start the data-parallel reduction of one bucket of gradients (forward-input `slots`)."""
+    registry.reduce_grads_from_graph(slots, grads)
 
-# Without this, the op (no outputs, no mutated args) looks pure and would be dead-code eliminated.
+
+@reduce_grads.register_fake
+def _reduce_grads_fake(grads: list[torch.Tensor], slots: list[int]) -> None:
+    return None
+
+
+#: The OpOverloads the passes insert into backward graphs.
+ACCUMULATE_GRAD = torch.ops.zenflow.accumulate_grad.default
+REDUCE_GRADS = torch.ops.zenflow.reduce_grads.default
+
+# Without this, the ops (no outputs, no mutated args) look pure and would be dead-code eliminated.
 has_side_effect(ACCUMULATE_GRAD)
+has_side_effect(REDUCE_GRADS)

@@ -12,10 +12,16 @@ host columns are updated at every boundary, so the runs stay runs until the next
 Double buffers (index = parity) let the CPU work on one while the next step fills the other:
 `host_grads` by step, `accumulators` by interval, `host_weights` (the CPU-updated columns, cast to the
 parameter dtype, read by the upload) by CPU update.
+
+Data parallel (SPEC §5): every rank holds the device part of every matrix (the same selection, the same
+values); only the matrix's `owner` holds its host part (`owns_host`). The other ranks know which columns are
+unselected but keep no host buffers: their gradient goes to the owner, and they receive the owner's updated
+columns (`apply_host_columns`) and the state of newly selected columns (`select`) by broadcast.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -91,8 +97,9 @@ class VectorState:
 
     is_matrix = False
 
-    def __init__(self, param: torch.Tensor, pid: int, group_index: int):
+    def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int = 0):
         self.param, self.pid, self.group_index = param, pid, group_index
+        self.owner = owner  # data parallel: the rank that reports its score and saves its state
         device = param.device
         self.master = param.detach().float().reshape(-1, 1).clone()
         self.exp_avg = torch.zeros_like(self.master)
@@ -126,6 +133,13 @@ class VectorState:
         self.num_grads += 1
         return 0
 
+    def reduce_split_numel(self) -> tuple[int, int]:
+        """(elements averaged on every rank, elements reduced into the owner) of a gradient."""
+        return self.master.numel(), 0
+
+    def split_grad_for_reduce(self, grad: torch.Tensor, replicated: torch.Tensor, host) -> None:
+        replicated.copy_(grad.reshape(-1))
+
     def step_scores(self, grad_slot: int) -> torch.Tensor:
         """This step's squared norm ([1]); exact when several backwards were summed."""
         if self.num_grads > 1:  # the sum of squares of a sum needs the summed gradient
@@ -153,12 +167,14 @@ class MatrixState:
 
     is_matrix = True
 
-    def __init__(self, param: torch.Tensor, pid: int, group_index: int, transfers: Transfers):
+    def __init__(self, param: torch.Tensor, pid: int, group_index: int, transfers: Transfers,
+                 owner: int = 0, owns_host: bool = True):
         if not param.is_contiguous():
             raise ValueError(
                 f"ZenFlowAdamW needs contiguous parameters; got one of shape {tuple(param.shape)} with strides "
                 f"{param.stride()}. Make it contiguous (param.data = param.data.contiguous()) first.")
         self.param, self.pid, self.group_index = param, pid, group_index
+        self.owner, self.owns_host = owner, owns_host
         self.transfers = transfers
         self.rows = param.shape[0]
         self.cols = param.numel() // self.rows
@@ -190,13 +206,19 @@ class MatrixState:
         """The device parameter viewed as [R, C] (a view: writes land in the parameter)."""
         return self.param.data.view(self.rows, self.cols)
 
-    def _distribute(self, selected: torch.Tensor, state: CanonicalState,
-                    step_grad: Optional[torch.Tensor] = None) -> None:
-        """Lay `state` out for selection `selected` (ascending host LongTensor); `step_grad` moves with it."""
+    def _host_order(self, selected: torch.Tensor, state: CanonicalState) -> torch.Tensor:
+        """The unselected columns, ordered by update count (runs of equal counts are contiguous)."""
         unselected_mask = torch.ones(self.cols, dtype=torch.bool)
         unselected_mask[selected] = False
         unselected = unselected_mask.nonzero().flatten()
-        host_columns = unselected[torch.sort(state.step[unselected], stable=True).indices]
+        return unselected[torch.sort(state.step[unselected], stable=True).indices]
+
+    def _distribute(self, selected: torch.Tensor, state: CanonicalState,
+                    step_grad: Optional[torch.Tensor] = None, host_columns: Optional[torch.Tensor] = None) -> None:
+        """Lay `state` out for selection `selected` (ascending host LongTensor); `step_grad` moves with it.
+        `host_columns`: the order of the unselected columns, when the counts that decide it are not here."""
+        if host_columns is None:
+            host_columns = self._host_order(selected, state)
 
         dev, dtype, pin = self.device, self.param.dtype, self.pin
         self.selected, self.selected_on_device = selected, selected.to(dev)
@@ -207,6 +229,15 @@ class MatrixState:
         self.dev_grad = torch.zeros(self.rows, selected.numel(), device=dev, dtype=dtype)
 
         self.host_columns, self.host_columns_on_device = host_columns, host_columns.to(dev)
+        self.upload_done: list = [None, None]  # upload events of host_weights[slot]
+        self.offload_done: list[list] = [[], []]  # D2H events of host_grads[slot] (and its extras)
+        self.extra_grads: list[list[torch.Tensor]] = [[], []]  # later backwards of a step, summed at step()
+        if step_grad is not None:
+            self.dev_grad.copy_(step_grad[:, selected].to(dev))
+        if not self.owns_host:  # another rank holds the host part
+            self.host_master = self.host_exp_avg = self.host_exp_avg_sq = None
+            self.host_runs, self.host_grads, self.accumulators, self.host_weights = [], [], [], []
+            return
         shape = (host_columns.numel(), self.rows)
         self.host_master = _host_buffer(shape, torch.float32, pin)
         self.host_master.copy_(state.master[:, host_columns].t())
@@ -221,12 +252,7 @@ class MatrixState:
         for weights in self.host_weights:
             weights.copy_(self.host_master)
         self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
-        self.upload_done: list = [None, None]  # upload events of host_weights[slot]
-        self.offload_done: list[list] = [[], []]  # D2H events of host_grads[slot] (and its extras)
-        self.extra_grads: list[list[torch.Tensor]] = [[], []]  # later backwards of a step, summed at step()
-
         if step_grad is not None:
-            self.dev_grad.copy_(step_grad[:, selected].to(dev))
             for buffer in self.host_grads:
                 buffer.copy_(step_grad[:, host_columns].t())
 
@@ -240,24 +266,35 @@ class MatrixState:
         return runs
 
     def canonical(self) -> CanonicalState:
-        """The whole state in [R, C] layout on the host."""
+        """The whole state in [R, C] layout on the host (on a rank that does not own the host part, those
+        columns are NaN)."""
         R, C = self.rows, self.cols
-        state = CanonicalState(*(torch.empty(R, C) for _ in range(3)), torch.empty(C))
+        state = CanonicalState(*(torch.full((R, C), math.nan) for _ in range(3)), torch.full((C,), math.nan))
         for full, dev, host in ((state.master, self.dev_master, self.host_master),
                                 (state.exp_avg, self.dev_exp_avg, self.host_exp_avg),
                                 (state.exp_avg_sq, self.dev_exp_avg_sq, self.host_exp_avg_sq)):
             full[:, self.selected] = dev.cpu()
-            full[:, self.host_columns] = host.t()
+            if host is not None:
+                full[:, self.host_columns] = host.t()
         state.step[self.selected] = self.dev_step.cpu()
         for start, end, count in self.host_runs:
             state.step[self.host_columns[start:end]] = count
         return state
 
-    def load_canonical(self, state: CanonicalState, selected: torch.Tensor) -> None:
-        """Lay a checkpointed state out for selection `selected` (accumulators empty)."""
-        self._distribute(selected, state)
+    def load_canonical(self, state: CanonicalState, selected: torch.Tensor,
+                       host_columns: Optional[torch.Tensor] = None) -> None:
+        """Lay a checkpointed state out for selection `selected` (accumulators empty); `host_columns`: the
+        saved order of the unselected columns, when this rank has not their update counts."""
+        self._distribute(selected, state, host_columns=host_columns)
         self.unapplied = False
         self.watch.remember()
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The host memory this matrix holds (none on a rank that does not own its host part)."""
+        if not self.owns_host:
+            return []
+        return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, *self.host_grads, *self.accumulators,
+                *self.host_weights]
 
     # -- values written by others (SPEC §3 "Values") -----------------------------------------------------
     def written_externally(self) -> bool:
@@ -274,8 +311,8 @@ class MatrixState:
         if current.dtype != self.dev_grad.dtype:  # cast (model.to(dtype)): every value is new
             state = self.canonical()
             state.master.copy_(current.float().cpu())
-            accumulators = [acc.clone() for acc in self.accumulators]
-            self._distribute(self.selected, state)
+            accumulators = [acc.clone() for acc in self.accumulators]  # (none on a non-owner)
+            self._distribute(self.selected, state, host_columns=self.host_columns)
             for mine, saved in zip(self.accumulators, accumulators):
                 mine.copy_(saved)
             self.unapplied = False
@@ -284,7 +321,7 @@ class MatrixState:
         if self.num_selected:
             _adopt(current.index_select(1, self.selected_on_device), self.dev_master.to(current.dtype),
                    self.dev_master)
-        if self.num_host:
+        if self.num_host and self.owns_host:
             wait_events(self.upload_done)  # an upload may still be reading the host weights
             host_now = current.t().index_select(0, self.host_columns_on_device).cpu()
             applied = self._applied_weights()
@@ -309,21 +346,53 @@ class MatrixState:
         """This step's gradient in [R, C] layout on the host (waits for its offload)."""
         self.fold_extra_grads(grad_slot)
         wait_events(self.offload_done[grad_slot])  # the first backward's copy may still be in flight
-        step_grad = torch.empty(self.rows, self.cols, dtype=self.param.dtype)
+        step_grad = torch.zeros(self.rows, self.cols, dtype=self.param.dtype)
         step_grad[:, self.selected] = self.dev_grad.cpu()
-        step_grad[:, self.host_columns] = self.host_grads[grad_slot].t()
+        if self.owns_host:
+            step_grad[:, self.host_columns] = self.host_grads[grad_slot].t()
         return step_grad
 
-    def select(self, selected: torch.Tensor, grad_slot: Optional[int] = None) -> int:
+    def select(self, selected: torch.Tensor, grad_slot: Optional[int] = None, data_parallel=None) -> int:
         """Make `selected` the device-resident columns, moving state (and this step's grad if `grad_slot`).
 
         Returns how many columns changed sides. Accumulators must be empty (they are at every reselection
-        boundary, and before the first selection).
+        boundary, and before the first selection). Data parallel: the state of the newly selected columns
+        (and their gradient) comes from the owner's host to every rank.
         """
-        moved = selected.numel() + self.num_selected - 2 * int(torch.isin(selected, self.selected).sum())
+        arriving = selected[~torch.isin(selected, self.selected)]
+        moved = arriving.numel() + self.num_selected - (selected.numel() - arriving.numel())
         step_grad = self._step_grad(grad_slot) if grad_slot is not None else None
-        self._distribute(selected, self.canonical(), step_grad)
+        state = self.canonical()
+        host_columns = None
+        if data_parallel is not None:
+            if arriving.numel():
+                self._broadcast_columns(data_parallel, arriving, state, step_grad)
+            # Only the owner knows the host columns' update counts, which order them: everyone takes its order.
+            host_columns = self._host_order(selected, state).to(self.device)
+            data_parallel.broadcast(host_columns, self.owner)
+            host_columns = host_columns.cpu()
+        self._distribute(selected, state, step_grad, host_columns)
         return moved
+
+    def _broadcast_columns(self, data_parallel, columns: torch.Tensor, state: CanonicalState,
+                           step_grad: Optional[torch.Tensor]) -> None:
+        """The owner's state (and step gradient) of `columns` into every rank's `state` / `step_grad`."""
+        parts = [state.master[:, columns], state.exp_avg[:, columns], state.exp_avg_sq[:, columns],
+                 state.step[columns].reshape(1, -1)]
+        if step_grad is not None:
+            parts.append(step_grad[:, columns].float())  # exact for bf16/fp16 gradients
+        packed = torch.cat(parts).to(self.device)
+        data_parallel.broadcast(packed, self.owner)
+        if self.owns_host:
+            return
+        packed = packed.cpu()
+        R = self.rows
+        state.master[:, columns] = packed[:R]
+        state.exp_avg[:, columns] = packed[R:2 * R]
+        state.exp_avg_sq[:, columns] = packed[2 * R:3 * R]
+        state.step[columns] = packed[3 * R]
+        if step_grad is not None:
+            step_grad[:, columns] = packed[3 * R + 1:].to(step_grad.dtype)
 
     # -- one step -----------------------------------------------------------------------------------------
     def receive_grad(self, grad: torch.Tensor, scores: Optional[torch.Tensor], grad_slot: int) -> int:
@@ -343,7 +412,45 @@ class MatrixState:
         if not self.num_host:
             return 0
         # Gather + transpose on the device: one contiguous row per column, a single contiguous copy down.
-        rest = g.t().index_select(0, self.host_columns_on_device)
+        return self._offload(g.t().index_select(0, self.host_columns_on_device), first, grad_slot)
+
+    def reduce_split_numel(self) -> tuple[int, int]:
+        """Data parallel: (elements averaged on every rank, elements reduced into the owner) of a gradient."""
+        return self.rows * self.num_selected, self.rows * self.num_host
+
+    def split_grad_for_reduce(self, grad: torch.Tensor, replicated: Optional[torch.Tensor],
+                              host: Optional[torch.Tensor]) -> None:
+        """Copy the selected columns ([R, k]) and the unselected ones (transposed, [u, R]: the host layout)
+        into the reduction buffers."""
+        g = grad.reshape(self.rows, self.cols)
+        if replicated is not None:
+            torch.index_select(g, 1, self.selected_on_device, out=replicated.view(self.rows, self.num_selected))
+        if host is not None:
+            torch.index_select(g.t(), 0, self.host_columns_on_device, out=host.view(self.num_host, self.rows))
+
+    def receive_reduced(self, replicated: Optional[torch.Tensor], host: Optional[torch.Tensor],
+                        grad_slot: int) -> int:
+        """Take one backward's averaged gradient: the selected columns (every rank) and, on the owner, the
+        unselected ones. Scores are those of the averaged gradient (the host columns' only on the owner:
+        the runtime all-reduces the scores at the step). Returns the bytes sent device -> host."""
+        first = self.num_grads == 0
+        self.num_grads += 1
+        scores = torch.zeros(self.cols, device=self.device)
+        if replicated is not None:
+            chosen = replicated.view(self.rows, self.num_selected)
+            self.dev_grad.copy_(chosen) if first else self.dev_grad.add_(chosen)
+            scores[self.selected_on_device] = chosen.float().pow(2).sum(0)
+        if host is None:
+            self.scores.copy_(scores) if first else self.scores.add_(scores)
+            return 0
+        rest = host.view(self.num_host, self.rows)
+        scores[self.host_columns_on_device] = rest.float().pow(2).sum(1)
+        self.scores.copy_(scores) if first else self.scores.add_(scores)
+        return self._offload(rest, first, grad_slot)
+
+    def _offload(self, rest: torch.Tensor, first: bool, grad_slot: int) -> int:
+        """Send the unselected columns' gradient ([u, R]) to host_grads[grad_slot] (later backwards of the
+        same step: to extra buffers, summed at step())."""
         if first:  # (also forgets the extras of a step that was discarded or skipped)
             target = self.host_grads[grad_slot]
             self.offload_done[grad_slot], self.extra_grads[grad_slot] = [], []
@@ -368,8 +475,11 @@ class MatrixState:
             self.fold_extra_grads(grad_slot)
             exact = torch.empty(self.cols, device=self.device)
             exact[self.selected_on_device] = self.dev_grad.float().pow(2).sum(0)
-            host_scores = self.host_grads[grad_slot].float().pow(2).sum(1)
-            exact[self.host_columns_on_device] = host_scores.to(self.device)
+            if self.owns_host:
+                host_scores = self.host_grads[grad_slot].float().pow(2).sum(1)
+                exact[self.host_columns_on_device] = host_scores.to(self.device)
+            else:  # the owner reports them
+                exact[self.host_columns_on_device] = 0.0
             self.scores.copy_(exact)
         return self.scores
 
@@ -401,12 +511,21 @@ class MatrixState:
         self.weights_slot = slot
 
     # -- training thread ----------------------------------------------------------------------------------
-    def apply_host_columns(self, merge_columns) -> int:
-        """Write the latest CPU-updated columns into the device parameter; returns the bytes uploaded."""
+    def apply_host_columns(self, merge_columns, data_parallel=None) -> int:
+        """Write the latest CPU-updated columns into the device parameter; returns the bytes uploaded.
+        Data parallel: the owner uploads and broadcasts them, every other rank receives them."""
         if not self.num_host:
+            self.unapplied = False
             return 0
-        slot = self.weights_slot
-        values, self.upload_done[slot] = self.transfers.to_device(self.host_weights[slot])
+        uploaded = 0
+        if self.owns_host:
+            slot = self.weights_slot
+            values, self.upload_done[slot] = self.transfers.to_device(self.host_weights[slot])
+            uploaded = values.numel() * values.element_size()
+        else:
+            values = torch.empty(self.num_host, self.rows, dtype=self.param.dtype, device=self.device)
+        if data_parallel is not None:
+            data_parallel.broadcast(values, self.owner)
         merge_columns(self.as_columns(), self.host_columns_on_device, values)
         self.unapplied = False
-        return values.numel() * values.element_size()
+        return uploaded

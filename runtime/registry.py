@@ -112,19 +112,46 @@ def _tensors(outputs):
     return []
 
 
-def accumulate_grad_from_graph(slot: int, grad: torch.Tensor, column_scores: torch.Tensor) -> None:
-    """The compiled backward's hand-off: resolve `slot` through the call that is being differentiated."""
+def _bound_param_id(slot: int, op: str) -> int:
+    """The id of the parameter in `slot` of the compiled call being differentiated."""
     node = torch._C._current_autograd_node()
     param_ids = None if node is None else node.metadata.get(_GRAPH_IDS_KEY)
     if param_ids is None:
         raise RuntimeError(
-            "zenflow::accumulate_grad ran outside the backward of a graph compiled with backend='zenflow' "
+            f"zenflow::{op} ran outside the backward of a graph compiled with backend='zenflow' "
             "(or under compiled autograd, which ZenFlow does not support): no parameters are bound to it")
     pid = param_ids[slot]
     if pid is None:
         raise RuntimeError(f"ZenFlow: forward input {slot} of this graph got a gradient but no ZenFlowAdamW "
                            "owned it when the graph ran")
-    accumulate_grad(pid, grad, column_scores)
+    return pid
+
+
+def accumulate_grad_from_graph(slot: int, grad: torch.Tensor, column_scores: torch.Tensor) -> None:
+    """The compiled backward's hand-off: resolve `slot` through the call that is being differentiated."""
+    accumulate_grad(_bound_param_id(slot, "accumulate_grad"), grad, column_scores)
+
+
+def reduce_grads_from_graph(slots: list[int], grads: list[torch.Tensor]) -> None:
+    """The compiled backward's data-parallel hand-off of one bucket: each owner gets its gradients in order."""
+    by_runtime: dict[int, tuple] = {}
+    for slot, grad in zip(slots, grads):
+        pid = _bound_param_id(slot, "reduce_grads")
+        runtime = _live_runtime(pid)
+        _, pids, bucket = by_runtime.setdefault(id(runtime), (runtime, [], []))
+        pids.append(pid)
+        bucket.append(grad)
+    for runtime, pids, bucket in by_runtime.values():
+        runtime.reduce_grads(pids, bucket)
+
+
+def _live_runtime(pid: int) -> "ZenFlowRuntime":
+    runtime = runtime_of(pid)
+    if runtime is None:
+        raise RuntimeError(
+            f"ZenFlow parameter id {pid} has no live optimizer: the ZenFlowAdamW that owned it was deleted "
+            "while a backward that uses it was still pending. Run the backward before deleting the optimizer.")
+    return runtime
 
 
 def accumulate_grad(pid: int, grad: torch.Tensor, column_scores: Optional[torch.Tensor] = None) -> None:
@@ -134,9 +161,4 @@ def accumulate_grad(pid: int, grad: torch.Tensor, column_scores: Optional[torch.
     for a vector parameter), when the caller already computed it (the compiled graph does, fused into the
     backward); None makes the runtime compute it.
     """
-    runtime = runtime_of(pid)
-    if runtime is None:
-        raise RuntimeError(
-            f"ZenFlow parameter id {pid} has no live optimizer: the ZenFlowAdamW that owned it was deleted "
-            "while a backward that uses it was still pending. Run the backward before deleting the optimizer.")
-    runtime.accumulate_grad(pid, grad, column_scores)
+    _live_runtime(pid).accumulate_grad(pid, grad, column_scores)

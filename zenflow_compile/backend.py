@@ -245,7 +245,19 @@ def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     _check_options(zenflow_keys, configs)
     return ZenFlowPassContext(
         param_shapes=tuple(shapes), param_names=tuple(names),
-        configs=tuple(tuple(sorted(cfg.to_dict().items())) for cfg in configs))
+        configs=tuple(tuple(sorted(cfg.to_dict().items())) for cfg in configs),
+        data_parallel=_data_parallel_settings(owners.values()))
+
+
+def _data_parallel_settings(runtimes) -> Optional[tuple[int, int]]:
+    """(world size, bucket elements) shared by the owners of one graph, None without data parallelism."""
+    settings = {None if getattr(r, "data_parallel", None) is None
+                else (r.data_parallel.world_size, r.reducer.bucket_numel) for r in runtimes}
+    if len(settings) > 1:
+        raise ValueError("backend='zenflow': the ZenFlowAdamW optimizers owning this graph's parameters disagree "
+                         f"on data parallelism (world size, reduce_bucket_size): {sorted(map(str, settings))}. "
+                         "Fix: give them the same process_group and reduce_bucket_size")
+    return settings.pop() if settings else None
 
 
 def _needs_owner(value: Any) -> bool:

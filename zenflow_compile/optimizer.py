@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from zenflow_compile.config import ZenFlowConfig
-from zenflow_compile.runtime import registry
+from zenflow_compile.runtime import collectives, registry
 from zenflow_compile.runtime.engine import ZenFlowRuntime
 
 
@@ -51,6 +51,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     computed from the gradient-norm proxy; None = off) and either `config=ZenFlowConfig(...)` or the
     ZenFlow keys themselves (topk_ratio, update_interval, overlap_step, ...).
 
+    Data parallel (SPEC §5): under torch.distributed with more than one rank in `process_group` (None = the
+    default group, if initialised), gradients are averaged across ranks inside the backward, every rank
+    makes the same selection, and each rank holds the host state of a share of the matrices. Do not wrap the
+    model in DDP. Parameters are broadcast from rank 0 at construction; `reduce_bucket_size` (elements) sets
+    the gradient buckets. `state_dict()` is this rank's share; `consolidated_state_dict()` gathers a full one.
+
     Follows torch.optim conventions: parameters that never get a gradient (frozen, unused, integer tensors)
     are never touched and cost nothing; one that starts requiring grad later trains from then on; values
     written into a parameter between steps are what its next update starts from. Works with
@@ -72,9 +78,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         *,
         max_grad_norm: Optional[float] = None,
         config: Optional[ZenFlowConfig] = None,
+        process_group: Any = None,
+        reduce_bucket_size: int = 25_000_000,
         **zenflow_keys: Any,
     ):
         _check_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm)
+        if not (isinstance(reduce_bucket_size, int) and not isinstance(reduce_bucket_size, bool)
+                and reduce_bucket_size >= 1):
+            raise ValueError(f"ZenFlowAdamW reduce_bucket_size={reduce_bucket_size!r} is invalid: expected an int "
+                             ">= 1 (elements per gradient bucket reduced across ranks)")
         if config is not None and zenflow_keys:
             raise ValueError("pass either config=ZenFlowConfig(...) or ZenFlow keys, not both "
                              f"(got config and {sorted(zenflow_keys)})")
@@ -83,12 +95,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise NotImplementedError(
                 "ZenFlowConfig.offload=True (selected columns' state on the CPU too) is not implemented; "
                 "set offload=False: selected columns' state lives on the device")
-        self._runtime = ZenFlowRuntime(config, max_grad_norm)
+        data_parallel = collectives.data_parallel_group(process_group)
+        self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size)
+        self._constructed = False
         self._param_ids: dict[int, int] = {}  # id(param) -> runtime id
         self._hook_handles: dict[int, Any] = {}  # id(param) -> its post-accumulate-grad hook
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         weakref.finalize(self, _close, self._runtime, self._hook_handles)
+        self._agree_across_ranks(self._params_in_order())
+        self._constructed = True
 
     @property
     def config(self) -> ZenFlowConfig:
@@ -119,6 +135,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._param_ids[id(param)] = self._runtime.add_param(param, group_index)
             if param.requires_grad:
                 self._hook(param)
+        if self._constructed:  # a group added later: every rank adds it (a collective)
+            self._agree_across_ranks(params)
+
+    def _agree_across_ranks(self, params: list) -> None:
+        """Data parallel: every rank must hold the same optimizer (else a clear error on every rank, not a
+        hang in the first mismatched collective); then rank 0's parameter values are everyone's."""
+        data_parallel = self._runtime.data_parallel
+        if data_parallel is None:
+            return
+        data_parallel.check_same_on_every_rank(dict(
+            **{f"config key {key}": value for key, value in self.config.to_dict().items()},
+            max_grad_norm=self.max_grad_norm,
+            reduce_bucket_size=self._runtime.reducer.bucket_numel,
+            parameters=[f"shape {tuple(p.shape)} dtype {p.dtype}" for p in params]))
+        data_parallel.broadcast_parameters([p for p in params if p.is_floating_point()])
 
     def _hook(self, param: torch.Tensor) -> None:
         self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(_handoff)
@@ -191,22 +222,59 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """
         self._runtime.quiesce()
         saved = super().state_dict()
-        saved["state"] = {i: self._runtime.export_state(self._param_ids[id(p)])
-                          for i, p in enumerate(self._params_in_order())
-                          if id(p) in self._param_ids and self._runtime.has_state(self._param_ids[id(p)])}
+        indexed = [(i, self._param_ids[id(p)]) for i, p in enumerate(self._params_in_order())
+                   if id(p) in self._param_ids and self._runtime.has_state(self._param_ids[id(p)])]
+        saved["state"] = {i: self._runtime.export_state(pid) for i, pid in indexed}
         saved["zenflow"] = self._runtime.export_globals()
+        data_parallel = self._runtime.data_parallel
+        if data_parallel is not None:  # this rank's share: loadable at this world size, by this rank
+            saved["zenflow"]["data_parallel"] = dict(
+                world_size=data_parallel.world_size, rank=data_parallel.rank,
+                owners={i: self._runtime.owners[pid] for i, pid in indexed})
         return saved
+
+    def consolidated_state_dict(self, to_rank: int = 0) -> Optional[dict]:
+        """Data parallel: gather every rank's share into one world-size-free state_dict on `to_rank` (None
+        on the other ranks; a collective: call it on every rank). Without data parallelism, `state_dict()`.
+        Load it at any world size; see README "Data parallel" for what differs from resuming a share."""
+        data_parallel = self._runtime.data_parallel
+        if data_parallel is None:
+            return self.state_dict()
+        shares = data_parallel.gather_object(self.state_dict(), dst=to_rank)
+        if shares is None:
+            return None
+        full = shares[to_rank]
+        owners = full["zenflow"].pop("data_parallel")["owners"]
+        full["state"] = {i: shares[owner]["state"][i] for i, owner in owners.items()}
+        return full
 
     def load_state_dict(self, state_dict: dict) -> None:
         if "zenflow" not in state_dict:
             raise ValueError("not a ZenFlowAdamW state_dict (no 'zenflow' entry); a torch.optim.AdamW "
                              "checkpoint cannot be resumed exactly by ZenFlow")
+        owners = self._share_owners(state_dict["zenflow"].get("data_parallel"))
         self._runtime.quiesce()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        self._runtime.import_globals(state_dict["zenflow"])
+        self._runtime.import_globals(state_dict["zenflow"], owners)
         for i, param in enumerate(self._params_in_order()):
             if i in state_dict["state"]:
                 self._runtime.import_state(self.param_id(param), state_dict["state"][i])
+
+    def _share_owners(self, saved: Optional[dict]) -> Optional[dict[int, int]]:
+        """pid -> owner of a data-parallel share saved by this rank at this world size (None for a full
+        state_dict); a share of another rank or world size is an error."""
+        if saved is None:
+            return None
+        data_parallel = self._runtime.data_parallel
+        world_size, rank = (1, 0) if data_parallel is None else (data_parallel.world_size, data_parallel.rank)
+        if (saved["world_size"], saved["rank"]) != (world_size, rank):
+            raise ValueError(
+                f"this ZenFlowAdamW state_dict is rank {saved['rank']}'s share of a data-parallel run with world "
+                f"size {saved['world_size']}; it can only be loaded by rank {saved['rank']} at that world size "
+                f"(here: rank {rank} of {world_size}). To resume at another world size, save "
+                "opt.consolidated_state_dict() instead and load that on every rank")
+        params = self._params_in_order()
+        return {self.param_id(params[int(i)]): owner for i, owner in saved["owners"].items()}
 
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)

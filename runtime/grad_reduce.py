@@ -1,0 +1,144 @@
+"""Bucketed, asynchronous reduction of parameter gradients across the data-parallel ranks (SPEC §5).
+
+Each gradient is split by where its optimizer state lives:
+- the part every rank updates on its device (a matrix's selected columns, a whole vector) is averaged with
+  an all-reduce, so every rank runs the same device AdamW;
+- the part updated on the host (a matrix's unselected columns) is averaged with a reduce into the matrix's
+  owner only, the one rank that accumulates it and runs its CPU AdamW.
+The pieces of one bucket are gathered (one copy each, the unselected columns already transposed into the
+host layout) into one flat buffer per collective, so a bucket costs one all-reduce plus one reduce per owner.
+Buckets are launched asynchronously, in the order the backward produces gradients (the same on every rank),
+and finished (waited, then handed to the parameter states) before their gradients are consumed: when too
+many are in flight, and at `opt.step()`. On CUDA, c10d runs NCCL collectives on its own streams and
+`Work.wait()` makes the current stream wait for them, so the backward's kernels keep running meanwhile; on
+CPU, gloo runs them on its own threads.
+
+The compiled backward hands over whole buckets (`zenflow::reduce_grads`, bucketed by the graph pass); eager
+hooks hand over one gradient at a time and this class fills buckets of the same size (`add`); the last,
+partial bucket goes out at `opt.step()`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from zenflow_compile.runtime.collectives import DataParallel, collective_failed
+
+if TYPE_CHECKING:
+    from zenflow_compile.runtime.param_state import MatrixState, VectorState
+
+    ParamState = MatrixState | VectorState
+
+MAX_BUCKETS_IN_FLIGHT = 2  # bounds the memory held by gradients being reduced
+
+
+@dataclass
+class _Piece:
+    state: "ParamState"
+    replicated: Optional[tuple[torch.dtype, int, int]] = None  # (dtype, offset, numel) in the all-reduce buffer
+    host: Optional[tuple[tuple[int, torch.dtype], int, int]] = None  # ((owner, dtype), offset, numel)
+
+
+@dataclass
+class _Bucket:
+    pieces: list[_Piece]
+    replicated: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    host: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    works: list = field(default_factory=list)
+
+
+class GradReducer:
+    def __init__(self, data_parallel: DataParallel, bucket_numel: int, deliver: Callable):
+        """`deliver(state, replicated, host)` hands one parameter's averaged pieces (host: None on ranks
+        other than the owner) to the runtime."""
+        self.dp = data_parallel
+        self.bucket_numel = bucket_numel
+        self._deliver = deliver
+        self._open: list[tuple["ParamState", torch.Tensor]] = []  # eager: gradients waiting for a full bucket
+        self._open_numel = 0
+        self._in_flight: deque[_Bucket] = deque()
+
+    # -- hand-over ------------------------------------------------------------------------------------------
+    def add(self, state: "ParamState", grad: torch.Tensor) -> None:
+        """Eager: one gradient; a bucket goes out once it holds `bucket_numel` elements."""
+        self._open.append((state, grad))
+        self._open_numel += grad.numel()
+        if self._open_numel >= self.bucket_numel:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._open:
+            items, self._open, self._open_numel = self._open, [], 0
+            self.launch(items)
+
+    def launch(self, items: list[tuple["ParamState", torch.Tensor]]) -> None:
+        """Start the collectives of one bucket. Keeps no reference to the gradients (copies the pieces)."""
+        self.flush()  # an earlier eager bucket first: every rank launches in the same order
+        bucket = self._gather(items)
+        for flat in bucket.replicated.values():
+            bucket.works.append(self.dp.all_reduce(flat, async_op=True))
+        for (owner, _), flat in bucket.host.items():
+            bucket.works.append(self.dp.reduce(flat, owner, async_op=True))
+        self._in_flight.append(bucket)
+        while len(self._in_flight) > MAX_BUCKETS_IN_FLIGHT:
+            self._finish(self._in_flight.popleft())
+
+    def finish_all(self) -> None:
+        """Wait for every bucket and hand the averaged pieces to their parameter states."""
+        self.flush()
+        while self._in_flight:
+            self._finish(self._in_flight.popleft())
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _gather(self, items) -> _Bucket:
+        """Copy each gradient's pieces (pre-divided by the world size, so the sum is the mean) into the
+        bucket's flat buffers."""
+        sizes: dict = {}
+        pieces = []
+        for state, grad in items:
+            piece = _Piece(state)
+            replicated_numel, host_numel = state.reduce_split_numel()
+            if replicated_numel:
+                offset = sizes.get(grad.dtype, 0)
+                piece.replicated = (grad.dtype, offset, replicated_numel)
+                sizes[grad.dtype] = offset + replicated_numel
+            if host_numel:
+                key = (state.owner, grad.dtype)
+                offset = sizes.get(key, 0)
+                piece.host = (key, offset, host_numel)
+                sizes[key] = offset + host_numel
+            pieces.append(piece)
+        device = items[0][1].device
+        bucket = _Bucket(pieces)
+        for key, numel in sizes.items():
+            flat = torch.empty(numel, dtype=key if isinstance(key, torch.dtype) else key[1], device=device)
+            (bucket.replicated if isinstance(key, torch.dtype) else bucket.host)[key] = flat
+        for piece, (state, grad) in zip(pieces, items):
+            replicated = self._segment(bucket.replicated, piece.replicated)
+            host = self._segment(bucket.host, piece.host)
+            state.split_grad_for_reduce(grad.detach(), replicated, host)
+        for flat in [*bucket.replicated.values(), *bucket.host.values()]:
+            flat.div_(self.dp.world_size)
+        return bucket
+
+    @staticmethod
+    def _segment(buffers: dict, where) -> Optional[torch.Tensor]:
+        if where is None:
+            return None
+        key, offset, numel = where
+        return buffers[key][offset:offset + numel]
+
+    def _finish(self, bucket: _Bucket) -> None:
+        for work in bucket.works:
+            try:
+                work.wait()
+            except Exception as error:
+                raise collective_failed(error) from error
+        for piece in bucket.pieces:
+            replicated = self._segment(bucket.replicated, piece.replicated)
+            host = self._segment(bucket.host, piece.host) if piece.state.owner == self.dp.rank else None
+            self._deliver(piece.state, replicated, host)

@@ -1,0 +1,115 @@
+"""One rank of the data-parallel tests (tests/test_data_parallel.py): runs scenarios, saves what it saw.
+
+Launched as `python tests/dp_worker.py SPEC.pt OUT_DIR` with RANK, WORLD_SIZE and ZENFLOW_TEST_INIT (a
+FileStore path) in the environment, once per rank. SPEC.pt holds a list of scenarios (dicts, see `run`);
+for each, OUT_DIR/<name>.rank<r>.pt gets the parameters and selections after every step, the stats, and the
+error message if the scenario expects one.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import zenflow_compile  # noqa: E402
+import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
+from helpers import loss_fn, make_batches, tiny_model  # noqa: E402
+
+
+def micro_batch(global_batch, rank: int, world_size: int):
+    """This rank's rows of one global batch (equal shares, so the mean of the ranks' mean losses is the
+    global mean loss)."""
+    x, y = global_batch
+    share = x.shape[0] // world_size
+    return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+
+def build(scenario: dict, rank: int):
+    model = tiny_model(seed=scenario.get("seed", 0) + (rank if scenario.get("differ_init") else 0))
+    keys = dict(scenario["keys"])
+    if scenario.get("mismatch_rank") == rank:
+        keys.update(scenario["mismatch"])
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=scenario.get("lr", 1e-2),
+                                       max_grad_norm=scenario.get("clip"),
+                                       reduce_bucket_size=scenario.get("bucket", 300), **keys)
+    run_model = torch.compile(model, backend="zenflow") if scenario["compiled"] else model
+    return model, opt, run_model
+
+
+def train(scenario, model, opt, run_model, batches, rank, world_size, record, first_step=0):
+    backwards = scenario.get("backwards_per_step", 1)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    for step in range(first_step, first_step + scenario["steps"]):
+        for k in range(backwards):
+            loss_fn(run_model, micro_batch(batches[step * backwards + k], rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+        if scenario.get("die_rank") == rank and step == scenario.get("die_after_step"):
+            os._exit(3)  # a rank that dies mid-run
+        record["params"].append([p.detach().clone() for p in model.parameters()])
+        record["selected"].append([opt.selected_columns(p) for p in matrices])
+
+
+def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
+    torch.manual_seed(0)
+    record: dict = dict(params=[], selected=[], error=None)
+    batches = make_batches(64, batch=scenario.get("global_batch", 8))
+    try:
+        model, opt, run_model = build(scenario, rank)
+        record["initial"] = [p.detach().clone() for p in model.parameters()]
+        train(scenario, model, opt, run_model, batches, rank, world_size, record)
+        if "resume_steps" in scenario:
+            # Copies, as torch.save would make: like torch.optim's, a state_dict may share live tensors.
+            record["share"] = copy.deepcopy(opt.state_dict())
+            record["consolidated"] = copy.deepcopy(opt.consolidated_state_dict())
+            record["model_at_save"] = {k: v.clone() for k, v in model.state_dict().items()}
+            more = dict(scenario, steps=scenario["resume_steps"])
+            train(more, model, opt, run_model, batches, rank, world_size, record, first_step=scenario["steps"])
+            # Resume the share in a fresh model and optimizer (same world size, same rank).
+            model2, opt2, run_model2 = build(scenario, rank)
+            model2.load_state_dict(record["model_at_save"])
+            opt2.load_state_dict(record["share"])
+            resumed = dict(params=[], selected=[])
+            train(more, model2, opt2, run_model2, batches, rank, world_size, resumed,
+                  first_step=scenario["steps"])
+            record["resumed"] = resumed
+        opt.synchronize()
+        record["final"] = [p.detach().clone() for p in model.parameters()]
+        record["stats"] = opt.stats()
+    except Exception as error:  # noqa: BLE001  (the test asserts on it)
+        if not scenario.get("expect_error"):
+            raise
+        record["error"] = f"{type(error).__name__}: {error}"
+        record["traceback"] = traceback.format_exc()
+    torch.save(record, out_dir / f"{scenario['name']}.rank{rank}.pt")
+
+
+def main() -> None:
+    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    scenarios = torch.load(spec_path, weights_only=False)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("ZENFLOW_TEST_TIMEOUT", "60")))
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
+                            world_size=world_size, timeout=timeout)
+    try:
+        for scenario in scenarios:
+            run(scenario, rank, world_size, out_dir)
+            if scenario.get("die_rank") is None:
+                dist.barrier()
+    finally:
+        if not any(s.get("die_rank") is not None for s in scenarios):
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

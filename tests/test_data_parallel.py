@@ -1,0 +1,222 @@
+"""Data parallel across 2 ranks (SPEC §5, gloo on CPU): ranks vs one process on the concatenated batch.
+
+Each launch starts two processes (`tests/dp_worker.py`, one per rank, a FileStore rendezvous), which run a
+list of scenarios and save, per rank, the parameters and the selections after every step. The tests compare:
+- every rank against ZenFlowAdamW in this process trained on the concatenated batch (mean loss), to fp32
+  reduction-order rounding, for the configs of the single-process parity tests, compiled and eager;
+- the two ranks against each other: the same selection and the same parameter bytes after every step;
+- checkpoints: a rank's share resumes exactly at world size 2; the consolidated export loads at world size 1;
+- faults: a config mismatch is a ValueError on every rank; a rank that dies makes the other raise.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import zenflow_compile
+from helpers import loss_fn, make_batches, max_param_diff, tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = REPO / "tests" / "dp_worker.py"
+WORLD_SIZE = 2
+ATOL = 1e-5  # fp32: the ranks' averaged gradient is summed in another order than one process's batch mean
+
+BASE = dict(topk_ratio=0.25, update_interval=2, overlap_step=False, select_strategy="step", select_interval=3)
+PARITY = {
+    "reselect": dict(steps=8, keys=BASE),
+    "overlap": dict(steps=8, keys=dict(BASE, overlap_step=True)),
+    "zen_auto": dict(steps=8, keys=dict(topk_ratio=0.25, update_interval="auto", overlap_step=True)),
+    "clipping": dict(steps=8, clip=0.05, keys=dict(BASE, overlap_step=True)),
+    "accumulation": dict(steps=6, backwards_per_step=2, keys=dict(BASE, overlap_step=True)),
+    "warm_up_auto_select": dict(steps=8, keys=dict(topk_ratio=0.25, update_interval=2, full_warm_up_rounds=2,
+                                                   overlap_step=True, select_strategy="auto",
+                                                   select_interval="auto")),
+}
+MODES = ("eager", "compiled")
+CHECKPOINT = dict(name="checkpoint", compiled=True, steps=5, resume_steps=4, keys=dict(BASE, overlap_step=True))
+
+
+def launch(scenarios: list[dict], out_dir: Path, timeout: float = 600, env: dict | None = None) -> list[int]:
+    """Run the scenarios on WORLD_SIZE fresh processes; return their exit codes."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = out_dir / "scenarios.pt"
+    torch.save(scenarios, spec)
+    init = out_dir / "rendezvous"
+    procs = []
+    for rank in range(WORLD_SIZE):
+        rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), ZENFLOW_TEST_INIT=str(init),
+                        OMP_NUM_THREADS="1", **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec), str(out_dir)], env=rank_env))
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+    return codes
+
+
+def load(out_dir: Path, name: str) -> list[dict]:
+    return [torch.load(out_dir / f"{name}.rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One launch for every scenario of this module (process start-up and compiles dominate the time)."""
+    out_dir = tmp_path_factory.mktemp("data_parallel")
+    scenarios = [dict(name=f"{name}_{mode}", compiled=mode == "compiled", **spec)
+                 for name, spec in PARITY.items() for mode in MODES]
+    scenarios += [CHECKPOINT,
+                  dict(name="mismatch", compiled=False, steps=1, keys=BASE, mismatch_rank=1,
+                       mismatch=dict(topk_ratio=0.5), expect_error=True),
+                  dict(name="different_init", compiled=False, steps=1, keys=BASE, differ_init=True)]
+    assert launch(scenarios, out_dir) == [0] * WORLD_SIZE
+    return out_dir
+
+
+def one_process(spec: dict, steps: int | None = None, state_dict=None, model_state=None, first_step: int = 0):
+    """ZenFlowAdamW in this process on the concatenated batches (what the ranks must equal)."""
+    model = tiny_model(seed=0)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, max_grad_norm=spec.get("clip"), **spec["keys"])
+    if model_state is not None:
+        model.load_state_dict(model_state)
+        opt.load_state_dict(state_dict)
+    batches = make_batches(64, batch=8)
+    backwards = spec.get("backwards_per_step", 1)
+    params, selected = [], []
+    for step in range(first_step, first_step + (steps or spec["steps"])):
+        for k in range(backwards):
+            loss_fn(model, batches[step * backwards + k]).backward()
+        opt.step()
+        opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+        selected.append([opt.selected_columns(p) for p in model.parameters() if p.dim() >= 2])
+    opt.synchronize()
+    return params, selected, opt
+
+
+def same_selection(a: list, b: list) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(PARITY))
+def test_ranks_equal_one_process_on_the_concatenated_batch(runs, name, mode):
+    ranks = load(runs, f"{name}_{mode}")
+    expected_params, expected_selected, _ = one_process(PARITY[name])
+    for rank, record in enumerate(ranks):
+        assert record["error"] is None
+        assert len(record["params"]) == len(expected_params)
+        for step, (got, want) in enumerate(zip(record["params"], expected_params)):
+            assert max_param_diff(got, want) <= ATOL, (rank, step)
+            assert same_selection(record["selected"][step], expected_selected[step]), (rank, step)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(PARITY))
+def test_every_step_both_ranks_hold_the_same_selection_and_bytes(runs, name, mode):
+    rank0, rank1 = load(runs, f"{name}_{mode}")
+    for step in range(len(rank0["params"])):
+        assert same_selection(rank0["selected"][step], rank1["selected"][step]), step
+        assert all(torch.equal(a, b) for a, b in zip(rank0["params"][step], rank1["params"][step])), step
+    assert rank0["stats"]["steps"] == rank1["stats"]["steps"] == PARITY[name]["steps"]
+
+
+def test_host_state_is_partitioned_and_bytes_are_counted_per_collective(runs):
+    rank0, rank1 = (r["stats"] for r in load(runs, "overlap_compiled"))
+    _, _, single = one_process(PARITY["overlap"])
+    whole = single.stats()["host_state_bytes"]
+    # Every matrix's host state lives on exactly one rank.
+    assert rank0["host_state_bytes"] + rank1["host_state_bytes"] == whole
+    assert 0 < rank0["host_state_bytes"] < whole and 0 < rank1["host_state_bytes"] < whole
+    # Payload accounting: what one rank sends into the other's reduce / broadcast, the other receives.
+    assert rank0["comm_bytes_sent"]["reduce"] == rank1["comm_bytes_received"]["reduce"] > 0
+    assert rank1["comm_bytes_sent"]["reduce"] == rank0["comm_bytes_received"]["reduce"] > 0
+    assert rank0["comm_bytes_sent"]["broadcast"] == rank1["comm_bytes_received"]["broadcast"] > 0
+    assert rank0["comm_bytes_sent"]["all_reduce"] == rank1["comm_bytes_sent"]["all_reduce"] > 0
+    # Only the owner offloads (and uploads) a matrix's unselected columns.
+    assert (rank0["bytes_device_to_host"] + rank1["bytes_device_to_host"]
+            == single.stats()["bytes_device_to_host"])
+
+
+def test_a_ranks_share_resumes_exactly_at_the_same_world_size(runs):
+    for rank, record in enumerate(load(runs, "checkpoint")):
+        continued = record["params"][CHECKPOINT["steps"]:]
+        resumed = record["resumed"]["params"]
+        assert len(continued) == len(resumed) == CHECKPOINT["resume_steps"]
+        for step, (a, b) in enumerate(zip(continued, resumed)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (rank, step)
+        share = record["share"]["zenflow"]["data_parallel"]
+        assert (share["world_size"], share["rank"]) == (WORLD_SIZE, rank)
+
+
+def test_the_consolidated_export_resumes_at_world_size_one(runs):
+    rank0, rank1 = load(runs, "checkpoint")
+    assert rank1["consolidated"] is None
+    full = rank0["consolidated"]
+    assert "data_parallel" not in full["zenflow"]
+    # Every parameter's full state (the host columns too), whichever rank owned it.
+    assert sorted(full["state"]) == list(range(len(rank0["initial"])))
+    assert all("master" in entry for entry in full["state"].values())
+    params, _, _ = one_process(CHECKPOINT, steps=CHECKPOINT["resume_steps"], state_dict=copy.deepcopy(full),
+                               model_state=rank0["model_at_save"], first_step=CHECKPOINT["steps"])
+    for step, (got, want) in enumerate(zip(params, rank0["params"][CHECKPOINT["steps"]:])):
+        assert max_param_diff(got, want) <= ATOL, step
+
+
+def test_a_share_cannot_be_loaded_as_a_full_state_dict(runs):
+    share = load(runs, "checkpoint")[1]["share"]
+    model = tiny_model()
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), **CHECKPOINT["keys"])
+    with pytest.raises(ValueError, match=r"rank 1's share of a data-parallel run with world size 2.*"
+                                         r"consolidated_state_dict"):
+        opt.load_state_dict(share)
+
+
+def test_a_config_mismatch_is_a_clear_error_on_every_rank(runs):
+    for record in load(runs, "mismatch"):
+        assert record["error"] is not None and record["error"].startswith("ValueError: ZenFlowAdamW differs across")
+        assert "rank 1 has 0.5 where rank 0 has 0.25 (config key topk_ratio)" in record["error"]
+
+
+def test_parameters_are_broadcast_from_rank_zero_at_construction(runs):
+    rank0, rank1 = load(runs, "different_init")
+    assert all(torch.equal(a, b) for a, b in zip(rank0["initial"], rank1["initial"]))
+    assert all(torch.equal(a, b) for a, b in zip(rank0["initial"], tiny_model(seed=0).parameters()))
+
+
+def test_a_rank_that_dies_makes_the_other_raise(tmp_path):
+    scenario = dict(name="dies", compiled=False, steps=6, keys=dict(BASE, overlap_step=True), die_rank=1,
+                    die_after_step=1, expect_error=True)
+    start = time.monotonic()
+    codes = launch([scenario], tmp_path, timeout=180, env=dict(ZENFLOW_TEST_TIMEOUT="30"))
+    assert codes[1] == 3  # the rank that died
+    assert time.monotonic() - start < 150
+    survivor = torch.load(tmp_path / "dies.rank0.pt", weights_only=False)
+    assert survivor["error"] is not None
+    assert "collective across the data-parallel group failed" in survivor["error"], survivor["traceback"]
+    assert len(survivor["params"]) == 2  # it got past the steps both ranks ran, and no further
+
+
+def test_torchrun_example(tmp_path):
+    checkpoint = tmp_path / "full.pt"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(REPO / "examples" / "data_parallel.py"), "--steps", "12", "--checkpoint", str(checkpoint)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ranks agree: True  (world size 2)" in result.stdout
+    full = torch.load(checkpoint, weights_only=False)
+    assert "data_parallel" not in full["zenflow"] and len(full["state"]) == 9  # every parameter of TinyLM
