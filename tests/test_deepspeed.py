@@ -1,6 +1,6 @@
 """zenflow_compile.deepspeed: the DeepSpeed ZenFlow user's JSON through a real DeepSpeed engine (SPEC §5).
 
-CPU, DeepSpeed's CPU accelerator, gloo, one rank, in this process (the world-size check runs two ranks under
+CPU, DeepSpeed's CPU accelerator, gloo, one rank, in this process (the two-rank data-parallel test runs under
 torchrun). Every engine gets a client optimizer (ZenFlowAdamW), so DeepSpeed never JIT-builds cpu_adam; the
 module fixture turns off DeepSpeed's shm_comm op (a shared-memory all-reduce for several CPU ranks, JIT-built by
 `init_distributed` on the CPU accelerator, useless on one rank).
@@ -436,35 +436,82 @@ def test_compile_backend_other_than_zenflow_is_refused_with_deepcompile(ds):
 
 
 _TWO_RANKS = textwrap.dedent("""
-    import os, torch, deepspeed, deepspeed.ops
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    import zenflow_compile.deepspeed as zds
-    model = torch.nn.Linear(4, 4)
+    import copy, json, os, sys, torch, deepspeed, deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT build of DeepSpeed's CPU ops
+    sys.path.insert(0, {TESTS})
+    import zenflow_compile, zenflow_compile.deepspeed as zds
+    from helpers import loss_fn, make_batches, snapshot, tiny_model
+    torch.set_num_threads(1)
     config = {CONFIG}
-    try:
-        zds.initialize(model=model, model_parameters=model.parameters(), config=config)
-        outcome = "initialized"
-    except NotImplementedError as error:
-        outcome = f"NotImplementedError: {error}"
-    with open(os.path.join({OUT}, "rank" + os.environ["RANK"]), "w") as f:  # one file per rank: no interleaving
-        f.write(outcome)
+    steps, save_after = 6, 3
+    batches = make_batches(steps, batch=8)  # global batches; each rank trains on its half
+
+    def mine(batch):
+        x, y = batch
+        rank = torch.distributed.get_rank()
+        return x[4 * rank:4 * rank + 4], y[4 * rank:4 * rank + 4]
+
+    def engine_run(ckpt=None, load=None, start=0):
+        engine, opt, _, _ = zds.initialize(model=tiny_model(), model_parameters=None, config=copy.deepcopy(config))
+        engine.compile()
+        if load:
+            engine.load_checkpoint(load)
+        seen = []
+        for i in range(start, steps):
+            engine.backward(loss_fn(engine, mine(batches[i])))
+            engine.step()
+            seen.append(snapshot(engine.module))
+            if ckpt and i + 1 == save_after:
+                engine.save_checkpoint(ckpt, tag="t")
+        return seen, opt, engine
+
+    ds_run, ds_opt, engine = engine_run(ckpt={CKPT})
+    resumed, _, _ = engine_run(load={CKPT}, start=save_after)
+    model = tiny_model()
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, betas=(0.9, 0.999),
+                                       eps=1e-8, **config["zero_optimization"]["zenflow"])  # the default group
+    compiled = torch.compile(model, backend="zenflow")
+    direct = []
+    for i in range(steps):
+        loss_fn(compiled, mine(batches[i])).backward()
+        opt.step()
+        opt.zero_grad()
+        direct.append(snapshot(model))
+    diff = lambda a, b: max((x - y).abs().max().item() for s, t in zip(a, b) for x, y in zip(s, t))
+    stats = ds_opt.stats()
+    outcome = dict(world_size=stats.get("world_size"), engine_vs_direct=diff(ds_run, direct),
+                   resume=diff(ds_run[save_after:], resumed), moved=diff(ds_run[-1:], [snapshot(tiny_model())]),
+                   files=sorted(os.listdir(os.path.join({CKPT}, "t"))),
+                   allreduce_bytes=stats["comm_bytes_sent"].get("all_reduce", 0),
+                   host_state_bytes=stats["host_state_bytes"], deepspeed_allreduce=engine.enable_backward_allreduce)
+    with open(os.path.join({OUT}, "rank" + os.environ["RANK"]), "w") as f:  # one file per rank
+        json.dump(outcome, f)
     torch.distributed.destroy_process_group()
 """)
 
 
-def test_two_ranks_raise_not_implemented_data_parallel(ds, tmp_path):
-    """world_size > 1 is refused (data-parallel ZenFlow does not exist yet) on every rank, under torchrun."""
+def test_two_ranks_tutorial_config_equals_direct_data_parallel_and_resumes(ds, tmp_path):
+    """Two ranks under torchrun (DS_ACCELERATOR=cpu, gloo): the tutorial-shaped JSON with deepcompile through
+    DeepSpeed's engine equals ZenFlowAdamW(process_group=default) + torch.compile on the same micro-batches;
+    each rank saves its share next to DeepSpeed's files and the engine resumes exactly."""
     script = tmp_path / "two_ranks.py"
-    script.write_text(_TWO_RANKS.replace("{CONFIG}", repr(ds_config(train_micro_batch_size_per_gpu=2)))
-                      .replace("{OUT}", repr(str(tmp_path))))
+    config = ds_config(train_micro_batch_size_per_gpu=4, compile={"deepcompile": True})
+    script.write_text(_TWO_RANKS.replace("{CONFIG}", repr(config)).replace("{OUT}", repr(str(tmp_path)))
+                      .replace("{CKPT}", repr(str(tmp_path / "ckpt"))).replace("{TESTS}", repr(str(REPO / "tests"))))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(_free_port()), str(script)],
-                          env=env, capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    for rank in (0, 1):
-        outcome = (tmp_path / f"rank{rank}").read_text()
-        assert outcome.startswith("NotImplementedError: zenflow_compile.deepspeed on world_size=2: data-parallel "
-                                  "ZenFlow"), outcome
+    outcomes = [json.loads((tmp_path / f"rank{rank}").read_text()) for rank in (0, 1)]
+    for outcome in outcomes:
+        assert outcome["world_size"] == 2
+        assert outcome["engine_vs_direct"] <= 1e-6
+        assert outcome["resume"] == 0.0
+        assert outcome["moved"] > 1e-3
+        assert outcome["allreduce_bytes"] > 0 and outcome["deepspeed_allreduce"] is False
+        assert {"zenflow_optim_states_rank0.pt", "zenflow_optim_states_rank1.pt"} <= set(outcome["files"])
+    # The host state is split between the ranks, not replicated.
+    assert outcomes[0]["host_state_bytes"] > 0 and outcomes[1]["host_state_bytes"] > 0

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import types
 
 import expecttest
 import pytest
@@ -30,6 +31,20 @@ class RecordingRuntime:
 
     def accumulate_grad(self, pid, grad, scores):
         self.pids.append(pid)
+
+
+class DataParallelRecordingRuntime(RecordingRuntime):
+    """Looks like a runtime of a 2-rank data-parallel optimizer with 40-element gradient buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.data_parallel = types.SimpleNamespace(world_size=2)
+        self.reducer = types.SimpleNamespace(bucket_numel=40)
+        self.buckets = []
+
+    def reduce_grads(self, pids, grads):
+        self.buckets.append(list(pids))
+        self.pids.extend(pids)
 
 
 class MLP(nn.Module):
@@ -64,9 +79,9 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
-def rewrite(model, x, **compile_kwargs):
+def rewrite(model, x, runtime=None, **compile_kwargs):
     """Compile and run forward + backward inside `capture()`; return the one rewritten backward graph."""
-    runtime = RecordingRuntime()
+    runtime = runtime or RecordingRuntime()
     for p in model.parameters():
         registry.register_param(p, runtime)
     torch._dynamo.reset()
@@ -119,6 +134,38 @@ class GraphModule(torch.nn.Module):
         sum_default: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_1);  pow_tensor_scalar_1 = None
         reshape_default: "f32[1]" = torch.ops.aten.reshape.default(sum_default, [1]);  sum_default = None
         accumulate_grad_default_1 = torch.ops.zenflow.accumulate_grad.default(view_1, reshape_default, slot[fc1.bias]);  view_1 = reshape_default = accumulate_grad_default_1 = None
+        return (None, None, None, None, None)
+""")
+
+    def test_mlp_backward_data_parallel(self):
+        # Buckets of >= 40 elements in production order: fc2.weight (32) + fc2.bias (4) + fc1.weight (48),
+        # then fc1.bias; no norm proxy (the runtime scores the averaged gradient).
+        torch.manual_seed(0)
+        runtime = DataParallelRecordingRuntime()
+        record = rewrite(MLP(), torch.randn(3, 6), runtime=runtime)
+        self.assertEqual([len(bucket) for bucket in runtime.buckets], [3, 1])
+        self.assertExpectedInline(record.normalized_after_code(), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_3: "f32[3, 6]", primals_4: "f32[4, 8]", relu: "f32[3, 8]", tangents_1: "f32[3, 4]"):
+        permute_1: "f32[8, 4]" = torch.ops.aten.permute.default(primals_4, [1, 0]);  primals_4 = None
+        permute_2: "f32[4, 8]" = torch.ops.aten.permute.default(permute_1, [1, 0]);  permute_1 = None
+        mm: "f32[3, 8]" = torch.ops.aten.mm.default(tangents_1, permute_2);  permute_2 = None
+        permute_3: "f32[4, 3]" = torch.ops.aten.permute.default(tangents_1, [1, 0])
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(permute_3, relu);  permute_3 = None
+        sum_1: "f32[1, 4]" = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
+        view: "f32[4]" = torch.ops.aten.reshape.default(sum_1, [4]);  sum_1 = None
+        le: "b8[3, 8]" = torch.ops.aten.le.Scalar(relu, 0);  relu = None
+        full_default: "f32[]" = torch.ops.aten.full.default([], 0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+        where: "f32[3, 8]" = torch.ops.aten.where.self(le, full_default, mm);  le = full_default = mm = None
+        permute_6: "f32[8, 3]" = torch.ops.aten.permute.default(where, [1, 0])
+        mm_2: "f32[8, 6]" = torch.ops.aten.mm.default(permute_6, primals_3);  permute_6 = primals_3 = None
+
+        reduce_grads_default = torch.ops.zenflow.reduce_grads.default([mm_1, view, mm_2], [3, 4, 0]);  mm_1 = view = mm_2 = reduce_grads_default = None
+
+        sum_2: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(where, [0], True);  where = None
+        view_1: "f32[8]" = torch.ops.aten.reshape.default(sum_2, [8]);  sum_2 = None
+
+        reduce_grads_default_1 = torch.ops.zenflow.reduce_grads.default([view_1], [1]);  view_1 = reduce_grads_default_1 = None
         return (None, None, None, None, None)
 """)
 

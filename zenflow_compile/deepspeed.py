@@ -44,11 +44,13 @@ What the engine is given instead (why): DeepSpeed must not touch ZenFlow's state
   wrappers' `load_optimizer_states=` argument); ZenFlowAdamW reports a skipped (non-finite) step through the
   `overflow` attribute DeepSpeed's step reads (skipped_steps, no LR-scheduler step), set by a step hook.
 
-Data parallelism: the engine runs on one rank. Several ranks need data-parallel ZenFlow (gradients reduced
-inside the rewritten backward, host state partitioned across ranks: `ZenFlowAdamW(..., process_group=...)`),
-which does not exist yet; `initialize` raises NotImplementedError for world_size > 1 rather than train wrong.
-When it lands, `_build_optimizer` passes the engine's data-parallel group and nothing else changes here
-(DeepSpeed's own all-reduce stays off: the rewritten backward reduces).
+Data parallelism (`deepspeed --num_gpus N` or torchrun): ZenFlowAdamW gets the engine's data-parallel group
+(`process_group=engine.data_parallel_group`): gradients are averaged inside the rewritten backward (or by
+ZenFlow's hooks, eagerly), every rank selects the same columns, and each rank holds the host state of a
+share of the matrices (what stage 1/2 with `offload_optimizer.device: "cpu"` asks for). DeepSpeed's own
+all-reduce stays off. `zero_optimization.reduce_bucket_size`, when the JSON sets it, sizes ZenFlow's gradient
+buckets. Checkpoints: each rank writes its share of the optimizer state next to DeepSpeed's model file
+(`zenflow_optim_states_rank<r>.pt` in the tag directory) and `load_checkpoint` reads its own back.
 
 DeepSpeed is imported only inside the functions of this module (the package imports without it).
 """
@@ -57,6 +59,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -303,6 +306,22 @@ def _define_engine_class():
             super().compile(backend=backend, compile_kwargs=dict(compile_kwargs or {}), schedule=schedule,
                             compiled_autograd_enabled=compiled_autograd_enabled)
 
+        def _data_parallel_share_path(self, checkpoint_dir: str) -> Optional[str]:
+            """Where this rank's share of the optimizer state goes (None on one rank: DeepSpeed's model file
+            holds the whole state)."""
+            data_parallel = self.optimizer._runtime.data_parallel
+            if data_parallel is None:
+                return None
+            return os.path.join(checkpoint_dir, f"zenflow_optim_states_rank{data_parallel.rank}.pt")
+
+        def _save_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):
+            super()._save_checkpoint(save_dir, tag, client_state=client_state,
+                                     exclude_frozen_parameters=exclude_frozen_parameters)
+            share_path = self._data_parallel_share_path(os.path.join(save_dir, str(tag)))
+            if share_path is not None:  # every rank: its own share (DeepSpeed's file is rank 0's alone)
+                self.checkpoint_engine.makedirs(os.path.dirname(share_path), exist_ok=True)
+                self.checkpoint_engine.save(state_dict=self.optimizer.state_dict(), path=share_path)
+
         def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                             load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
             """DeepSpeed's load (module, scheduler, counters, client state), then ZenFlowAdamW.load_state_dict
@@ -315,6 +334,9 @@ def _define_engine_class():
             if load_path is None:
                 return load_path, client_state
             saved = client_state.pop("optimizer", None)
+            share_path = self._data_parallel_share_path(os.path.dirname(load_path))
+            if share_path is not None and load_optimizer_states and not load_module_only:
+                saved = self.checkpoint_engine.load(share_path, map_location="cpu")
             if load_optimizer_states and not load_module_only:
                 if saved is None:
                     raise ValueError(f"checkpoint {load_path} has no optimizer state; load it with "
@@ -330,10 +352,10 @@ def _build_optimizer(engine, plan: ZenFlowDeepSpeedPlan, model_parameters) -> Ze
     if engine.training_dataloader is not None:
         steps_per_epoch = max(1, len(engine.training_dataloader) // engine.gradient_accumulation_steps())
     config = plan.zenflow_config(steps_per_epoch)
-    # Data-parallel ZenFlow plugs in here: process_group=engine.data_parallel_group (initialize() refuses
-    # world_size > 1 until ZenFlowAdamW takes it).
+    bucket = plan.user_config.get("zero_optimization", {}).get("reduce_bucket_size")
     return ZenFlowAdamW(_param_groups(model_parameters), **plan.adamw, max_grad_norm=plan.max_grad_norm,
-                        config=config)
+                        config=config, process_group=engine.data_parallel_group,
+                        **({"reduce_bucket_size": int(bucket)} if bucket is not None else {}))
 
 
 def _report_skipped_steps(optimizer: ZenFlowAdamW) -> None:
@@ -409,13 +431,6 @@ def initialize(args: Any = None,
         dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                               distributed_port=distributed_port or TORCH_DISTRIBUTED_DEFAULT_PORT,
                               dist_init_required=dist_init_required)
-        world_size = dist.get_world_size()
-        if world_size > 1:
-            raise NotImplementedError(
-                f"zenflow_compile.deepspeed on world_size={world_size}: data-parallel ZenFlow (gradients reduced "
-                "inside the rewritten backward, host optimizer state partitioned across ranks: "
-                "ZenFlowAdamW(..., process_group=...)) is not implemented yet; run on one rank "
-                "(deepspeed --num_gpus 1, or torchrun --nproc_per_node 1)")
         plan = plan_from_config(_resolve_config(args, config, config_params))
         engine = engine_class()(zenflow_plan=plan, args=args, model=model, model_parameters=model_parameters,
                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=None,
