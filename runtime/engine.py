@@ -449,6 +449,10 @@ class ZenFlowRuntime:
         stats["stall_seconds"] = host_wait if gpu_idle is None else gpu_idle
         stats["cpu_update_seconds"] = self.update_worker.busy_seconds
         stats["accumulate_seconds"] = self.accumulate_worker.busy_seconds
+        # CPU time of the worker threads (with torch's intra-op threads at 1, all of the work; on a shared
+        # machine the wall times above also count waiting for a core).
+        stats["cpu_update_thread_seconds"] = self.update_worker.busy_cpu_seconds
+        stats["accumulate_thread_seconds"] = self.accumulate_worker.busy_cpu_seconds
         stats["current_interval"] = self.steps_accumulated
         stats["update_pending"] = self.update_pending
         # Host memory held for optimizer state (data parallel: this rank's share).

@@ -6,6 +6,10 @@
 - `merge_columns_`: write the CPU-updated columns into a device parameter (Triton / index_copy_).
 - `column_scores`: per-column squared norms of a gradient, for the eager path (the compiled backward
   computes them itself, fused by Inductor into the kernels that produce the gradient).
+- `accumulate_scaled_`: the host accumulator's `acc += coef * grad` (fp32 accumulator, fp32/bf16/fp16
+  gradient) at memory bandwidth: an fp32 gradient in one fused add; a low-precision one converted chunk by
+  chunk into a small reused fp32 scratch (a mixed-dtype add_ runs ~4x slower here, and `grad.float() * coef`
+  allocates and streams two full-size temporaries).
 - `cpu_adamw_`: the host AdamW of the unselected columns: torch's fused CPU AdamW kernel (measured ~2
   Gparam/s on 2 cores, as fast as DeepSpeedCPUAdam, no JIT build). Swap the kernel here and nowhere else.
 
@@ -42,6 +46,22 @@ def merge_columns_(param: torch.Tensor, columns: torch.Tensor, values: torch.Ten
 
 def column_scores(grad2d: torch.Tensor) -> torch.Tensor:
     return column_sq_norms(grad2d)
+
+
+_ACCUMULATE_CHUNK = 1 << 16  # elements: the fp32 scratch stays in L2
+
+
+def accumulate_scaled_(acc: torch.Tensor, grad: torch.Tensor, coef: float) -> None:
+    if grad.dtype == acc.dtype:
+        acc.add_(grad, alpha=coef)
+        return
+    flat_acc, flat_grad = acc.view(-1), grad.view(-1)
+    scratch = torch.empty(min(_ACCUMULATE_CHUNK, flat_acc.numel()), dtype=acc.dtype)
+    for start in range(0, flat_acc.numel(), _ACCUMULATE_CHUNK):
+        end = min(start + _ACCUMULATE_CHUNK, flat_acc.numel())
+        chunk = scratch[:end - start]
+        chunk.copy_(flat_grad[start:end])
+        flat_acc[start:end].add_(chunk, alpha=coef)
 
 
 def cpu_adamw_(

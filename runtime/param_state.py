@@ -493,7 +493,7 @@ class MatrixState:
     def accumulate(self, grad_slot: int, acc_slot: int, coef: float) -> None:
         """acc += coef * g, once the step's offload has landed."""
         wait_events(self.offload_done[grad_slot])
-        self.accumulators[acc_slot].add_(self.host_grads[grad_slot].float() * coef)
+        kernels.accumulate_scaled_(self.accumulators[acc_slot], self.host_grads[grad_slot], coef)
 
     def host_adamw_batch(self, acc_slot: int, num_steps: int):
         """Fused-AdamW arguments for the boundary update of the host columns (mean gradient), per run."""

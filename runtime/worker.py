@@ -34,7 +34,8 @@ class CpuWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zenflow-{name}",
                                             initializer=initializer)
         self._futures: list[Future] = []
-        self.busy_seconds = 0.0
+        self.busy_seconds = 0.0  # wall time in tasks
+        self.busy_cpu_seconds = 0.0  # this thread's CPU time in tasks (unaffected by other processes)
 
     def _pin(self) -> None:
         """Runs first on the worker thread (a failure here would break the executor: pinning never raises)."""
@@ -49,11 +50,12 @@ class CpuWorker:
         def run():
             if after is not None:
                 after.result()  # re-raises the upstream failure here too
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return task()
             finally:
                 self.busy_seconds += time.perf_counter() - start
+                self.busy_cpu_seconds += time.thread_time() - start_cpu
 
         future = self._executor.submit(run)
         self._futures.append(future)

@@ -1,6 +1,6 @@
 """Train a small causal language model with DeepSpeed's training loop and compiled ZenFlow inside.
 
-    deepspeed --num_gpus 1 examples/deepspeed/train.py                    # GPU, DeepSpeed launcher
+    deepspeed --num_gpus N examples/deepspeed/train.py                    # GPUs, DeepSpeed launcher
     torchrun --nproc_per_node 1 examples/deepspeed/train.py               # GPU, torch launcher
     DS_ACCELERATOR=cpu python examples/deepspeed/train.py                 # CPU, single process, no launcher
 
