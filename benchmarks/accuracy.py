@@ -5,11 +5,17 @@
     python benchmarks/accuracy.py --grid --topk 0.05 0.1 0.25 --interval 1 2 4 auto --overlap 1 0 \\
         --warmup 0 30 --interval-aware 0 1 --out grid.json               # the full grid (long on a CPU)
     python benchmarks/accuracy.py --smoke --out smoke.json               # 1 layer, a few steps, tiny subsets
+    for s in 0 1 2; do python benchmarks/accuracy.py --seed $s --eval-size 2000 --eval-steps 200 250 300 \
+        --out seed$s.json; done                                          # one file per seed, then:
+    python benchmarks/accuracy.py --aggregate seed0.json seed1.json seed2.json --out summary.json
+                                                                         # mean [min, max] over the seeds
 
 Every run starts from the same weights (seed set before loading, so the new classifier head is equal), sees
 the same batches in the same order with the same lr, and is evaluated on the same held-out documents (a
-seeded subset of the official test split) every --eval-every steps: held-out accuracy and loss, plus the
-mean training loss since the previous evaluation. Dropout is off so that optimizers are the only difference.
+seeded subset of the official test split) every --eval-every steps or at the --eval-steps: held-out accuracy
+and loss, plus the mean training loss since the previous evaluation. Dropout is off so that optimizers are
+the only difference. The seed sets the head init, the data order and the held-out subset; AdamW and ZenFlow
+runs of one seed share all three, so their accuracy gap is paired (--aggregate reports it per seed).
 
 Run names (--runs):
   adamw                                  torch.optim.AdamW (eager model)
