@@ -73,7 +73,7 @@ class ZenFlowRuntime:
         self._failure: Optional[BaseException] = None
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.stall_clock: Optional[StallClock] = None
-        self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0,
+        self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
                              bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0)
 
     # -- parameters ---------------------------------------------------------------------------------------
@@ -183,19 +183,30 @@ class ZenFlowRuntime:
         self._adopt_external_writes()
         cfg, t = self.config, self.step_count
         stepped = [s for s in self.states.values() if s.num_grads]
+        self._fold_accumulated_grads(stepped)
         scores = [s.step_scores(self.grad_slot) for s in stepped]
         if self.data_parallel is not None and stepped:
             self._all_reduce_scores(stepped, scores)
-        # One reduction over every score (O(1) launches), one read of it (with the loss scale, if any):
-        # the step's host sync.
-        sumsq = torch.cat(scores).sum() if stepped else None
-        scale = 1.0
-        if sumsq is None:
-            norm = 0.0
-        elif grad_scale is None:
-            norm = math.sqrt(float(sumsq))
+        stepped_matrices = [s for s in stepped if s.is_matrix]
+        warmed_up = t >= cfg.full_warm_up_rounds
+        # First selection (a matrix's first gradient at t >= W), before the updates: needs its scores here.
+        selecting = [m for m in stepped_matrices if warmed_up and not m.num_selected]
+        zen_auto = [m for m in stepped_matrices if warmed_up and cfg.auto_update and m.num_selected and m.num_host]
+        if not stepped:
+            norm, scale, readout = 0.0, 1.0, None
         else:
-            sumsq, scale = torch.stack([sumsq.float(), grad_scale.to(sumsq.device).float().reshape(())]).tolist()
+            # The step's one host read: the squared norm (one reduction over every score), the loss scale,
+            # Zen-auto's mean scores and the scores of the matrices selecting for the first time.
+            parts = [torch.cat(scores).sum().float().reshape(1)]
+            if grad_scale is not None:
+                parts.append(grad_scale.to(parts[0].device).float().reshape(1))
+            for m in zen_auto:
+                parts += [m.scores[m.selected_on_device].mean().reshape(1),
+                          m.scores[m.host_columns_on_device].mean().reshape(1)]
+            parts += [m.scores for m in selecting]
+            readout = self._read_to_host(torch.cat(parts))
+            sumsq = float(readout[0])
+            scale = 1.0 if grad_scale is None else float(readout[1])
             norm = math.sqrt(sumsq) / scale
         if not math.isfinite(norm):
             self.counters["skipped_steps"] += 1
@@ -204,14 +215,23 @@ class ZenFlowRuntime:
         coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
         coef /= scale  # the clip coefficient of the unscaled gradient, applied to the scaled one
 
-        stepped_matrices = [s for s in stepped if s.is_matrix]
-        if t >= cfg.full_warm_up_rounds:
-            if t == cfg.full_warm_up_rounds:
-                self.selection_start = t
-            for m in stepped_matrices:  # first selection (a matrix's first gradient at t >= W), before updates
-                if not m.num_selected:
-                    m.select(top_k_columns(m.scores, cfg.num_selected(m.cols)), grad_slot=self.grad_slot,
-                             data_parallel=self.data_parallel)
+        if t == cfg.full_warm_up_rounds:
+            self.selection_start = t
+        mean_scores: dict[int, tuple[float, float]] = {}  # Zen-auto: pid -> (selected, unselected) means
+        if readout is not None:
+            offset = 1 if grad_scale is None else 2
+            pairs = readout[offset:offset + 2 * len(zen_auto)].tolist()
+            for i, m in enumerate(zen_auto):
+                mean_scores[m.pid] = (pairs[2 * i], pairs[2 * i + 1])
+            offset += 2 * len(zen_auto)
+            for m in selecting:
+                host_scores = readout[offset:offset + m.cols]
+                offset += m.cols
+                m.select(top_k_columns(host_scores, cfg.num_selected(m.cols)), grad_slot=self.grad_slot,
+                         data_parallel=self.data_parallel)
+                if cfg.auto_update and m.num_host:
+                    mean_scores[m.pid] = (float(host_scores[m.selected].mean()),
+                                          float(host_scores[m.host_columns].mean()))
 
         self._update_on_device(stepped, param_groups, coef)
         self._submit_accumulate([m for m in stepped_matrices if m.num_host and m.owns_host], coef)
@@ -219,13 +239,14 @@ class ZenFlowRuntime:
             m.steps_accumulated += 1
         self.steps_accumulated += 1
 
-        if self._is_update_boundary(t, stepped_matrices, coef):
-            warmed_up = t >= cfg.full_warm_up_rounds
-            reselect = warmed_up and self._should_reselect(t, stepped_matrices)
+        if self._is_update_boundary(t, stepped_matrices, mean_scores, coef):
+            # A boundary that may reselect: every matrix's scores come to the host in one transfer.
+            host_scores = self._host_scores(stepped_matrices) if warmed_up and self._may_reselect(t) else None
+            reselect = host_scores is not None and self._should_reselect(t, stepped_matrices, host_scores)
             self._update_boundary(param_groups, overlap=cfg.overlap_step and warmed_up and not reselect)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
-                self._reselect(t, stepped_matrices)
+                self._reselect(t, stepped_matrices, host_scores)
 
         self.step_count += 1
         self.counters["steps"] += 1
@@ -267,40 +288,66 @@ class ZenFlowRuntime:
         self._last_accumulate = future
 
     # -- boundaries ---------------------------------------------------------------------------------------
-    def _is_update_boundary(self, t: int, stepped_matrices: list[MatrixState], coef: float) -> bool:
+    def _fold_accumulated_grads(self, stepped: list) -> None:
+        """Gradient accumulation (several backwards in one step): the accumulate worker sums the offloaded
+        host parts and scores them (the norm needs the scores of the summed gradient); the training thread
+        only waits, counted."""
+        folding = [s for s in stepped if s.is_matrix and s.num_grads > 1 and s.owns_host and s.num_host]
+        if folding:
+            grad_slot = self.grad_slot
+            self._wait(self.accumulate_worker.submit(lambda: [m.host_step_scores(grad_slot) for m in folding]))
+
+    def _read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A blocking device -> host read (on CUDA, a synchronisation): every one the step makes goes
+        through here and is counted."""
+        self.counters["host_reads"] += 1
+        return tensor.cpu()
+
+    def _host_scores(self, matrices: list[MatrixState]) -> dict[int, torch.Tensor]:
+        """Every matrix's step scores on the host, in one transfer."""
+        if not matrices:
+            return {}
+        flat = self._read_to_host(torch.cat([m.scores for m in matrices]))
+        return dict(zip((m.pid for m in matrices), flat.split([m.cols for m in matrices])))
+
+    def _is_update_boundary(self, t: int, stepped_matrices: list[MatrixState],
+                            mean_scores: dict[int, tuple[float, float]], coef: float) -> bool:
         cfg = self.config
         if t < cfg.full_warm_up_rounds:
             return True  # warm-up: a plain synchronous AdamW of every column, every step
         if not cfg.auto_update:
             return (t - cfg.full_warm_up_rounds + 1) % cfg.update_interval == 0
         # Zen-auto: a matrix is ripe once its unselected columns' mean score, summed over the interval,
-        # reaches the interval's average of its selected columns' mean score.
-        contributing = [m for m in stepped_matrices if m.num_host]
-        if contributing:
-            means = []
-            for m in contributing:
-                scores = m.scores * (coef * coef)
-                means += [scores[m.selected_on_device].mean(), scores[m.host_columns_on_device].mean()]
-            means = torch.stack(means).tolist()
-            for i, m in enumerate(contributing):
-                m.sum_selected_score += means[2 * i]
-                m.sum_unselected_score += means[2 * i + 1]
+        # reaches the interval's average of its selected columns' mean score (scores of the clipped gradient).
+        for m in stepped_matrices:
+            if m.pid in mean_scores:
+                selected_mean, unselected_mean = mean_scores[m.pid]
+                m.sum_selected_score += selected_mean * coef * coef
+                m.sum_unselected_score += unselected_mean * coef * coef
         accumulating = [m for m in self.matrices if m.steps_accumulated > 0]
         ripe = sum(1 for m in accumulating if not m.num_host
                    or m.sum_unselected_score >= m.sum_selected_score / m.steps_accumulated)
         return (not accumulating or ripe >= cfg.auto_ratio * len(accumulating)
                 or self.steps_accumulated >= cfg.max_update_interval)
 
-    def _should_reselect(self, t: int, stepped_matrices: list[MatrixState]) -> bool:
+    def _may_reselect(self, t: int) -> bool:
+        """Whether this boundary reselects, or ("auto") must look at the scores to decide."""
         cfg = self.config
         if cfg.select_strategy == "epoch":  # the first boundary at or after each point of the epoch grid
             return self._epoch_grid_point(t) > self.selection_epoch
         if cfg.reselect_every is not None:
             return t - self.selection_start + 1 >= cfg.reselect_every
+        return True
+
+    def _should_reselect(self, t: int, stepped_matrices: list[MatrixState],
+                         host_scores: dict[int, torch.Tensor]) -> bool:
+        cfg = self.config
+        if cfg.select_strategy == "epoch" or cfg.reselect_every is not None:
+            return True  # _may_reselect decided
         # "auto": reselect once matrices holding half of the columns kept fewer than half of S in the top-k.
         drifted_columns = 0
         for m in stepped_matrices:
-            top = top_k_columns(m.scores, m.num_selected)
+            top = top_k_columns(host_scores[m.pid], m.num_selected)
             if 2 * int(torch.isin(top, m.selected).sum()) < m.num_selected:
                 drifted_columns += m.cols
         total_columns = sum(m.cols for m in stepped_matrices)
@@ -367,6 +414,7 @@ class ZenFlowRuntime:
         # Data parallel: the other ranks wait in the broadcast for the owners' CPU updates (counted as stall).
         waits = self.data_parallel is not None and unapplied
         marker, start = (self.stall_clock.before_wait(), time.perf_counter()) if waits else (None, 0.0)
+        self.counters["host_waits"] += bool(waits)
         for m in unapplied:
             self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_,
                                                                           self.data_parallel)
@@ -374,11 +422,11 @@ class ZenFlowRuntime:
             self.stall_clock.after_wait(marker, time.perf_counter() - start)
         self.update_pending = False
 
-    def _reselect(self, t: int, matrices: list[MatrixState]) -> None:
+    def _reselect(self, t: int, matrices: list[MatrixState], host_scores: dict[int, torch.Tensor]) -> None:
         moved = total = 0
         for m in matrices:
             total += m.num_selected
-            moved += m.select(top_k_columns(m.scores, self.config.num_selected(m.cols)),
+            moved += m.select(top_k_columns(host_scores[m.pid], self.config.num_selected(m.cols)),
                               data_parallel=self.data_parallel)
         self.selection_start = t + 1
         self.selection_epoch = self._epoch_grid_point(t)
@@ -392,6 +440,7 @@ class ZenFlowRuntime:
             if future.exception() is not None:
                 self._fail(future.exception())
             return
+        self.counters["host_waits"] += 1
         marker, start = self.stall_clock.before_wait(), time.perf_counter()
         try:
             future.result()

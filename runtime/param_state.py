@@ -232,6 +232,7 @@ class MatrixState:
         self.upload_done: list = [None, None]  # upload events of host_weights[slot]
         self.offload_done: list[list] = [[], []]  # D2H events of host_grads[slot] (and its extras)
         self.extra_grads: list[list[torch.Tensor]] = [[], []]  # later backwards of a step, summed at step()
+        self.extra_pool: list[list[torch.Tensor]] = [[], []]  # the pinned buffers extra_grads reuses
         if step_grad is not None:
             self.dev_grad.copy_(step_grad[:, selected].to(dev))
         if not self.owns_host:  # another rank holds the host part
@@ -252,6 +253,7 @@ class MatrixState:
         for weights in self.host_weights:
             weights.copy_(self.host_master)
         self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
+        self.host_scores = _host_buffer((host_columns.numel(),), torch.float32, pin)  # see host_step_scores
         if step_grad is not None:
             for buffer in self.host_grads:
                 buffer.copy_(step_grad[:, host_columns].t())
@@ -454,14 +456,18 @@ class MatrixState:
         if first:  # (also forgets the extras of a step that was discarded or skipped)
             target = self.host_grads[grad_slot]
             self.offload_done[grad_slot], self.extra_grads[grad_slot] = [], []
-        else:  # summed on the host at step(); a fresh (cached) pinned buffer per extra backward
-            target = torch.empty(rest.shape, dtype=rest.dtype, pin_memory=self.pin)
+        else:  # summed on the host (accumulate worker) at step(), in pinned buffers reused step after step
+            pool, index = self.extra_pool[grad_slot], len(self.extra_grads[grad_slot])
+            if index == len(pool):
+                pool.append(_host_buffer(rest.shape, rest.dtype, self.pin))
+            target = pool[index]
             self.extra_grads[grad_slot].append(target)
         self.offload_done[grad_slot].append(self.transfers.to_host(rest, target))
         return rest.numel() * rest.element_size()
 
     def fold_extra_grads(self, grad_slot: int) -> None:
-        """Sum the later backwards' offloaded gradients into host_grads[grad_slot] (waits for their copies)."""
+        """Sum the later backwards' offloaded gradients into host_grads[grad_slot] (waits for their copies).
+        Runs on the accumulate worker (`host_step_scores`); a no-op once done."""
         if self.extra_grads[grad_slot]:
             wait_events(self.offload_done[grad_slot])
             for extra in self.extra_grads[grad_slot]:
@@ -469,15 +475,22 @@ class MatrixState:
             self.extra_grads[grad_slot] = []
             self.offload_done[grad_slot] = []
 
+    def host_step_scores(self, grad_slot: int) -> torch.Tensor:
+        """Accumulate worker, several backwards in one step: fold the extras, then the exact scores of the
+        summed gradient's host columns, into a pinned buffer (uploaded without blocking by `step_scores`;
+        the step's host read orders that upload before the buffer's next use)."""
+        self.fold_extra_grads(grad_slot)
+        torch.sum(self.host_grads[grad_slot].float().pow(2), dim=1, out=self.host_scores)
+        return self.host_scores
+
     def step_scores(self, grad_slot: int) -> torch.Tensor:
-        """This step's column scores ([C]); recomputed exactly when several backwards were summed."""
+        """This step's column scores ([C]); recomputed exactly when several backwards were summed (the host
+        columns' from `host_step_scores`, which must have run)."""
         if self.num_grads > 1:
-            self.fold_extra_grads(grad_slot)
             exact = torch.empty(self.cols, device=self.device)
             exact[self.selected_on_device] = self.dev_grad.float().pow(2).sum(0)
             if self.owns_host:
-                host_scores = self.host_grads[grad_slot].float().pow(2).sum(1)
-                exact[self.host_columns_on_device] = host_scores.to(self.device)
+                exact[self.host_columns_on_device] = self.host_scores.to(self.device, non_blocking=True)
             else:  # the owner reports them
                 exact[self.host_columns_on_device] = 0.0
             self.scores.copy_(exact)
