@@ -140,8 +140,7 @@ class HostWork:
     def accumulate(self) -> None:
         """One step's host accumulation (the accumulate worker's task)."""
         grad_slot = self.step % 2
-        for s in self.states:
-            s.accumulate(grad_slot, 0, 1.0)
+        MatrixState.accumulate_many(self.states, grad_slot, 0, 1.0)
         self.step += 1
 
     def adamw(self) -> None:
@@ -152,11 +151,12 @@ class HostWork:
 
     def update(self) -> None:
         """The runtime's boundary update task, call for call (runtime/engine.py, _launch_cpu_update)."""
-        batch = [item for s in self.states for item in s.host_adamw_batch(0, self.interval)]
+        accumulators = [s.accumulators[0] for s in self.states]
+        torch._foreach_div_(accumulators, self.interval)
+        batch = [item for s in self.states for item in s.host_adamw_batch(0)]
         kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **HYPER)
-        for s in self.states:
-            s.accumulators[0].zero_()
-            s.publish_host_weights()
+        torch._foreach_zero_(accumulators)
+        MatrixState.publish_host_weights(self.states)
 
     def ds_cpu_adam(self) -> None:
         self.ds.step()

@@ -140,8 +140,8 @@ class ZenFlowRuntime:
         self.reducer.launch([(self._state(pid), grad) for pid, grad in zip(pids, grads)])
 
     def _open_step(self) -> None:
-        self._check_failure()
-        if not self._step_open:
+        if not self._step_open:  # once per step: a worker failure surfaces at the step's first gradient
+            self._check_failure()
             # The accumulate task of two steps ago read the buffers this step fills.
             pending = self._accumulate_done[self.grad_slot]
             if pending is not None:
@@ -280,8 +280,7 @@ class ZenFlowRuntime:
         grad_slot, acc_slot = self.grad_slot, self.acc_slot
 
         def accumulate():
-            for m in matrices:
-                m.accumulate(grad_slot, acc_slot, coef)
+            MatrixState.accumulate_many(matrices, grad_slot, acc_slot, coef)
 
         future = self.accumulate_worker.submit(accumulate)
         self._accumulate_done[grad_slot] = future
@@ -400,11 +399,14 @@ class ZenFlowRuntime:
             for g, members in owned.items():
                 if not members:
                     continue
-                batch = [item for m in members for item in m.host_adamw_batch(acc_slot, num_steps[m.pid])]
+                accumulators = [m.accumulators[acc_slot] for m in members]
+                for steps in set(num_steps[m.pid] for m in members):  # the interval's mean gradient
+                    torch._foreach_div_([m.accumulators[acc_slot] for m in members if num_steps[m.pid] == steps],
+                                        steps)
+                batch = [item for m in members for item in m.host_adamw_batch(acc_slot)]
                 kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **hyper[g])
-                for m in members:
-                    m.accumulators[acc_slot].zero_()
-                    m.publish_host_weights()
+                torch._foreach_zero_(accumulators)
+                MatrixState.publish_host_weights(members)
 
         return self.update_worker.submit(cpu_update, after=self._last_accumulate)
 

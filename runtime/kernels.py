@@ -37,7 +37,8 @@ def device_adamw_(updates: "list[DeviceUpdate]", *, lr: float, beta1: float, bet
         [u.grad for u in updates], [u.master for u in updates], [u.exp_avg for u in updates],
         [u.exp_avg_sq for u in updates], [u.step for u in updates], [u.param for u in updates],
         [u.columns for u in updates],
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
+        validate=False)  # the runtime builds these arguments itself
 
 
 def merge_columns_(param: torch.Tensor, columns: torch.Tensor, values: torch.Tensor) -> None:
@@ -52,9 +53,21 @@ _ACCUMULATE_CHUNK = 1 << 16  # elements: the fp32 scratch stays in L2
 
 
 def accumulate_scaled_(acc: torch.Tensor, grad: torch.Tensor, coef: float) -> None:
-    if grad.dtype == acc.dtype:
-        acc.add_(grad, alpha=coef)
-        return
+    accumulate_scaled_many_([acc], [grad], coef)
+
+
+def accumulate_scaled_many_(accs: list[torch.Tensor], grads: list[torch.Tensor], coef: float) -> None:
+    """`accumulate_scaled_` over many tensors: the same-dtype ones in one `_foreach_add_` (few Python calls
+    on the worker thread, so it rarely holds the GIL the training thread wants)."""
+    same = [(a, g) for a, g in zip(accs, grads) if g.dtype == a.dtype]
+    if same:
+        torch._foreach_add_([a for a, _ in same], [g for _, g in same], alpha=coef)
+    for acc, grad in zip(accs, grads):
+        if grad.dtype != acc.dtype:
+            _accumulate_converted_(acc, grad, coef)
+
+
+def _accumulate_converted_(acc: torch.Tensor, grad: torch.Tensor, coef: float) -> None:
     flat_acc, flat_grad = acc.view(-1), grad.view(-1)
     scratch = torch.empty(min(_ACCUMULATE_CHUNK, flat_acc.numel()), dtype=acc.dtype)
     for start in range(0, flat_acc.numel(), _ACCUMULATE_CHUNK):

@@ -408,13 +408,16 @@ class MatrixState:
         first = self.num_grads == 0
         self.num_grads += 1
         if self.num_selected:
-            chosen = g.index_select(1, self.selected_on_device)
-            self.dev_grad.copy_(chosen) if first else self.dev_grad.add_(chosen)
+            if first and g.dtype == self.dev_grad.dtype:
+                torch.index_select(g, 1, self.selected_on_device, out=self.dev_grad)
+            else:
+                chosen = g.index_select(1, self.selected_on_device)
+                self.dev_grad.copy_(chosen) if first else self.dev_grad.add_(chosen)
         self.scores.copy_(scores) if first else self.scores.add_(scores)
         if not self.num_host:
             return 0
-        # Gather + transpose on the device: one contiguous row per column, a single contiguous copy down.
-        return self._offload(g.t().index_select(0, self.host_columns_on_device), first, grad_slot)
+        # Gather + transpose: one contiguous row per column, a single contiguous copy down.
+        return self._offload(g.t(), first, grad_slot, rows=self.host_columns_on_device)
 
     def reduce_split_numel(self) -> tuple[int, int]:
         """Data parallel: (elements averaged on every rank, elements reduced into the owner) of a gradient."""
@@ -450,20 +453,20 @@ class MatrixState:
         self.scores.copy_(scores) if first else self.scores.add_(scores)
         return self._offload(rest, first, grad_slot)
 
-    def _offload(self, rest: torch.Tensor, first: bool, grad_slot: int) -> int:
-        """Send the unselected columns' gradient ([u, R]) to host_grads[grad_slot] (later backwards of the
-        same step: to extra buffers, summed at step())."""
+    def _offload(self, rest: torch.Tensor, first: bool, grad_slot: int, rows: Optional[torch.Tensor] = None) -> int:
+        """Send the unselected columns' gradient ([u, R], or the rows `rows` of `rest`) to
+        host_grads[grad_slot] (later backwards of the same step: to extra buffers, summed at step())."""
         if first:  # (also forgets the extras of a step that was discarded or skipped)
             target = self.host_grads[grad_slot]
             self.offload_done[grad_slot], self.extra_grads[grad_slot] = [], []
         else:  # summed on the host (accumulate worker) at step(), in pinned buffers reused step after step
             pool, index = self.extra_pool[grad_slot], len(self.extra_grads[grad_slot])
             if index == len(pool):
-                pool.append(_host_buffer(rest.shape, rest.dtype, self.pin))
+                pool.append(_host_buffer(self.host_grads[grad_slot].shape, rest.dtype, self.pin))
             target = pool[index]
             self.extra_grads[grad_slot].append(target)
-        self.offload_done[grad_slot].append(self.transfers.to_host(rest, target))
-        return rest.numel() * rest.element_size()
+        self.offload_done[grad_slot].append(self.transfers.to_host(rest, target, rows=rows))
+        return target.numel() * target.element_size()
 
     def fold_extra_grads(self, grad_slot: int) -> None:
         """Sum the later backwards' offloaded gradients into host_grads[grad_slot] (waits for their copies).
@@ -503,25 +506,31 @@ class MatrixState:
                             self.dev_step, self.as_columns(), self.selected_on_device)
 
     # -- host side (CPU worker threads) -------------------------------------------------------------------
-    def accumulate(self, grad_slot: int, acc_slot: int, coef: float) -> None:
-        """acc += coef * g, once the step's offload has landed."""
-        wait_events(self.offload_done[grad_slot])
-        kernels.accumulate_scaled_(self.accumulators[acc_slot], self.host_grads[grad_slot], coef)
+    @staticmethod
+    def accumulate_many(matrices: "list[MatrixState]", grad_slot: int, acc_slot: int, coef: float) -> None:
+        """acc += coef * g for each matrix, once the step's offloads have landed."""
+        for m in matrices:
+            wait_events(m.offload_done[grad_slot])
+        kernels.accumulate_scaled_many_([m.accumulators[acc_slot] for m in matrices],
+                                        [m.host_grads[grad_slot] for m in matrices], coef)
 
-    def host_adamw_batch(self, acc_slot: int, num_steps: int):
-        """Fused-AdamW arguments for the boundary update of the host columns (mean gradient), per run."""
+    def host_adamw_batch(self, acc_slot: int):
+        """Fused-AdamW arguments for the boundary update of the host columns, per run (the accumulator
+        already divided into the mean gradient)."""
         acc = self.accumulators[acc_slot]
-        acc.div_(num_steps)
         for start, end, count in self.host_runs:
             yield (self.host_master[start:end], acc[start:end], self.host_exp_avg[start:end],
                    self.host_exp_avg_sq[start:end], count)
 
-    def publish_host_weights(self) -> None:
-        """After a CPU update: cast the new masters into the free weights buffer for the next upload."""
-        slot = self.weights_slot ^ 1
-        wait_events([self.upload_done[slot]])
-        self.host_weights[slot].copy_(self.host_master)
-        self.weights_slot = slot
+    @staticmethod
+    def publish_host_weights(matrices: "list[MatrixState]") -> None:
+        """After a CPU update: cast the new masters into each matrix's free weights buffer for the next
+        upload (one batched copy)."""
+        for m in matrices:
+            wait_events([m.upload_done[m.weights_slot ^ 1]])
+        torch._foreach_copy_([m.host_weights[m.weights_slot ^ 1] for m in matrices], [m.host_master for m in matrices])
+        for m in matrices:
+            m.weights_slot ^= 1
 
     # -- training thread ----------------------------------------------------------------------------------
     def apply_host_columns(self, merge_columns, data_parallel=None) -> int:

@@ -25,11 +25,20 @@ class Transfers:
             self.device_to_host = torch.cuda.Stream(device)
             self.host_to_device = torch.cuda.Stream(device)
 
-    def to_host(self, source: torch.Tensor, pinned: torch.Tensor) -> Optional["torch.cuda.Event"]:
-        """Copy device `source` into host `pinned`; returns the event a host reader must wait for."""
+    def to_host(self, source: torch.Tensor, pinned: torch.Tensor,
+                rows: Optional[torch.Tensor] = None) -> Optional["torch.cuda.Event"]:
+        """Copy device `source` (or its rows `rows`, gathered on the device) into host `pinned`; returns the
+        event a host reader must wait for."""
         if not self.is_cuda:
-            pinned.copy_(source)
+            if rows is None:
+                pinned.copy_(source)
+            elif source.dtype == pinned.dtype:
+                torch.index_select(source, 0, rows, out=pinned)  # gather straight into the host buffer
+            else:
+                pinned.copy_(source.index_select(0, rows))
             return None
+        if rows is not None:
+            source = source.index_select(0, rows)
         stream = self.device_to_host
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):

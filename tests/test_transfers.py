@@ -71,13 +71,13 @@ def test_slow_accumulate_worker_never_lets_a_buffer_be_overwritten(monkeypatch):
     # A slow accumulate must make that backward wait, not lose or mix gradients.
     from zenflow_compile.runtime.param_state import MatrixState
 
-    real_accumulate = MatrixState.accumulate
+    real_accumulate = MatrixState.accumulate_many
 
-    def slow_accumulate(self, *args):
+    def slow_accumulate(*args):
         time.sleep(0.02)
-        real_accumulate(self, *args)
+        real_accumulate(*args)
 
-    monkeypatch.setattr(MatrixState, "accumulate", slow_accumulate)
+    monkeypatch.setattr(MatrixState, "accumulate_many", staticmethod(slow_accumulate))
     assert_matches_reference(*run_pair(CONFIGS["overlap-on"], steps=10), torch.float32)
 
 

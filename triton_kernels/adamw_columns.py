@@ -234,23 +234,73 @@ def adamw_selected_columns_reference_(
     grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns,
     *, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0, grad_columns=None,
 ) -> None:
-    """Plain-torch fallback of `adamw_selected_columns_` (same arguments, same math; a few launches per parameter)."""
+    """Plain-torch twin of `adamw_selected_columns_` (same arguments, same math), batched over the parameters:
+    torch's `_foreach` ops, and the per-column bias corrections of every parameter computed at once on their
+    concatenated update counts (a fixed number of calls per step, not per parameter)."""
     grad_columns = grad_columns if grad_columns is not None else [None] * len(grads)
-    for g, w, m, v, n, p, cols, gcols in zip(grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns,
-                                             grad_columns):
-        if cols.numel() == 0:
-            continue
-        g = (g[:, gcols] if gcols is not None else g).float() * grad_scale
-        n.add_(1)
-        n64 = n.double()
-        step_size = (lr / (1 - beta1 ** n64)).float()
-        bc2_sqrt = (1 - beta2 ** n64).sqrt().float()
-        w.mul_(1 - lr * weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        denom = (v.sqrt() / bc2_sqrt).add_(eps)
-        w.sub_(step_size * m / denom)
-        p[:, cols] = w.to(p.dtype)
+    live = [i for i in range(len(grads)) if columns[i].numel()]
+    if not live:
+        return
+    gs = []
+    for i in live:
+        g = grads[i] if grad_columns[i] is None else grads[i][:, grad_columns[i]]
+        gs.append(g if g.dtype == torch.float32 else g.float())
+    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+        gs = torch._foreach_mul(gs, grad_scale)
+    ws, ms, vs, ns = ([seq[i] for i in live] for seq in (masters, exp_avgs, exp_avg_sqs, steps))
+    if ws[0].device.type == "cpu":
+        fused = _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay)
+        for j in fused:
+            _write_columns(params[live[j]], columns[live[j]], ws[j])
+        done = set(fused)
+        rest = [j for j in range(len(live)) if j not in done]
+        if not rest:
+            return
+        live, gs, ws, ms, vs, ns = ([seq[j] for j in rest] for seq in (live, gs, ws, ms, vs, ns))
+    torch._foreach_add_(ns, 1)
+    n64 = torch.cat(ns).double()
+    sizes = [n.numel() for n in ns]
+    step_sizes = (lr / (1 - beta1 ** n64)).float().split(sizes)
+    bc2_sqrts = (1 - beta2 ** n64).sqrt().float().split(sizes)
+    torch._foreach_mul_(ws, 1 - lr * weight_decay)
+    torch._foreach_lerp_(ms, gs, 1 - beta1)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+    denoms = torch._foreach_sqrt(vs)
+    torch._foreach_div_(denoms, bc2_sqrts)  # [R, k] / [k]: per-column bias correction
+    torch._foreach_add_(denoms, eps)
+    updates = torch._foreach_mul(step_sizes, ms)
+    torch._foreach_div_(updates, denoms)
+    torch._foreach_sub_(ws, updates)
+    for i, w in zip(live, ws):
+        _write_columns(params[i], columns[i], w)
+
+
+def _write_columns(param: torch.Tensor, columns: torch.Tensor, master: torch.Tensor) -> None:
+    if columns.numel() == param.shape[1] == 1:  # a vector ([N, 1] view): one plain copy
+        param.copy_(master)
+    else:
+        param[:, columns] = master.to(param.dtype)
+
+
+def _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay) -> list[int]:
+    """On CPU, where reading the update counts costs nothing: torch's fused CPU AdamW kernel (one call for
+    all of them) for the parameters whose selected columns share one count (all of them, until a
+    reselection mixes counts). Returns their positions; the caller updates the others per column."""
+    sizes = [n.numel() for n in ns]
+    counts = torch.cat(ns)
+    owner = torch.repeat_interleave(torch.arange(len(ns)), torch.tensor(sizes))
+    firsts = counts[torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)]
+    mixed = torch.zeros(len(ns)).index_add_(0, owner, (counts != firsts[owner]).float())
+    fused = (mixed == 0).nonzero().flatten().tolist()
+    if not fused:
+        return []
+    scalars = list((firsts[fused] + 1).split(1))  # the kernel's per-parameter count, already incremented
+    torch._fused_adamw_([ws[j] for j in fused], [gs[j] for j in fused], [ms[j] for j in fused],
+                        [vs[j] for j in fused], [], scalars, lr=lr, beta1=beta1, beta2=beta2,
+                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    torch._foreach_add_([ns[j] for j in fused], 1)
+    return fused
 
 
 def adamw_selected_columns_(
@@ -270,6 +320,7 @@ def adamw_selected_columns_(
     grad_scale: Union[float, torch.Tensor] = 1.0,
     grad_columns: Optional[Sequence[Optional[torch.Tensor]]] = None,
     use_triton: Optional[bool] = None,
+    validate: bool = True,
 ) -> None:
     """One AdamW step on the selected columns of many parameters (one param group), in place.
 
@@ -277,6 +328,8 @@ def adamw_selected_columns_(
     device (read inside the kernel: no host sync). `grad_columns[i]` (optional, int64 [k_i]): `grads[i]` is
     then the full gradient and its columns `grad_columns[i]` are gathered. Columns in `columns[i]` must be
     distinct. `use_triton`: None = Triton when `triton_available(device)`, else the torch reference.
+    `validate=False` skips the per-parameter argument checks (for callers that build the arguments
+    themselves, once per step, like the runtime).
     """
     P = len(params)
     lists = (grads, masters, exp_avgs, exp_avg_sqs, steps, columns)
@@ -286,9 +339,10 @@ def adamw_selected_columns_(
         return
     device = params[0].device
     gcols_list = list(grad_columns) if grad_columns is not None else [None] * P
-    for i in range(P):
-        _check(i, grads[i], masters[i], exp_avgs[i], exp_avg_sqs[i], steps[i], params[i], columns[i],
-               gcols_list[i], device)
+    if validate:
+        for i in range(P):
+            _check(i, grads[i], masters[i], exp_avgs[i], exp_avg_sqs[i], steps[i], params[i], columns[i],
+                   gcols_list[i], device)
     scale_is_tensor = isinstance(grad_scale, torch.Tensor)
     if scale_is_tensor and (grad_scale.numel() != 1 or grad_scale.device != device):
         raise ValueError(f"adamw_selected_columns_: grad_scale tensor must be one element on {device}")
