@@ -288,6 +288,42 @@ def test_torch_autocast_fp16_uses_deepspeeds_grad_scaler_on_zenflow(ds):
     assert_moved(ds_run, snapshot(tiny_model()))
 
 
+def test_fp16_block_casts_the_module_and_scales_the_loss_dynamically(ds, monkeypatch):
+    """The fp16 block: DeepSpeed casts the module to fp16, ZenFlow keeps fp32 masters, and DeepSpeed's dynamic
+    loss scaling (initial_scale_power, loss_scale_window) runs as a torch.amp.GradScaler driving ZenFlowAdamW;
+    equals the same written directly. (DeepSpeed's CPU accelerator refuses fp16 unless the CPU has AVX512-FP16;
+    the test lifts that check: torch runs fp16 on any CPU.)"""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
+    config = ds_config(fp16={"enabled": True, "initial_scale_power": 10, "loss_scale_window": 3})
+    x, y = make_batches(1)[0]
+    batches = make_batches(7)
+    batches[2] = (x, torch.full_like(y, float("inf")))  # an overflow: skipped, the scale backs off
+    engine, opt, _, _ = ds_initialize(config, model=tiny_model())
+    scaler = engine.torch_autocast_z0_gradscaler
+    assert type(engine.optimizer) is zenflow_compile.ZenFlowAdamW and scaler.get_scale() == 2.0 ** 10
+    assert all(p.dtype == torch.float16 for p in engine.module.parameters())
+    ds_run = train_engine(engine, batches)
+    assert opt.stats()["skipped_steps"] == 1 and engine.skipped_steps == 1
+    assert all(opt.master(p).dtype == torch.float32 for p in engine.module.parameters())
+
+    model = tiny_model(torch.float16)
+    direct = direct_optimizer(model, config)
+    direct_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3)
+    direct_run = []
+    for batch in batches:
+        direct_scaler.scale(loss_fn(model, batch)).backward()
+        direct_scaler.step(direct)
+        direct_scaler.update()
+        direct.zero_grad()
+        direct_run.append(snapshot(model))
+    # halved at the overflow, doubled after loss_scale_window (3) clean steps
+    assert scaler.get_scale() == direct_scaler.get_scale() == 2.0 ** 10
+    assert_same_run(ds_run, direct_run, atol=0, rtol=0)
+    assert_moved(ds_run, snapshot(tiny_model(torch.float16)))
+
+
 def test_non_finite_step_is_skipped_the_deepspeed_way(ds):
     """A non-finite gradient: ZenFlow skips the step, and DeepSpeed sees it (skipped_steps, was_step_applied,
     no LR-scheduler step), as with its own fp16 optimizers."""
@@ -408,10 +444,11 @@ def test_invalid_zenflow_keys_get_deepspeeds_validation_error(ds):
     (lambda c: c["optimizer"]["params"].update(amsgrad=True), ValueError, r"optimizer\.params\.amsgrad"),
     (lambda c: c.update(compile={"deepcompile": True, "offload_activation": True}), ValueError,
      r"compile\.offload_activation=True"),
-    (lambda c: c.update(fp16={"enabled": True}), NotImplementedError, r"fp16\.enabled=true.*bf16.*torch_autocast"),
+    (lambda c: c.update(fp16={"enabled": True, "loss_scale": 128}), ValueError,
+     r"fp16\.loss_scale=128.*static loss scale.*use 0"),
     (lambda c: c["zero_optimization"]["zenflow"].update(select_strategy="epoch", select_interval=1), ValueError,
      r"select_strategy='epoch' needs the epoch length: pass training_data"),
-], ids=["stage3", "nvme", "no-zenflow-block", "not-adamw", "amsgrad", "deepcompile-pass", "fp16",
+], ids=["stage3", "nvme", "no-zenflow-block", "not-adamw", "amsgrad", "deepcompile-pass", "fp16-static-scale",
         "epoch-without-data"])
 def test_config_that_cannot_apply_is_a_clear_error(ds, change, error, match):
     config = ds_config()

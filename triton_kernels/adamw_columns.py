@@ -280,7 +280,7 @@ def _write_columns(param: torch.Tensor, columns: torch.Tensor, master: torch.Ten
     if columns.numel() == param.shape[1] == 1:  # a vector ([N, 1] view): one plain copy
         param.copy_(master)
     else:
-        param[:, columns] = master.to(param.dtype)
+        param.index_copy_(1, columns, master.to(param.dtype))
 
 
 def _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay) -> list[int]:

@@ -27,8 +27,10 @@ How the user's config is read. The whole JSON is first validated by DeepSpeed's 
   (offload_activation, ...) cannot apply and are errors naming the key;
 - `bf16` -> DeepSpeed casts the module (its own cast, with keep_in_fp32_modules); ZenFlow keeps the fp32
   masters. `torch_autocast` (bf16 or fp16) is DeepSpeed's as is: at stage 0 it scales fp16 losses with its
-  own torch.amp.GradScaler, which ZenFlowAdamW supports. The `fp16` block (DeepSpeed's loss scaler inside its
-  FP16 optimizer wrappers) is an error that names both alternatives.
+  own torch.amp.GradScaler, which ZenFlowAdamW supports. The `fp16` block: DeepSpeed casts the module to
+  fp16, ZenFlow keeps fp32 masters, and its dynamic loss scaling becomes that same GradScaler
+  (`_fp16_grad_scaler`: initial_scale_power, loss_scale_window; hysteresis and min_loss_scale have no
+  GradScaler equivalent; a static loss_scale is an error).
 
 What the engine is given instead (why): DeepSpeed must not touch ZenFlow's state.
 - no `optimizer` block but a client optimizer callable, so DeepSpeed never builds cpu_adam / FusedAdam; it
@@ -188,14 +190,30 @@ def _check_compile(compile_config) -> bool:
 
 def _check_precision(ds_config) -> None:
     # torch_autocast with fp16 passes: at stage 0 DeepSpeed drives its own torch.amp.GradScaler, which
-    # ZenFlowAdamW supports (the scale is divided out in step(), found-inf reported back).
-    if ds_config.float16_config.enabled:
-        raise NotImplementedError(
-            "DeepSpeed config fp16.enabled=true: DeepSpeed's fp16 mode scales the loss inside its FP16 optimizer "
-            "wrappers, which zenflow_compile does not use (they would own the fp32 masters ZenFlow keeps), so "
-            "fp16 parameters would train without loss scaling; use {\"bf16\": {\"enabled\": true}} "
-            "(ZenFlow keeps fp32 masters) or {\"torch_autocast\": {\"enabled\": true, \"dtype\": "
-            "\"torch.float16\"}} (fp32 parameters, DeepSpeed's GradScaler)")
+    # ZenFlowAdamW supports (the scale is divided out in step(), found-inf reported back). The fp16 block is
+    # mapped onto that same GradScaler (`_fp16_grad_scaler`); what cannot be mapped is an error.
+    fp16 = ds_config.float16_config
+    if not fp16.enabled:
+        return
+    if fp16.loss_scale > 0:
+        raise _config_error("fp16.loss_scale", fp16.loss_scale,
+                            "a static loss scale has no torch.amp.GradScaler equivalent (GradScaler always backs "
+                            "off on overflow); use 0 (dynamic loss scaling, DeepSpeed's default)")
+    if fp16.fp16_master_weights_and_grads:
+        raise _config_error("fp16.fp16_master_weights_and_grads", True,
+                            "ZenFlow keeps fp32 masters; leave it false")
+
+
+def _fp16_grad_scaler(fp16_config, device_name: str):
+    """DeepSpeed's dynamic loss scaling as torch.amp.GradScaler: initial scale 2**initial_scale_power, halved
+    on overflow, doubled after loss_scale_window clean steps. Not mapped (GradScaler has no such knobs):
+    hysteresis (DeepSpeed waits for that many overflows before lowering the scale; here every overflow
+    lowers it) and min_loss_scale."""
+    import torch
+
+    return torch.amp.GradScaler(device=device_name, init_scale=2.0 ** fp16_config.initial_scale_power,
+                                growth_factor=2.0, backoff_factor=0.5,
+                                growth_interval=fp16_config.loss_scale_window)
 
 
 def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPlan:
@@ -271,6 +289,12 @@ def _define_engine_class():
 
             super().__init__(optimizer=build_optimizer, **engine_kwargs)
             self._zenflow_plan = plan
+            if self.fp16_enabled():
+                # DeepSpeed's fp16 loss scaling lives in its FP16 optimizer wrappers, which would own the fp32
+                # masters ZenFlow keeps; its stage-0 GradScaler path (engine.backward scales, the step unscales
+                # through ZenFlowAdamW's grad_scaler protocol) does the same job without them.
+                self.torch_autocast_z0_gradscaler = _fp16_grad_scaler(self._config.float16_config,
+                                                                      get_accelerator().device_name())
             # The rewritten backward (and, eagerly, ZenFlow's hooks) takes every gradient: DeepSpeed's
             # all-reduce would zero-fill and reduce `.grad`s that never exist.
             self.enable_backward_allreduce = False
