@@ -66,7 +66,12 @@ def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
     try:
         model, opt, run_model = build(scenario, rank)
         record["initial"] = [p.detach().clone() for p in model.parameters()]
-        train(scenario, model, opt, run_model, batches, rank, world_size, record)
+        if "load_from" in scenario:  # a full (world-size-free) state_dict, e.g. saved by one process
+            saved = torch.load(scenario["load_from"], weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
+        train(scenario, model, opt, run_model, batches, rank, world_size, record,
+              first_step=scenario.get("first_step", 0))
         if "resume_steps" in scenario:
             # Copies, as torch.save would make: like torch.optim's, a state_dict may share live tensors.
             record["share"] = copy.deepcopy(opt.state_dict())

@@ -77,6 +77,11 @@ def runs(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("data_parallel")
     scenarios = [dict(name=f"{name}_{mode}", compiled=mode == "compiled", **spec)
                  for name, spec in PARITY.items() for mode in MODES]
+    # A one-process checkpoint, resumed on 2 ranks (test_a_full_state_dict_resumes_at_world_size_two).
+    _, _, opt, model = one_process(CHECKPOINT, with_model=True)
+    torch.save(dict(model=model.state_dict(), optimizer=opt.state_dict()), out_dir / "one_process.pt")
+    scenarios += [dict(name="load_full", compiled=False, steps=CHECKPOINT["resume_steps"], keys=CHECKPOINT["keys"],
+                       load_from=str(out_dir / "one_process.pt"), first_step=CHECKPOINT["steps"])]
     scenarios += [CHECKPOINT,
                   dict(name="mismatch", compiled=False, steps=1, keys=BASE, mismatch_rank=1,
                        mismatch=dict(topk_ratio=0.5), expect_error=True),
@@ -85,7 +90,8 @@ def runs(tmp_path_factory):
     return out_dir
 
 
-def one_process(spec: dict, steps: int | None = None, state_dict=None, model_state=None, first_step: int = 0):
+def one_process(spec: dict, steps: int | None = None, state_dict=None, model_state=None, first_step: int = 0,
+                with_model: bool = False):
     """ZenFlowAdamW in this process on the concatenated batches (what the ranks must equal)."""
     model = tiny_model(seed=0)
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, max_grad_norm=spec.get("clip"), **spec["keys"])
@@ -102,6 +108,8 @@ def one_process(spec: dict, steps: int | None = None, state_dict=None, model_sta
         opt.zero_grad()
         params.append([p.detach().clone() for p in model.parameters()])
         selected.append([opt.selected_columns(p) for p in model.parameters() if p.dim() >= 2])
+    if with_model:  # a checkpoint of the run as it stands (nothing applied by synchronize)
+        return params, selected, opt, model
     opt.synchronize()
     return params, selected, opt
 
@@ -174,6 +182,20 @@ def test_the_consolidated_export_resumes_at_world_size_one(runs):
                                model_state=rank0["model_at_save"], first_step=CHECKPOINT["steps"])
     for step, (got, want) in enumerate(zip(params, rank0["params"][CHECKPOINT["steps"]:])):
         assert max_param_diff(got, want) <= ATOL, step
+
+
+def test_a_full_state_dict_resumes_at_world_size_two(runs):
+    """One process's state_dict (world-size-free, like a consolidated one) loaded on 2 ranks: each keeps the
+    host state of its own matrices and the run goes on like the one process."""
+    expected, expected_selected, _ = one_process(CHECKPOINT, steps=CHECKPOINT["steps"] + CHECKPOINT["resume_steps"])
+    expected, expected_selected = expected[CHECKPOINT["steps"]:], expected_selected[CHECKPOINT["steps"]:]
+    rank0, rank1 = load(runs, "load_full")
+    assert rank0["error"] is None and rank1["error"] is None
+    for step in range(CHECKPOINT["resume_steps"]):
+        assert all(torch.equal(a, b) for a, b in zip(rank0["params"][step], rank1["params"][step])), step
+        assert max_param_diff(rank0["params"][step], expected[step]) <= ATOL, step
+        assert same_selection(rank0["selected"][step], expected_selected[step]), step
+    assert 0 < rank0["stats"]["host_state_bytes"] and 0 < rank1["stats"]["host_state_bytes"]
 
 
 def test_a_share_cannot_be_loaded_as_a_full_state_dict(runs):
