@@ -98,7 +98,8 @@ def main() -> None:
     rank0 = engine.global_rank == 0
     if rank0:
         print(f"engine={type(engine).__name__} (a deepspeed.DeepSpeedEngine) optimizer={type(optimizer).__name__} "
-              f"device={engine.device} compiled={engine.is_compiled}\n{optimizer.config}", flush=True)
+              f"device={engine.device} compiled={engine.is_compiled} data-parallel ranks={engine.dp_world_size}\n"
+              f"{optimizer.config}", flush=True)
 
     start, step, losses = time.perf_counter(), 0, []
     while step < args.steps:
