@@ -132,11 +132,14 @@ class ZenFlowRuntime:
         self.counters["bytes_device_to_host"] += self._state(pid).receive_grad(grad, scores, self.grad_slot)
 
     def reduce_grads(self, pids: list[int], grads: list[torch.Tensor]) -> None:
-        """Data parallel, compiled: one bucket of gradients (graph order), reduced asynchronously."""
+        """Data parallel, compiled: one bucket of gradients (graph order), reduced asynchronously. A graph
+        compiled for a data-parallel owner can be reused (Dynamo shares graphs across instances) by an
+        optimizer without one: its gradients are then taken one by one, as the single-process graph would."""
         self._open_step()
         if self.reducer is None:
-            raise RuntimeError("zenflow::reduce_grads reached a ZenFlowAdamW without a data-parallel group: the "
-                               "graph was compiled for another world size; recompile (torch._dynamo.reset())")
+            for pid, grad in zip(pids, grads):
+                self.accumulate_grad(pid, grad, None)
+            return
         self.reducer.launch([(self._state(pid), grad) for pid, grad in zip(pids, grads)])
 
     def _open_step(self) -> None:

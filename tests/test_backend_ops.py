@@ -121,3 +121,45 @@ def test_inductor_keeps_and_runs_the_op():
     torch.testing.assert_close(got_g, g * 2)
     torch.testing.assert_close(got_s, (g * 2).pow(2).sum(0))
     torch._dynamo.reset()
+
+
+def test_reduce_grads_schema_and_routing_to_each_owner():
+    from zenflow_compile.runtime.ops import REDUCE_GRADS
+
+    assert str(REDUCE_GRADS._schema) == "zenflow::reduce_grads(Tensor[] grads, int[] slots) -> ()"
+    assert torch.Tag.cudagraph_unsafe in REDUCE_GRADS.tags
+
+    class BucketRuntime(RecordingRuntime):
+        def reduce_grads(self, pids, grads):
+            self.calls.append((list(pids), [g.clone() for g in grads]))
+
+    runtimes = [BucketRuntime(), BucketRuntime()]
+    params = [nn.Parameter(torch.zeros(3, 2)) for _ in range(3)]
+    pids = [registry.register_param(p, r) for p, r in zip(params, [runtimes[0], runtimes[1], runtimes[0]])]
+    g = [torch.full((3, 2), float(i)) for i in range(3)]
+    run_backward(lambda _: torch.ops.zenflow.reduce_grads(g, [0, 1, 2]), tuple(pids))
+    # one call per owner, its gradients in bucket order
+    assert [(c[0], [t[0, 0].item() for t in c[1]]) for c in runtimes[0].calls] == [([pids[0], pids[2]], [0.0, 2.0])]
+    assert [(c[0], [t[0, 0].item() for t in c[1]]) for c in runtimes[1].calls] == [([pids[1]], [1.0])]
+
+
+def test_a_data_parallel_graph_reused_by_a_single_process_optimizer_takes_each_gradient():
+    """Dynamo shares a compiled graph across model instances: a graph rewritten for a data-parallel owner
+    (reduce_grads) can run for an optimizer without one, which then takes the gradients one by one."""
+    import zenflow_compile
+
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(4))]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    initial = [p.detach().clone() for p in params]
+    opt = zenflow_compile.ZenFlowAdamW(params, lr=0.1, topk_ratio=0.5, update_interval=1)
+    reference = zenflow_compile.ZenFlowAdamW(twins, lr=0.1, topk_ratio=0.5, update_interval=1)
+    grads = [torch.randn(4, 3), torch.randn(4)]
+    run_backward(lambda _: torch.ops.zenflow.reduce_grads(grads, [0, 1]),
+                 tuple(opt.param_id(p) for p in params))
+    for p, g in zip(twins, grads):
+        registry.accumulate_grad(reference.param_id(p), g, None)
+    opt.step()
+    reference.step()
+    for a, b, before in zip(params, twins, initial):
+        assert torch.equal(a, b) and not torch.equal(a, before)
