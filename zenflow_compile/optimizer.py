@@ -208,6 +208,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not self._runtime.has_state(pid):
             return param.detach().float().cpu().clone()
         entry = self._runtime.export_state(pid)
+        if "host_owner" in entry:
+            raise ValueError(
+                f"ZenFlowAdamW.master: the unselected columns of this parameter (shape {tuple(param.shape)}) live "
+                f"on rank {entry['host_owner']}'s host, not on this rank's; call master() there, or gather the "
+                "whole state with consolidated_state_dict()")
         return entry["master"].reshape(param.shape)
 
     # -- checkpoints --------------------------------------------------------------------------------------
