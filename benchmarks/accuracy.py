@@ -335,6 +335,8 @@ def aggregate(paths: list[Path]) -> dict:
                       if seed in adamw.get(step, {})]
             if name != "adamw" and paired:
                 point["gap_points"] = spread(paired)
+                point["loss_gap"] = spread([p["loss"] - adamw[step][seed]["loss"] for seed, p in seeds.items()
+                                            if seed in adamw.get(step, {})])
             curve.append(point)
         runs[name] = dict(curve=curve)
     setup = dict(files[0]["setup"], seed=sorted({f["setup"]["seed"] for f in files}))
@@ -342,18 +344,19 @@ def aggregate(paths: list[Path]) -> dict:
 
 
 def aggregate_table(summary: dict) -> str:
-    """mean [min, max] over seeds per step; the gap is ZenFlow minus AdamW in points, paired by seed."""
+    """mean [min, max] over seeds per step; the gaps are ZenFlow minus AdamW (accuracy in points, loss), paired
+    by seed."""
     runs = summary["runs"]
     steps = sorted({p["step"] for r in runs.values() for p in r["curve"]})
     width = max(len(n) for n in runs)
     lines = []
     for metric, fmt in (("accuracy", "{:.3f} [{:.3f},{:.3f}]"), ("loss", "{:.3f} [{:.3f},{:.3f}]"),
-                        ("gap_points", "{:+.1f} [{:+.1f},{:+.1f}]")):
+                        ("gap_points", "{:+.1f} [{:+.1f},{:+.1f}]"), ("loss_gap", "{:+.3f} [{:+.3f},{:+.3f}]")):
         cell = len(fmt.format(0, 0, 0)) + 7
         head = f"{metric + ' (seeds)':<{width + 4}}" + "".join(f"{'@' + str(s):>{cell}}" for s in steps)
         lines += [head, "-" * len(head)]
         for name, r in runs.items():
-            if metric == "gap_points" and name == "adamw":
+            if metric in ("gap_points", "loss_gap") and name == "adamw":
                 continue
             curve = {p["step"]: p for p in r["curve"]}
             cells = []
@@ -371,26 +374,28 @@ def aggregate_chart(summary: dict, png: Path, only: list | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=80)
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 4.6), dpi=80)
     for name, r in summary["runs"].items():
         if only and name not in only:
             continue
-        xs = [p["step"] for p in r["curve"]]
+        n = max(len(p["seeds"]) for p in r["curve"])
+        curve = [p for p in r["curve"] if len(p["seeds"]) == n]  # steps every seed of the run reached
+        xs = [p["step"] for p in curve]
         style = dict(lw=2.2, color="black") if name == "adamw" else dict(lw=1.3)
         for ax, metric in ((ax_acc, "accuracy"), (ax_loss, "loss")):
-            line, = ax.plot(xs, [p[metric]["mean"] for p in r["curve"]], marker=".",
-                            label=f"{name} (seeds: {max(p[metric]['n'] for p in r['curve'])})", **style)
-            ax.fill_between(xs, [p[metric]["min"] for p in r["curve"]], [p[metric]["max"] for p in r["curve"]],
+            line, = ax.plot(xs, [p[metric]["mean"] for p in curve], marker=".", label=f"{name} ({n} seeds)",
+                            **style)
+            ax.fill_between(xs, [p[metric]["min"] for p in curve], [p[metric]["max"] for p in curve],
                             color=line.get_color(), alpha=0.15)
     s = summary["setup"]
     ax_acc.set(xlabel="step", ylabel="held-out accuracy")
     ax_loss.set(xlabel="step", ylabel="held-out loss")
     fig.suptitle(f"all-MiniLM-L6-v2 on 20 Newsgroups: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
                  f"{s['eval_size']} held-out docs; mean over seeds {s['seed']}, band = min..max", fontsize=9)
-    ax_acc.legend(fontsize=6.5, loc="lower right")
+    fig.legend(*ax_acc.get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=2)
     for ax in (ax_acc, ax_loss):
         ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(png)
     plt.close(fig)
     print(f"chart: {png}")
