@@ -20,6 +20,7 @@ CPU is late the training thread waits, and the wait is counted as stall time.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from concurrent.futures import Future
@@ -41,6 +42,16 @@ def _hyperparameters(group: dict) -> dict:
     beta1, beta2 = group["betas"]
     return dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                 weight_decay=float(group["weight_decay"]))
+
+
+@dataclasses.dataclass
+class _StepReadout:
+    """What the step's one host read brought back (see `ZenFlowRuntime._read_step_values`)."""
+
+    norm: float  # global L2 norm of the unscaled gradient
+    scale: float  # the loss scale the gradients carry (1 without a GradScaler)
+    mean_scores: dict = dataclasses.field(default_factory=dict)  # Zen-auto: pid -> (selected, unselected) mean
+    selecting_scores: dict = dataclasses.field(default_factory=dict)  # pid -> host scores, first selections
 
 
 class ZenFlowRuntime:
@@ -195,46 +206,23 @@ class ZenFlowRuntime:
         # First selection (a matrix's first gradient at t >= W), before the updates: needs its scores here.
         selecting = [m for m in stepped_matrices if warmed_up and not m.num_selected]
         zen_auto = [m for m in stepped_matrices if warmed_up and cfg.auto_update and m.num_selected and m.num_host]
-        if not stepped:
-            norm, scale, readout = 0.0, 1.0, None
-        else:
-            # The step's one host read: the squared norm (one reduction over every score), the loss scale,
-            # Zen-auto's mean scores and the scores of the matrices selecting for the first time.
-            parts = [torch.cat(scores).sum().float().reshape(1)]
-            if grad_scale is not None:
-                parts.append(grad_scale.to(parts[0].device).float().reshape(1))
-            for m in zen_auto:
-                parts += [m.scores[m.selected_on_device].mean().reshape(1),
-                          m.scores[m.host_columns_on_device].mean().reshape(1)]
-            parts += [m.scores for m in selecting]
-            readout = self._read_to_host(torch.cat(parts))
-            sumsq = float(readout[0])
-            scale = 1.0 if grad_scale is None else float(readout[1])
-            norm = math.sqrt(sumsq) / scale
-        if not math.isfinite(norm):
+        readout = self._read_step_values(scores, grad_scale, zen_auto, selecting)
+        if not math.isfinite(readout.norm):
             self.counters["skipped_steps"] += 1
             self.discard_step_grads()
             return False
-        coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (norm + 1e-6))
-        coef /= scale  # the clip coefficient of the unscaled gradient, applied to the scaled one
+        coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (readout.norm + 1e-6))
+        coef /= readout.scale  # the clip coefficient of the unscaled gradient, applied to the scaled one
 
         if t == cfg.full_warm_up_rounds:
             self.selection_start = t
-        mean_scores: dict[int, tuple[float, float]] = {}  # Zen-auto: pid -> (selected, unselected) means
-        if readout is not None:
-            offset = 1 if grad_scale is None else 2
-            pairs = readout[offset:offset + 2 * len(zen_auto)].tolist()
-            for i, m in enumerate(zen_auto):
-                mean_scores[m.pid] = (pairs[2 * i], pairs[2 * i + 1])
-            offset += 2 * len(zen_auto)
-            for m in selecting:
-                host_scores = readout[offset:offset + m.cols]
-                offset += m.cols
-                m.select(top_k_columns(host_scores, cfg.num_selected(m.cols)), grad_slot=self.grad_slot,
-                         data_parallel=self.data_parallel)
-                if cfg.auto_update and m.num_host:
-                    mean_scores[m.pid] = (float(host_scores[m.selected].mean()),
-                                          float(host_scores[m.host_columns].mean()))
+        for m in selecting:
+            host_scores = readout.selecting_scores[m.pid]
+            m.select(top_k_columns(host_scores, cfg.num_selected(m.cols)), grad_slot=self.grad_slot,
+                     data_parallel=self.data_parallel)
+            if cfg.auto_update and m.num_host:
+                readout.mean_scores[m.pid] = (float(host_scores[m.selected].mean()),
+                                              float(host_scores[m.host_columns].mean()))
 
         self._update_on_device(stepped, param_groups, coef)
         self._submit_accumulate([m for m in stepped_matrices if m.num_host and m.owns_host], coef)
@@ -242,7 +230,7 @@ class ZenFlowRuntime:
             m.steps_accumulated += 1
         self.steps_accumulated += 1
 
-        if self._is_update_boundary(t, stepped_matrices, mean_scores, coef):
+        if self._is_update_boundary(t, stepped_matrices, readout.mean_scores, coef):
             # A boundary that may reselect: every matrix's scores come to the host in one transfer.
             host_scores = self._host_scores(stepped_matrices) if warmed_up and self._may_reselect(t) else None
             reselect = host_scores is not None and self._should_reselect(t, stepped_matrices, host_scores)
@@ -298,6 +286,32 @@ class ZenFlowRuntime:
         if folding:
             grad_slot = self.grad_slot
             self._wait(self.accumulate_worker.submit(lambda: [m.host_step_scores(grad_slot) for m in folding]))
+
+    def _read_step_values(self, scores: list[torch.Tensor], grad_scale: Optional[torch.Tensor],
+                          zen_auto: list[MatrixState], selecting: list[MatrixState]) -> "_StepReadout":
+        """The step's one host read: the squared norm (one reduction over every score), the loss scale,
+        Zen-auto's mean scores (selected, unselected) per matrix, and the scores of the matrices selecting
+        for the first time."""
+        if not scores:
+            return _StepReadout(norm=0.0, scale=1.0)
+        parts = [torch.cat(scores).sum().float().reshape(1)]
+        if grad_scale is not None:
+            parts.append(grad_scale.to(parts[0].device).float().reshape(1))
+        for m in zen_auto:
+            parts += [m.scores[m.selected_on_device].mean().reshape(1),
+                      m.scores[m.host_columns_on_device].mean().reshape(1)]
+        parts += [m.scores for m in selecting]
+        values = self._read_to_host(torch.cat(parts))
+        scale = 1.0 if grad_scale is None else float(values[1])
+        readout = _StepReadout(norm=math.sqrt(float(values[0])) / scale, scale=scale)
+        offset = 1 if grad_scale is None else 2
+        means = values[offset:offset + 2 * len(zen_auto)].tolist()
+        readout.mean_scores = {m.pid: (means[2 * i], means[2 * i + 1]) for i, m in enumerate(zen_auto)}
+        offset += 2 * len(zen_auto)
+        for m in selecting:
+            readout.selecting_scores[m.pid] = values[offset:offset + m.cols]
+            offset += m.cols
+        return readout
 
     def _read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A blocking device -> host read (on CUDA, a synchronisation): every one the step makes goes
