@@ -20,6 +20,7 @@ CPU is late the training thread waits, and the wait is counted as stall time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -431,14 +432,11 @@ class ZenFlowRuntime:
         """Write the last launched CPU update into the device parameters of the matrices it updated."""
         unapplied = [m for m in self.matrices if m.unapplied]
         # Data parallel: the other ranks wait in the broadcast for the owners' CPU updates (counted as stall).
-        waits = self.data_parallel is not None and unapplied
-        marker, start = (self.stall_clock.before_wait(), time.perf_counter()) if waits else (None, 0.0)
-        self.counters["host_waits"] += bool(waits)
-        for m in unapplied:
-            self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_,
-                                                                          self.data_parallel)
-        if waits:
-            self.stall_clock.after_wait(marker, time.perf_counter() - start)
+        waiting = self._counted_wait() if self.data_parallel is not None and unapplied else contextlib.nullcontext()
+        with waiting:
+            for m in unapplied:
+                self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_,
+                                                                              self.data_parallel)
         self.update_pending = False
 
     def _reselect(self, t: int, matrices: list[MatrixState], host_scores: dict[int, torch.Tensor]) -> None:
@@ -459,12 +457,20 @@ class ZenFlowRuntime:
             if future.exception() is not None:
                 self._fail(future.exception())
             return
+        with self._counted_wait():
+            try:
+                future.result()
+            except BaseException as error:
+                self._fail(error)
+
+    @contextlib.contextmanager
+    def _counted_wait(self):
+        """Time the training thread spends waiting for CPU work (here or on another rank): counted and
+        measured as stall."""
         self.counters["host_waits"] += 1
         marker, start = self.stall_clock.before_wait(), time.perf_counter()
         try:
-            future.result()
-        except BaseException as error:
-            self._fail(error)
+            yield
         finally:
             self.stall_clock.after_wait(marker, time.perf_counter() - start)
 
@@ -548,35 +554,33 @@ class ZenFlowRuntime:
         entry = dict(master=canonical.master, exp_avg=canonical.exp_avg, exp_avg_sq=canonical.exp_avg_sq,
                      step=canonical.step)
         if state.is_matrix:
-            selected = torch.zeros(state.cols, dtype=torch.bool)
-            selected[state.selected] = True
             accumulator = torch.zeros(state.rows, state.cols)
             accumulator[:, state.host_columns] = state.accumulators[self.acc_slot].t()
-            entry.update(selected=selected, accumulator=accumulator,
-                         zen_auto=torch.tensor([state.sum_selected_score, state.sum_unselected_score],
-                                               dtype=torch.float64),
-                         steps_accumulated=state.steps_accumulated)
+            entry.update(self._selection_entry(state), accumulator=accumulator)
             if state.unapplied:  # overlap: what the device holds until the pending update is applied
                 entry.update(unapplied=True, device_columns=state.device_columns())
         return entry
 
     @staticmethod
-    def _export_device_part(state: MatrixState) -> dict:
+    def _selection_entry(state: MatrixState) -> dict:
+        """A matrix's selection and interval bookkeeping, as every checkpoint entry of a matrix holds it."""
         selected = torch.zeros(state.cols, dtype=torch.bool)
         selected[state.selected] = True
-        return dict(host_owner=state.owner, selected=selected, host_columns=state.host_columns.clone(),
+        return dict(selected=selected, steps_accumulated=state.steps_accumulated,
+                    zen_auto=torch.tensor([state.sum_selected_score, state.sum_unselected_score],
+                                          dtype=torch.float64))
+
+    @classmethod
+    def _export_device_part(cls, state: MatrixState) -> dict:
+        return dict(cls._selection_entry(state), host_owner=state.owner, host_columns=state.host_columns.clone(),
                     selected_master=state.dev_master.cpu(),
                     selected_exp_avg=state.dev_exp_avg.cpu(), selected_exp_avg_sq=state.dev_exp_avg_sq.cpu(),
-                    selected_step=state.dev_step.cpu(),
-                    zen_auto=torch.tensor([state.sum_selected_score, state.sum_unselected_score],
-                                          dtype=torch.float64),
-                    steps_accumulated=state.steps_accumulated, unapplied=state.unapplied)
+                    selected_step=state.dev_step.cpu(), unapplied=state.unapplied)
 
     def import_state(self, pid: int, entry: dict) -> None:
         state = self._state(pid)
         if "host_owner" in entry:  # a data-parallel share: this rank's device part only
-            canonical = CanonicalState(*(torch.full((state.rows, state.cols), math.nan) for _ in range(3)),
-                                       torch.full((state.cols,), math.nan))
+            canonical = CanonicalState.unknown(state.rows, state.cols)
             selected = entry["selected"].nonzero().flatten()
             for full, part in ((canonical.master, "selected_master"), (canonical.exp_avg, "selected_exp_avg"),
                                (canonical.exp_avg_sq, "selected_exp_avg_sq")):

@@ -51,6 +51,16 @@ class _Bucket:
     works: list = field(default_factory=list)
 
 
+def _reserve(sizes: dict, key, numel: int):
+    """`numel` elements at the end of buffer `key` (whose running size `sizes` keeps): (key, offset, numel),
+    or None for no elements."""
+    if not numel:
+        return None
+    offset = sizes.get(key, 0)
+    sizes[key] = offset + numel
+    return key, offset, numel
+
+
 class GradReducer:
     def __init__(self, data_parallel: DataParallel, bucket_numel: int, deliver: Callable):
         """`deliver(state, replicated, host)` hands one parameter's averaged pieces (host: None on ranks
@@ -97,26 +107,17 @@ class GradReducer:
     def _gather(self, items) -> _Bucket:
         """Copy each gradient's pieces (pre-divided by the world size, so the sum is the mean) into the
         bucket's flat buffers."""
-        sizes: dict = {}
+        replicated_sizes: dict[torch.dtype, int] = {}
+        host_sizes: dict[tuple[int, torch.dtype], int] = {}
         pieces = []
         for state, grad in items:
-            piece = _Piece(state)
             replicated_numel, host_numel = state.reduce_split_numel()
-            if replicated_numel:
-                offset = sizes.get(grad.dtype, 0)
-                piece.replicated = (grad.dtype, offset, replicated_numel)
-                sizes[grad.dtype] = offset + replicated_numel
-            if host_numel:
-                key = (state.owner, grad.dtype)
-                offset = sizes.get(key, 0)
-                piece.host = (key, offset, host_numel)
-                sizes[key] = offset + host_numel
-            pieces.append(piece)
+            pieces.append(_Piece(state, _reserve(replicated_sizes, grad.dtype, replicated_numel),
+                                 _reserve(host_sizes, (state.owner, grad.dtype), host_numel)))
         device = items[0][1].device
         bucket = _Bucket(pieces)
-        for key, numel in sizes.items():
-            flat = torch.empty(numel, dtype=key if isinstance(key, torch.dtype) else key[1], device=device)
-            (bucket.replicated if isinstance(key, torch.dtype) else bucket.host)[key] = flat
+        bucket.replicated = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in replicated_sizes.items()}
+        bucket.host = {key: torch.empty(n, dtype=key[1], device=device) for key, n in host_sizes.items()}
         for piece, (state, grad) in zip(pieces, items):
             replicated = self._segment(bucket.replicated, piece.replicated)
             host = self._segment(bucket.host, piece.host)

@@ -42,6 +42,11 @@ class CanonicalState:
     exp_avg_sq: torch.Tensor
     step: torch.Tensor  # fp32 [C] per-column update counts (vectors: [1])
 
+    @classmethod
+    def unknown(cls, rows: int, cols: int) -> "CanonicalState":
+        """All NaN: a rank that does not hold a matrix's host part fills in only what it knows."""
+        return cls(*(torch.full((rows, cols), math.nan) for _ in range(3)), torch.full((cols,), math.nan))
+
 
 @dataclass
 class DeviceUpdate:
@@ -270,8 +275,7 @@ class MatrixState:
     def canonical(self) -> CanonicalState:
         """The whole state in [R, C] layout on the host (on a rank that does not own the host part, those
         columns are NaN)."""
-        R, C = self.rows, self.cols
-        state = CanonicalState(*(torch.full((R, C), math.nan) for _ in range(3)), torch.full((C,), math.nan))
+        state = CanonicalState.unknown(self.rows, self.cols)
         for full, dev, host in ((state.master, self.dev_master, self.host_master),
                                 (state.exp_avg, self.dev_exp_avg, self.host_exp_avg),
                                 (state.exp_avg_sq, self.dev_exp_avg_sq, self.host_exp_avg_sq)):
@@ -445,13 +449,11 @@ class MatrixState:
             chosen = replicated.view(self.rows, self.num_selected)
             self.dev_grad.copy_(chosen) if first else self.dev_grad.add_(chosen)
             scores[self.selected_on_device] = chosen.float().pow(2).sum(0)
-        if host is None:
-            self.scores.copy_(scores) if first else self.scores.add_(scores)
-            return 0
-        rest = host.view(self.num_host, self.rows)
-        scores[self.host_columns_on_device] = rest.float().pow(2).sum(1)
+        rest = None if host is None else host.view(self.num_host, self.rows)
+        if rest is not None:
+            scores[self.host_columns_on_device] = rest.float().pow(2).sum(1)
         self.scores.copy_(scores) if first else self.scores.add_(scores)
-        return self._offload(rest, first, grad_slot)
+        return 0 if rest is None else self._offload(rest, first, grad_slot)
 
     def _offload(self, rest: torch.Tensor, first: bool, grad_slot: int, rows: Optional[torch.Tensor] = None) -> int:
         """Send the unselected columns' gradient ([u, R], or the rows `rows` of `rest`) to
