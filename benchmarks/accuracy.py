@@ -19,10 +19,11 @@ runs of one seed share all three, so their accuracy gap is paired (--aggregate r
 
 Run names (--runs):
   adamw                                  torch.optim.AdamW (eager model)
-  zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1
+  zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1[,sm=1]
                                          torch.compile(backend="zenflow") + ZenFlowAdamW; iau is the opt-in
-                                         interval_aware_update key; omitted keys: topk=0.1, interval=4,
-                                         overlap=1, warmup=0, iau=0
+                                         interval_aware_update key, sm the opt-in interval_second_moment (needs
+                                         iau=1); omitted keys: topk=0.1, interval=4, overlap=1, warmup=0,
+                                         iau=0, sm=0 (named only when 1)
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
                                          plain synchronous implementation of SPEC section 3 (an algorithm check)
 
@@ -47,7 +48,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0)
+ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0, sm=0)
 
 
 # ------------------------------------------------------------------------------------------------ run names
@@ -73,15 +74,18 @@ def parse_run(name: str) -> dict:
 def run_name(spec: dict) -> str:
     if spec["kind"] == "adamw":
         return "adamw"
-    return spec["kind"] + ":" + ",".join(f"{k}={spec[k]}" for k in ZENFLOW_DEFAULTS)
+    # sm is named only when on, so the names of runs made before the key existed still match.
+    return spec["kind"] + ":" + ",".join(f"{k}={spec[k]}" for k in ZENFLOW_DEFAULTS if k != "sm" or spec[k])
 
 
 def grid_runs(args) -> list[str]:
     names = ["adamw"]
-    for topk, interval, overlap, warmup, iau in itertools.product(args.topk, args.interval, args.overlap,
-                                                                 args.warmup, args.interval_aware):
+    for topk, interval, overlap, warmup, iau, sm in itertools.product(
+            args.topk, args.interval, args.overlap, args.warmup, args.interval_aware, args.second_moment):
+        if sm and not iau:
+            continue  # interval_second_moment needs interval_aware_update
         names.append(run_name(parse_run(
-            f"zenflow:topk={topk},interval={interval},overlap={overlap},warmup={warmup},iau={iau}")))
+            f"zenflow:topk={topk},interval={interval},overlap={overlap},warmup={warmup},iau={iau},sm={sm}")))
     return names
 
 
@@ -89,7 +93,7 @@ def zenflow_keys(spec: dict) -> dict:
     interval = spec["interval"]
     return dict(topk_ratio=spec["topk"], update_interval=interval if interval == "auto" else int(interval),
                 overlap_step=bool(spec["overlap"]), full_warm_up_rounds=spec["warmup"],
-                interval_aware_update=bool(spec["iau"]))
+                interval_aware_update=bool(spec["iau"]), interval_second_moment=bool(spec["sm"]))
 
 
 # ---------------------------------------------------------------------------------------------- the result file
@@ -412,6 +416,7 @@ def parse_args(argv=None):
     p.add_argument("--overlap", nargs="+", type=int, default=[1, 0])
     p.add_argument("--warmup", nargs="+", type=int, default=[0, 30])
     p.add_argument("--interval-aware", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--second-moment", nargs="+", type=int, default=[0], help="sm values (with iau=1 only)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64, help="tokens per document (truncated / padded)")
@@ -437,8 +442,8 @@ def parse_args(argv=None):
     if args.smoke:
         args.layers, args.steps, args.batch, args.seq, args.lr = 1, 6, 8, 32, 1e-3
         args.train_size, args.eval_size, args.eval_every, args.eval_batch = 64, 64, 3, 64
-        args.runs = args.runs or ["adamw", "zenflow:topk=0.1,interval=2,overlap=1,iau=1",
-                                  "reference:topk=0.1,interval=2,overlap=1,iau=1"]
+        args.runs = args.runs or ["adamw", "zenflow:topk=0.1,interval=2,overlap=1,iau=1,sm=1",
+                                  "reference:topk=0.1,interval=2,overlap=1,iau=1,sm=1"]
     if args.runs is None:
         args.runs = grid_runs(args) if args.grid else [
             "adamw", "zenflow:topk=0.1,interval=4,overlap=1,iau=0", "zenflow:topk=0.1,interval=4,overlap=1,iau=1"]

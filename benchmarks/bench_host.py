@@ -150,13 +150,9 @@ class HostWork:
         kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **HYPER)
 
     def update(self) -> None:
-        """The runtime's boundary update task, call for call (runtime/engine.py, _launch_cpu_update)."""
-        accumulators = [s.accumulators[0] for s in self.states]
-        torch._foreach_div_(accumulators, self.interval)
-        batch = [item for s in self.states for item in s.host_adamw_batch(0)]
-        kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **HYPER)
-        torch._foreach_zero_(accumulators)
-        MatrixState.publish_host_weights(self.states)
+        """The runtime's boundary update task, call for call (MatrixState.update_host_columns, as runtime/engine.py's
+        _launch_cpu_update calls it)."""
+        MatrixState.update_host_columns(self.states, 0, [self.interval] * len(self.states), HYPER)
 
     def ds_cpu_adam(self) -> None:
         self.ds.step()

@@ -110,7 +110,8 @@ class ZenFlowRuntime:
             owner = self._owner(pid, param)
             if param.dim() >= 2:
                 state = MatrixState(param, pid, group_index, self.transfers, owner=owner,
-                                    owns_host=owner == self.rank)
+                                    owns_host=owner == self.rank,
+                                    accumulate_squares=self.config.interval_second_moment)
             else:
                 state = VectorState(param, pid, group_index, owner=owner)
             self.states[pid] = state
@@ -193,6 +194,7 @@ class ZenFlowRuntime:
         `grad_scale`: the loss scale the gradients carry (torch.amp.GradScaler), divided out here.
         """
         self._check_failure()
+        self._check_hyperparameters(param_groups)
         if self.reducer is not None:
             self.reducer.finish_all()
         self._adopt_external_writes()
@@ -245,6 +247,15 @@ class ZenFlowRuntime:
         self.grad_slot ^= 1
         self.discard_step_grads()
         return True
+
+    def _check_hyperparameters(self, param_groups: list[dict]) -> None:
+        """Before anything changes: values the config cannot work with (param groups change at any time)."""
+        if self.config.interval_second_moment:
+            for g, group in enumerate(param_groups):
+                if not group["betas"][1] > 0.0:
+                    raise ValueError(
+                        f"interval_second_moment needs betas[1] > 0; param group {g} has betas "
+                        f"{tuple(group['betas'])}. Set betas[1] > 0, or interval_second_moment=False")
 
     def _adopt_external_writes(self) -> None:
         """SPEC §3 "Values": the parameter is the source of truth. Values written into it by anyone else
@@ -415,16 +426,9 @@ class ZenFlowRuntime:
 
         def cpu_update():
             for g, members in owned.items():
-                if not members:
-                    continue
-                accumulators = [m.accumulators[acc_slot] for m in members]
-                for steps in set(num_steps[m.pid] for m in members):  # the interval's mean gradient
-                    torch._foreach_div_([m.accumulators[acc_slot] for m in members if num_steps[m.pid] == steps],
-                                        steps)
-                batch = [item for m in members for item in m.host_adamw_batch(acc_slot)]
-                kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **hyper[g])
-                torch._foreach_zero_(accumulators)
-                MatrixState.publish_host_weights(members)
+                if members:
+                    MatrixState.update_host_columns(members, acc_slot, [num_steps[m.pid] for m in members],
+                                                    hyper[g])
 
         return self.update_worker.submit(cpu_update, after=self._last_accumulate)
 
@@ -557,6 +561,10 @@ class ZenFlowRuntime:
             accumulator = torch.zeros(state.rows, state.cols)
             accumulator[:, state.host_columns] = state.accumulators[self.acc_slot].t()
             entry.update(self._selection_entry(state), accumulator=accumulator)
+            if state.accumulate_squares:
+                square_accumulator = torch.zeros(state.rows, state.cols)
+                square_accumulator[:, state.host_columns] = state.square_accumulators[self.acc_slot].t()
+                entry.update(square_accumulator=square_accumulator)
             if state.unapplied:  # overlap: what the device holds until the pending update is applied
                 entry.update(unapplied=True, device_columns=state.device_columns())
         return entry
@@ -595,6 +603,8 @@ class ZenFlowRuntime:
         state.load_canonical(canonical, selected, entry.get("host_columns"))
         if state.owns_host:
             state.accumulators[0].copy_(entry["accumulator"][:, state.host_columns].t())
+            if state.accumulate_squares:
+                state.square_accumulators[0].copy_(entry["square_accumulator"][:, state.host_columns].t())
         state.sum_selected_score, state.sum_unselected_score = entry["zen_auto"].tolist()
         state.steps_accumulated = int(entry["steps_accumulated"])
         if entry.get("unapplied", False):

@@ -18,7 +18,7 @@ All follow torch.optim.AdamW exactly: decoupled weight decay, then moments, then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
@@ -59,25 +59,35 @@ def accumulate_scaled_(acc: torch.Tensor, grad: torch.Tensor, coef: float) -> No
     accumulate_scaled_many_([acc], [grad], coef)
 
 
-def accumulate_scaled_many_(accs: list[torch.Tensor], grads: list[torch.Tensor], coef: float) -> None:
+def accumulate_scaled_many_(accs: list[torch.Tensor], grads: list[torch.Tensor], coef: float,
+                            square_accs: Optional[list[torch.Tensor]] = None) -> None:
     """`accumulate_scaled_` over many tensors: the same-dtype ones in one `_foreach_add_` (few Python calls
-    on the worker thread, so it rarely holds the GIL the training thread wants)."""
-    same = [(a, g) for a, g in zip(accs, grads) if g.dtype == a.dtype]
+    on the worker thread, so it rarely holds the GIL the training thread wants). `square_accs`
+    (interval_second_moment): also square_acc += (coef * grad)**2, from the same converted chunk."""
+    squares = square_accs if square_accs is not None else [None] * len(accs)
+    same = [(a, g, q) for a, g, q in zip(accs, grads, squares) if g.dtype == a.dtype]
     if same:
-        torch._foreach_add_([a for a, _ in same], [g for _, g in same], alpha=coef)
-    for acc, grad in zip(accs, grads):
+        torch._foreach_add_([a for a, _, _ in same], [g for _, g, _ in same], alpha=coef)
+        if square_accs is not None:
+            same_grads = [g for _, g, _ in same]
+            torch._foreach_addcmul_([q for _, _, q in same], same_grads, same_grads, value=coef * coef)
+    for acc, grad, square in zip(accs, grads, squares):
         if grad.dtype != acc.dtype:
-            _accumulate_converted_(acc, grad, coef)
+            _accumulate_converted_(acc, grad, coef, square)
 
 
-def _accumulate_converted_(acc: torch.Tensor, grad: torch.Tensor, coef: float) -> None:
+def _accumulate_converted_(acc: torch.Tensor, grad: torch.Tensor, coef: float,
+                           square: Optional[torch.Tensor] = None) -> None:
     flat_acc, flat_grad = acc.view(-1), grad.view(-1)
+    flat_square = None if square is None else square.view(-1)
     scratch = torch.empty(min(_ACCUMULATE_CHUNK, flat_acc.numel()), dtype=acc.dtype)
     for start in range(0, flat_acc.numel(), _ACCUMULATE_CHUNK):
         end = min(start + _ACCUMULATE_CHUNK, flat_acc.numel())
         chunk = scratch[:end - start]
         chunk.copy_(flat_grad[start:end])
         flat_acc[start:end].add_(chunk, alpha=coef)
+        if flat_square is not None:
+            flat_square[start:end].addcmul_(chunk, chunk, value=coef * coef)
 
 
 def cpu_adamw_(
@@ -92,10 +102,23 @@ def cpu_adamw_(
     beta2: float,
     eps: float,
     weight_decay: float,
+    grad_sqs: Optional[list[torch.Tensor]] = None,
 ) -> None:
-    """Fused CPU AdamW over host tensors; each `steps[i]` is a float32 scalar tensor it increments."""
+    """Fused CPU AdamW over host tensors; each `steps[i]` is a float32 scalar tensor it increments.
+
+    `grad_sqs` (interval_second_moment): exp_avg_sq takes grad_sqs[i] where AdamW takes grads[i]**2. The
+    fused kernel squares the gradient itself, so exp_avg_sq is shifted first by (1 - beta2) / beta2 *
+    (grad_sq - grad**2): the kernel's beta2 * v + (1 - beta2) * grad**2 then lands on beta2 * v + (1 - beta2)
+    * grad_sq, at one extra pass over v instead of an unfused AdamW."""
     if not params:
         return
+    if grad_sqs is not None:
+        if beta2 == 0.0:
+            raise ValueError("interval_second_moment needs betas[1] > 0 (with beta2 = 0 AdamW keeps no second "
+                             "moment to size); set betas[1] > 0 or interval_second_moment=False")
+        shift = (1.0 - beta2) / beta2
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=-shift)
+        torch._foreach_add_(exp_avg_sqs, grad_sqs, alpha=shift)
     _torch_adamw(
         params, grads, exp_avgs, exp_avg_sqs, [], steps,
         fused=True, amsgrad=False, maximize=False,

@@ -10,8 +10,9 @@ by update count, so the columns sharing a count form contiguous runs, one fused-
 host columns are updated at every boundary, so the runs stay runs until the next reselection).
 
 Double buffers (index = parity) let the CPU work on one while the next step fills the other:
-`host_grads` by step, `accumulators` by interval, `host_weights` (the CPU-updated columns, cast to the
-parameter dtype, read by the upload) by CPU update.
+`host_grads` by step, `accumulators` (and, with interval_second_moment, `square_accumulators`: the sum of
+the per-step squared gradients) by interval, `host_weights` (the CPU-updated columns, cast to the parameter
+dtype, read by the upload) by CPU update.
 
 Data parallel (SPEC §5): every rank holds the device part of every matrix (the same selection, the same
 values); only the matrix's `owner` holds its host part (`owns_host`). The other ranks know which columns are
@@ -173,13 +174,14 @@ class MatrixState:
     is_matrix = True
 
     def __init__(self, param: torch.Tensor, pid: int, group_index: int, transfers: Transfers,
-                 owner: int = 0, owns_host: bool = True):
+                 owner: int = 0, owns_host: bool = True, accumulate_squares: bool = False):
         if not param.is_contiguous():
             raise ValueError(
                 f"ZenFlowAdamW needs contiguous parameters; got one of shape {tuple(param.shape)} with strides "
                 f"{param.stride()}. Make it contiguous (param.data = param.data.contiguous()) first.")
         self.param, self.pid, self.group_index = param, pid, group_index
         self.owner, self.owns_host = owner, owns_host
+        self.accumulate_squares = accumulate_squares  # interval_second_moment
         self.transfers = transfers
         self.rows = param.shape[0]
         self.cols = param.numel() // self.rows
@@ -243,6 +245,7 @@ class MatrixState:
         if not self.owns_host:  # another rank holds the host part
             self.host_master = self.host_exp_avg = self.host_exp_avg_sq = None
             self.host_runs, self.host_grads, self.accumulators, self.host_weights = [], [], [], []
+            self.square_accumulators = []
             return
         shape = (host_columns.numel(), self.rows)
         self.host_master = _host_buffer(shape, torch.float32, pin)
@@ -254,6 +257,8 @@ class MatrixState:
         self.host_runs = self._runs_of_equal_count(state.step[host_columns])
         self.host_grads = [_host_buffer(shape, dtype, pin) for _ in range(2)]
         self.accumulators = [_host_buffer(shape, torch.float32, pin) for _ in range(2)]
+        self.square_accumulators = ([_host_buffer(shape, torch.float32, pin) for _ in range(2)]
+                                    if self.accumulate_squares else [])
         self.host_weights = [_host_buffer(shape, dtype, pin) for _ in range(2)]
         for weights in self.host_weights:
             weights.copy_(self.host_master)
@@ -300,7 +305,7 @@ class MatrixState:
         if not self.owns_host:
             return []
         return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, *self.host_grads, *self.accumulators,
-                *self.host_weights]
+                *self.square_accumulators, *self.host_weights]
 
     # -- values written by others (SPEC §3 "Values") -----------------------------------------------------
     def written_externally(self) -> bool:
@@ -317,9 +322,9 @@ class MatrixState:
         if current.dtype != self.dev_grad.dtype:  # cast (model.to(dtype)): every value is new
             state = self.canonical()
             state.master.copy_(current.float().cpu())
-            accumulators = [acc.clone() for acc in self.accumulators]  # (none on a non-owner)
+            accumulators = [acc.clone() for acc in self.accumulators + self.square_accumulators]  # (none on a non-owner)
             self._distribute(self.selected, state, host_columns=self.host_columns)
-            for mine, saved in zip(self.accumulators, accumulators):
+            for mine, saved in zip(self.accumulators + self.square_accumulators, accumulators):
                 mine.copy_(saved)
             self.unapplied = False
             self.watch.remember()
@@ -510,19 +515,44 @@ class MatrixState:
     # -- host side (CPU worker threads) -------------------------------------------------------------------
     @staticmethod
     def accumulate_many(matrices: "list[MatrixState]", grad_slot: int, acc_slot: int, coef: float) -> None:
-        """acc += coef * g for each matrix, once the step's offloads have landed."""
+        """acc += coef * g (and square_acc += (coef * g)**2) for each matrix, once the step's offloads have
+        landed."""
         for m in matrices:
             wait_events(m.offload_done[grad_slot])
+        squares = [m.square_accumulators[acc_slot] for m in matrices if m.accumulate_squares]
         kernels.accumulate_scaled_many_([m.accumulators[acc_slot] for m in matrices],
-                                        [m.host_grads[grad_slot] for m in matrices], coef)
+                                        [m.host_grads[grad_slot] for m in matrices], coef,
+                                        square_accs=squares or None)
 
     def host_adamw_batch(self, acc_slot: int):
-        """Fused-AdamW arguments for the boundary update of the host columns, per run (the accumulator
-        already divided into the mean gradient)."""
+        """Fused-AdamW arguments for the boundary update of the host columns, per run (the accumulators
+        already divided into the mean gradient and, with interval_second_moment, the mean squared gradient:
+        the run's last item, else None)."""
         acc = self.accumulators[acc_slot]
+        squares = self.square_accumulators[acc_slot] if self.accumulate_squares else None
         for start, end, count in self.host_runs:
             yield (self.host_master[start:end], acc[start:end], self.host_exp_avg[start:end],
-                   self.host_exp_avg_sq[start:end], count)
+                   self.host_exp_avg_sq[start:end], count, None if squares is None else squares[start:end])
+
+    @staticmethod
+    def update_host_columns(matrices: "list[MatrixState]", acc_slot: int, steps_accumulated: list[int],
+                            hyperparameters: dict) -> None:
+        """Update worker, at a boundary: the CPU AdamW of the matrices' host columns (one param group, one
+        lr), from the mean of the interval's `steps_accumulated` gradients; then empty the accumulators and
+        publish the new columns for the upload."""
+        emptied, by_steps = [], {}
+        for m, steps in zip(matrices, steps_accumulated):
+            sums = [m.accumulators[acc_slot]] + ([m.square_accumulators[acc_slot]] if m.accumulate_squares else [])
+            by_steps.setdefault(steps, []).extend(sums)
+            emptied += sums
+        for steps, sums in by_steps.items():
+            torch._foreach_div_(sums, steps)
+        batch = [item for m in matrices for item in m.host_adamw_batch(acc_slot)]
+        masters, grads, exp_avgs, exp_avg_sqs, counts, grad_sqs = (list(column) for column in zip(*batch))
+        kernels.cpu_adamw_(masters, grads, exp_avgs, exp_avg_sqs, counts,
+                           grad_sqs=None if grad_sqs[0] is None else grad_sqs, **hyperparameters)
+        torch._foreach_zero_(emptied)
+        MatrixState.publish_host_weights(matrices)
 
     @staticmethod
     def publish_host_weights(matrices: "list[MatrixState]") -> None:

@@ -2,7 +2,8 @@
 layer; real 20 Newsgroups documents), and its compiled ZenFlow curve is the reference's curve.
 
 Checks the harness and the algorithm, not accuracy: every run finishes with a curve at the same steps,
-the JSON / table / chart come out, compiled ZenFlow (with the opt-in interval_aware_update) and
+the JSON / table / chart come out, compiled ZenFlow (with the opt-in interval_aware_update and
+interval_second_moment, the recommended settings) and
 ZenFlowReference give the same held-out losses, and AdamW differs from them.
 """
 
@@ -24,8 +25,8 @@ def test_accuracy_smoke(tmp_path):
     report = json.loads(out.read_text())
     assert report["setup"]["smoke"] is True and report["environment"]["torch_threads"] == 2
     runs = report["runs"]
-    zen = "zenflow:topk=0.1,interval=2,overlap=1,warmup=0,iau=1"
-    ref = "reference:topk=0.1,interval=2,overlap=1,warmup=0,iau=1"
+    zen = "zenflow:topk=0.1,interval=2,overlap=1,warmup=0,iau=1,sm=1"
+    ref = "reference:topk=0.1,interval=2,overlap=1,warmup=0,iau=1,sm=1"
     assert set(runs) == {"adamw", zen, ref}
     for name, run in runs.items():
         assert run["status"] == "done", name

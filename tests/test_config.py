@@ -42,7 +42,7 @@ SPEC_JSON = """\
 DEFAULTS = dict(topk_ratio=0.1, select_strategy="auto", select_interval="auto", update_interval="auto",
                 overlap_step=False, offload=False, auto_ratio=0.99, full_warm_up_rounds=0,
                 pt_reserved_cores_perc=0.5, steps_per_epoch=None, max_update_interval=16,
-                interval_aware_update=False)
+                interval_aware_update=False, interval_second_moment=False)
 
 
 # ------------------------------------------------------------------------------------------------ defaults
@@ -84,6 +84,7 @@ INVALID = [
     ("overlap_step", 1), ("overlap_step", "true"), ("overlap_step", None),
     ("offload", 0), ("offload", "yes"),
     ("interval_aware_update", 1), ("interval_aware_update", "true"), ("interval_aware_update", None),
+    ("interval_second_moment", 1), ("interval_second_moment", "yes"),
     ("auto_ratio", 1.5), ("auto_ratio", -0.01), ("auto_ratio", float("nan")), ("auto_ratio", "0.9"),
     ("auto_ratio", False),
     ("full_warm_up_rounds", -1), ("full_warm_up_rounds", 1.0), ("full_warm_up_rounds", True),
@@ -123,6 +124,7 @@ def test_message_format():
     dict(update_interval=1), dict(select_strategy="step", select_interval=1),
     dict(select_strategy="epoch", select_interval=1, steps_per_epoch=1),
     dict(max_update_interval=1), dict(steps_per_epoch=1), dict(overlap_step=True, offload=True),
+    dict(interval_aware_update=True, interval_second_moment=True),
 ])
 def test_valid_edges(kwargs):
     c = ZenFlowConfig(**kwargs)
@@ -278,7 +280,8 @@ def test_deepspeed_defaults_parity():
     ds = DS()
     ours = ZenFlowConfig()
     shared = [k for k in ZENFLOW_KEYS if k in type(ds).model_fields]
-    assert set(ZENFLOW_KEYS) - set(shared) == {"max_update_interval", "interval_aware_update"}
+    assert set(ZENFLOW_KEYS) - set(shared) == {"max_update_interval", "interval_aware_update",
+                                               "interval_second_moment"}
     assert set(type(ds).model_fields) <= set(ZENFLOW_KEYS)
     for k in shared:
         assert getattr(ours, k) == getattr(ds, k), k
@@ -304,3 +307,10 @@ def test_deepspeed_accepts_the_spec_block_too():
     ours = ZenFlowConfig.from_dict(block)
     for k in block:
         assert getattr(ours, k) == getattr(ds, k), k
+
+
+def test_second_moment_needs_interval_aware_update():
+    with pytest.raises(ValueError) as ei:
+        ZenFlowConfig(interval_second_moment=True)
+    assert str(ei.value).startswith("ZenFlowConfig.interval_second_moment=True needs interval_aware_update=True")
+    assert "Set both, or neither" in str(ei.value)

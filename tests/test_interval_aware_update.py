@@ -6,6 +6,9 @@
 - Invariant 1 still holds with the key on (update_interval=1: m = 1, so it is AdamW).
 - Invariant 3 with the key on: compiled and eager ZenFlowAdamW equal ZenFlowReference step by step, for int
   intervals with overlap and warm-up, reselection, and Zen-auto (whose m varies from boundary to boundary).
+- `interval_second_moment` (on top of it): the interval step's exp_avg_sq takes the mean of the per-step
+  squared gradients; checked on the reference against a float64 recomputation, the host kernels against
+  float64, and the runtime (eager, compiled, gradient accumulation, bf16) against the reference.
 """
 
 import pytest
@@ -83,8 +86,9 @@ CONFIGS = {
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("keys", list(CONFIGS.values()), ids=list(CONFIGS))
-def test_equals_reference_with_key_on(keys, compiled):
-    keys = dict(keys, interval_aware_update=True)
+@pytest.mark.parametrize("second_moment", [False, True], ids=["lr", "lr+second-moment"])
+def test_equals_reference_with_key_on(keys, compiled, second_moment):
+    keys = dict(keys, interval_aware_update=True, interval_second_moment=second_moment)
     a, b = tiny_model(), tiny_model()
     opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
     ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
@@ -121,3 +125,115 @@ def test_key_changes_the_trajectory_only_when_on():
     default, off, on = (list(models[f].parameters()) for f in (None, False, True))
     assert all(torch.equal(p, q) for p, q in zip(default, off))
     assert not all(torch.equal(p, q) for p, q in zip(off, on))
+
+
+# ------------------------------------------------------------------------------- interval_second_moment
+def test_second_moment_boundary_update_in_float64():
+    """One interval of m steps from w0: the unselected columns take w0 * (1 - lr m wd) - lr m * mean(g) /
+    (sqrt(mean(g**2)) + eps) (count 1: the bias corrections cancel), where AdamW's second moment would be
+    mean(g)**2 with interval_aware_update alone."""
+    m, k, cols = 4, 2, 8
+    torch.manual_seed(1)
+    w0 = torch.randn(5, cols)
+    grads = [torch.randn(5, cols) for _ in range(m)]
+    results = {}
+    for second_moment in (False, True):
+        p = torch.nn.Parameter(w0.clone())
+        opt = ZenFlowReference([p], lr=LR, weight_decay=WD, eps=1e-8, topk_ratio=k / cols, update_interval=m,
+                               interval_aware_update=True, interval_second_moment=second_moment)
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        unselected = torch.ones(cols, dtype=torch.bool)
+        unselected[opt.selected_columns(p)] = False
+        results[second_moment] = p.detach()[:, unselected]
+    g64 = torch.stack([g[:, unselected] for g in grads]).double()
+    w = w0[:, unselected].double() * (1 - LR * m * WD)
+    with_mean_sq = w - LR * m * g64.mean(0) / (g64.square().mean(0).sqrt() + 1e-8)
+    with_sq_mean = w - LR * m * g64.mean(0) / (g64.mean(0).abs() + 1e-8)
+    torch.testing.assert_close(results[True].double(), with_mean_sq, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(results[False].double(), with_sq_mean, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accumulate_squares_kernel_in_float64(dtype):
+    from zenflow_compile.runtime import kernels
+
+    torch.manual_seed(2)
+    grads = [torch.randn(3, 7).to(dtype), torch.randn(2, 5).to(dtype)]
+    accs, squares = [torch.randn(3, 7), torch.randn(2, 5)], [torch.rand(3, 7), torch.rand(2, 5)]
+    expected_accs = [a.double() + 0.5 * g.double() for a, g in zip(accs, grads)]
+    expected_squares = [q.double() + (0.5 * g.double()) ** 2 for q, g in zip(squares, grads)]
+    kernels.accumulate_scaled_many_(accs, grads, 0.5, square_accs=squares)
+    for got, want in zip(accs + squares, expected_accs + expected_squares):
+        torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)
+
+
+def test_cpu_adamw_with_grad_squares_equals_the_reference_step():
+    from zenflow_compile.reference import adamw_
+    from zenflow_compile.runtime import kernels
+
+    torch.manual_seed(3)
+    grad, master = torch.randn(6, 4), torch.randn(6, 4)
+    grad_sq = grad.square() + torch.rand(6, 4)  # >= grad**2, as a mean of squares is
+    exp_avg, exp_avg_sq = torch.randn(6, 4) * 0.1, torch.rand(6, 4) * 0.1
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
+    ours = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+    count = torch.tensor(4.0)
+    kernels.cpu_adamw_([ours[0]], [grad], [ours[1]], [ours[2]], [count], grad_sqs=[grad_sq], **hyper)
+    ref = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+    adamw_(*ref, torch.tensor([4]), grad, *hyper.values(), grad_sq=grad_sq)
+    for name, got, want in zip(("master", "exp_avg", "exp_avg_sq"), ours, ref):
+        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5, msg=lambda msg: f"{name}: {msg}")
+    assert float(count) == 5.0
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_second_moment_with_gradient_accumulation_and_bf16_equals_reference(compiled):
+    """Two backwards per step (the host parts are summed before they are squared) and a bf16 model (the
+    converted accumulation path): the runtime against the reference on the same bf16 forward/backward."""
+    keys = dict(topk_ratio=0.25, update_interval=3, overlap_step=True, interval_aware_update=True,
+                interval_second_moment=True)
+    a, b = tiny_model(torch.bfloat16), tiny_model(torch.bfloat16)
+    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
+    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
+    run_a = torch.compile(a, backend="zenflow") if compiled else a
+    run_b = torch.compile(b, backend="inductor") if compiled else b
+    for i in range(STEPS):
+        for model, o in ((run_a, opt), (run_b, ref)):
+            for j in range(2):
+                loss_fn(model, 2 * i + j).float().backward()
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda msg: f"step {i} {name}: {msg}")
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(opt.master(p), ref.master(q), atol=ATOL, rtol=RTOL)
+    assert opt.stats()["cpu_updates"] == ref.stats()["cpu_updates"] > 0
+
+
+def test_second_moment_rejects_beta2_zero_before_changing_anything():
+    model = tiny_model()
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, betas=(0.9, 0.0), topk_ratio=0.25,
+                                       update_interval=2, interval_aware_update=True, interval_second_moment=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_fn(model, 0).backward()
+    with pytest.raises(ValueError, match=r"interval_second_moment needs betas\[1\] > 0; param group 0"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert opt.stats()["steps"] == 0
+
+
+def test_second_moment_host_memory_is_one_more_accumulator_pair():
+    """The documented cost: two more fp32 buffers (one per interval parity) per unselected column."""
+    bytes_used = {}
+    for second_moment in (False, True):
+        model = tiny_model()
+        opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2,
+                                           interval_aware_update=True, interval_second_moment=second_moment)
+        loss_fn(model, 0).backward()
+        opt.step()
+        bytes_used[second_moment] = opt.stats()["host_state_bytes"]
+        host_elements = sum(p.numel() - p.shape[0] * len(opt.selected_columns(p))
+                            for p in model.parameters() if p.dim() >= 2)
+    assert bytes_used[True] - bytes_used[False] == 2 * 4 * host_elements

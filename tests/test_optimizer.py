@@ -258,6 +258,10 @@ RESUME_CASES = {
                                       pending=True),
     "bf16-auto": dict(dtype=torch.bfloat16, keys=dict(topk_ratio=0.25, update_interval="auto",
                       overlap_step=True)),
+    # Saved mid-interval (t = 3, 4 accumulated) with the t = 2 update in flight: both accumulators are saved.
+    "bf16-int3-second-moment-pending": dict(dtype=torch.bfloat16, keys=dict(
+        topk_ratio=0.25, update_interval=3, overlap_step=True, select_strategy="step", select_interval=5,
+        interval_aware_update=True, interval_second_moment=True), pending=True),
 }
 
 

@@ -52,6 +52,11 @@ class ZenFlowConfig:
         stands for: lr * m (weight decay included, so the decay is (1 - lr*wd)^m to first order, as the
         selected columns get). m is the matrix's steps since its last update: update_interval, or under
         Zen-auto up to max_update_interval (lower that cap to bound the largest step).
+    interval_second_moment: opt-in, needs interval_aware_update=True (this project's key). The interval step's
+        second moment takes the mean of the m per-step squared gradients, what AdamW's m steps would have fed
+        exp_avg_sq, instead of the square of their mean (smaller by the gradient's variance / m, so the
+        lr * m step runs too long where the gradient is mostly noise). Costs one more fp32 host accumulator
+        per unselected column and one more multiply-add per offloaded element per step.
     """
 
     topk_ratio: float = 0.1
@@ -66,6 +71,7 @@ class ZenFlowConfig:
     steps_per_epoch: Optional[int] = None
     max_update_interval: int = 16
     interval_aware_update: bool = False
+    interval_second_moment: bool = False
 
     def __post_init__(self) -> None:
         def put(key: str, value: Any) -> None:
@@ -91,7 +97,7 @@ class ZenFlowConfig:
             raise _bad("select_strategy", self.select_strategy, 'one of "auto", "step", "epoch"')
         int_at_least("select_interval", 1, '"auto" or an int >= 1', auto=True)
         int_at_least("update_interval", 1, '"auto" or an int >= 1', auto=True)
-        for key in ("overlap_step", "offload", "interval_aware_update"):
+        for key in ("overlap_step", "offload", "interval_aware_update", "interval_second_moment"):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "a bool (True or False)")
         real_in("auto_ratio", 0.0, 1.0, False, "a float in [0, 1]")
@@ -100,6 +106,10 @@ class ZenFlowConfig:
         int_at_least("steps_per_epoch", 1, "None or an int >= 1", none=True)
         int_at_least("max_update_interval", 1, "an int >= 1")
 
+        if self.interval_second_moment and not self.interval_aware_update:
+            raise ValueError(
+                "ZenFlowConfig.interval_second_moment=True needs interval_aware_update=True: it sizes the second "
+                "moment of the interval step that interval_aware_update scales by m. Set both, or neither")
         # Cross-key rules, as DeepSpeed's engine (deepspeed/runtime/zenflow/engine.py) applies them.
         if self.select_strategy in ("step", "epoch") and self.select_interval == "auto":
             raise ValueError(

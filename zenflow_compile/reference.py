@@ -20,6 +20,8 @@ Decisions taken where SPEC section 3 is silent (the rest of the project follows 
 - t >= W: vectors and the columns of S get AdamW with g (device copy refreshed); the other columns U do
   acc[:, U] += g[:, U]. Each matrix counts the steps accumulated into its acc (acc_steps; equal to the
   global m_acc unless some grads were None) and its CPU update uses g = acc[:, U] / acc_steps.
+  Opt-in keys: interval_aware_update multiplies that update's lr by acc_steps; interval_second_moment also
+  accumulates acc_sq[:, U] += g[:, U]**2 and feeds exp_avg_sq acc_sq / acc_steps instead of g * g.
 - Zen-auto: per matrix sumK += mean(s[S]), sumU += mean(s[U]) (fp32 means summed as Python floats). Ripe
   iff sumU >= sumK / acc_steps, or U is empty. Boundary iff #ripe >= auto_ratio * #matrices or
   m_acc >= max_update_interval (#matrices: those with acc_steps > 0; none at all: every step is a boundary).
@@ -56,11 +58,12 @@ from zenflow_compile.config import ZenFlowConfig
 __all__ = ["ZenFlowReference", "adamw_", "top_k"]
 
 
-def adamw_(master, exp_avg, exp_avg_sq, count, grad, lr, beta1, beta2, eps, weight_decay):
+def adamw_(master, exp_avg, exp_avg_sq, count, grad, lr, beta1, beta2, eps, weight_decay, grad_sq=None):
     """One torch.optim.AdamW step (single-tensor, non-fused) in place on [R, C] fp32 tensors.
 
     ``count`` holds the per-column update counts ([C], or [1] to broadcast) and is incremented first. Bias
     corrections are computed per column in Python floats exactly as torch does, then rounded to fp32.
+    ``grad_sq`` (interval_second_moment): what exp_avg_sq takes instead of grad * grad.
     """
     count += 1
     steps = count.tolist()
@@ -68,7 +71,10 @@ def adamw_(master, exp_avg, exp_avg_sq, count, grad, lr, beta1, beta2, eps, weig
     bc2_sqrt = torch.tensor([(1 - beta2 ** n) ** 0.5 for n in steps], dtype=torch.float64).float()
     master.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    if grad_sq is None:
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    else:
+        exp_avg_sq.mul_(beta2).add_(grad_sq, alpha=1 - beta2)
     denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
     master.add_(step_size_neg * exp_avg / denom)  # == addcdiv_(exp_avg, denom, value=-step_size)
 
@@ -124,6 +130,8 @@ class ZenFlowReference(torch.optim.Optimizer):
         st["count"] = torch.zeros(C if self._is_matrix(p) else 1, dtype=torch.long, device=p.device)
         if self._is_matrix(p):
             st["acc"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
+            if self.config.interval_second_moment:
+                st["acc_sq"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
             st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
         st["written"] = p.detach().clone()  # what this optimizer last left in the parameter
         return st
@@ -141,8 +149,9 @@ class ZenFlowReference(torch.optim.Optimizer):
                     st["written"] = p.detach().clone()
 
     @staticmethod
-    def _update_columns(st, g2d, cols, group):
-        """AdamW on the columns ``cols`` (None: all) of a parameter's state, with gradient g2d[:, cols]."""
+    def _update_columns(st, g2d, cols, group, g2d_sq=None):
+        """AdamW on the columns ``cols`` (None: all) of a parameter's state, with gradient g2d[:, cols] (and
+        ``g2d_sq[:, cols]`` for the second moment, if given)."""
         beta1, beta2 = group["betas"]
         hp = (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
         if cols is None:
@@ -150,7 +159,7 @@ class ZenFlowReference(torch.optim.Optimizer):
             return
         parts = [st[k][:, cols] for k in ("master", "exp_avg", "exp_avg_sq")]
         n = st["count"][cols]
-        adamw_(*parts, n, g2d[:, cols], *hp)
+        adamw_(*parts, n, g2d[:, cols], *hp, grad_sq=None if g2d_sq is None else g2d_sq[:, cols])
         for k, v in zip(("master", "exp_avg", "exp_avg_sq"), parts):
             st[k][:, cols] = v
         st["count"][cols] = n
@@ -229,6 +238,8 @@ class ZenFlowReference(torch.optim.Optimizer):
             self._update_columns(st, g2d, S, group)
             self._write_device(p, S)
             st["acc"][:, U] += g2d[:, U]
+            if cfg.interval_second_moment:
+                st["acc_sq"][:, U] += g2d[:, U] ** 2
             st["acc_steps"] += 1
             if cfg.auto_update and U.numel() > 0:
                 st["sumK"] += s[S].mean().item()
@@ -269,8 +280,11 @@ class ZenFlowReference(torch.optim.Optimizer):
                 if st["acc_steps"] > 0:
                     if cfg.interval_aware_update:  # opt-in: the step stands for its acc_steps steps
                         group = dict(group, lr=group["lr"] * st["acc_steps"])
-                    self._update_columns(st, st["acc"] / st["acc_steps"], self._unselected(p), group)
+                    mean_sq = st["acc_sq"] / st["acc_steps"] if cfg.interval_second_moment else None
+                    self._update_columns(st, st["acc"] / st["acc_steps"], self._unselected(p), group, mean_sq)
                 st["acc"].zero_()
+                if cfg.interval_second_moment:
+                    st["acc_sq"].zero_()
                 st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
             z["m_acc"] = 0
             z["cpu_updates"] += 1
