@@ -138,11 +138,13 @@ class ZenFlowRuntime:
         """One backward's gradient of one parameter (eager hook, or the compiled graph without data
         parallelism). Data parallel: it joins the reducer's open bucket (`scores` are of the local gradient,
         unused)."""
-        self._open_step()
+        if not self._step_open:  # (called per parameter and backward: the common case stays short)
+            self._open_step()
+        state = self.states.get(pid) or self._state(pid)
         if self.reducer is not None:
-            self.reducer.add(self._state(pid), grad)
+            self.reducer.add(state, grad)
             return
-        self.counters["bytes_device_to_host"] += self._state(pid).receive_grad(grad, scores, self.grad_slot)
+        self.counters["bytes_device_to_host"] += state.receive_grad(grad, scores, self.grad_slot)
 
     def reduce_grads(self, pids: list[int], grads: list[torch.Tensor]) -> None:
         """Data parallel, compiled: one bucket of gradients (graph order), reduced asynchronously. A graph

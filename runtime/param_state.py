@@ -133,7 +133,10 @@ class VectorState:
         grad = grad.detach().reshape(-1, 1)
         if self.num_grads == 0:
             self.grad.copy_(grad)
-            self.score.copy_(score.reshape(1) if score is not None else grad.float().pow(2).sum().reshape(1))
+            if score is not None:
+                self.score.copy_(score.reshape(1))
+            else:  # the full sum of squares, straight into the score (one op less per vector and step)
+                torch.sum(grad.float().square(), dim=(0, 1), out=self.score.view(()))
         else:
             self.grad.add_(grad)
         self.num_grads += 1

@@ -60,10 +60,10 @@ def triton_available(device: DeviceLike) -> bool:
     """
     if not HAVE_TRITON:
         return False
-    device = torch.device(device)
-    if device.type == "cuda":
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type  # (called per tensor)
+    if kind == "cuda":
         return torch.cuda.is_available()
-    if device.type == "cpu":
+    if kind == "cpu":
         return _InterpretedFunction is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
     return False
 

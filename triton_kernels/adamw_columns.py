@@ -250,8 +250,8 @@ def adamw_selected_columns_reference_(
     ws, ms, vs, ns = ([seq[i] for i in live] for seq in (masters, exp_avgs, exp_avg_sqs, steps))
     if ws[0].device.type == "cpu":
         fused = _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay)
-        for j in fused:
-            _write_columns(params[live[j]], columns[live[j]], ws[j])
+        _write_all_columns([params[live[j]] for j in fused], [columns[live[j]] for j in fused],
+                           [ws[j] for j in fused])
         done = set(fused)
         rest = [j for j in range(len(live)) if j not in done]
         if not rest:
@@ -272,30 +272,33 @@ def adamw_selected_columns_reference_(
     updates = torch._foreach_mul(step_sizes, ms)
     torch._foreach_div_(updates, denoms)
     torch._foreach_sub_(ws, updates)
-    for i, w in zip(live, ws):
-        _write_columns(params[i], columns[i], w)
+    _write_all_columns([params[i] for i in live], [columns[i] for i in live], ws)
 
 
-def _write_columns(param: torch.Tensor, columns: torch.Tensor, master: torch.Tensor) -> None:
-    if columns.numel() == param.shape[1] == 1:  # a vector ([N, 1] view): one plain copy
-        param.copy_(master)
-    else:
-        param.index_copy_(1, columns, master.to(param.dtype))
+def _write_all_columns(params: list, columns: list, masters: list) -> None:
+    """param[:, columns] = master for each parameter: the vectors ([N, 1] views, every column) in one
+    batched copy, the matrices one index_copy_ each."""
+    whole = [i for i, (p, c) in enumerate(zip(params, columns)) if c.numel() == p.shape[1] == 1]
+    if whole:
+        torch._foreach_copy_([params[i] for i in whole], [masters[i] for i in whole])
+    if len(whole) < len(params):
+        for i in set(range(len(params))).difference(whole):
+            params[i].index_copy_(1, columns[i], masters[i].to(params[i].dtype))
 
 
 def _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay) -> list[int]:
     """On CPU, where reading the update counts costs nothing: torch's fused CPU AdamW kernel (one call for
     all of them) for the parameters whose selected columns share one count (all of them, until a
     reselection mixes counts). Returns their positions; the caller updates the others per column."""
-    sizes = [n.numel() for n in ns]
+    sizes = torch.tensor([n.numel() for n in ns])
     counts = torch.cat(ns)
-    owner = torch.repeat_interleave(torch.arange(len(ns)), torch.tensor(sizes))
-    firsts = counts[torch.tensor(sizes).cumsum(0) - torch.tensor(sizes)]
+    owner = torch.repeat_interleave(torch.arange(len(ns)), sizes)
+    firsts = counts[sizes.cumsum(0) - sizes]
     mixed = torch.zeros(len(ns)).index_add_(0, owner, (counts != firsts[owner]).float())
     fused = (mixed == 0).nonzero().flatten().tolist()
     if not fused:
         return []
-    scalars = list((firsts[fused] + 1).split(1))  # the kernel's per-parameter count, already incremented
+    scalars = list((firsts[fused] + 1).unbind(0))  # the kernel's per-parameter count, already incremented
     torch._fused_adamw_([ws[j] for j in fused], [gs[j] for j in fused], [ms[j] for j in fused],
                         [vs[j] for j in fused], [], scalars, lr=lr, beta1=beta1, beta2=beta2,
                         weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)

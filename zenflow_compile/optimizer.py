@@ -152,7 +152,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         data_parallel.broadcast_parameters([p for p in params if p.is_floating_point()])
 
     def _hook(self, param: torch.Tensor) -> None:
-        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(_handoff)
+        pid = self._param_ids[id(param)]
+        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(
+            lambda p: _handoff(p, pid))
 
     def param_id(self, param: torch.Tensor) -> int:
         return self._param_ids[id(param)]
@@ -180,7 +182,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if param.grad is not None and id(param) in self._param_ids:
                     if id(param) not in self._hook_handles:
                         self._hook(param)
-                    _handoff(param)
+                    _handoff(param, self._param_ids[id(param)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients received since the last step (as torch.optim does with `.grad`)."""
@@ -285,19 +287,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
 
 
-def _handoff(param: torch.Tensor) -> None:
-    """Eager hand-off (post-accumulate-grad hook): the gradient goes to the parameter's current owner."""
-    if param.grad is None:
+def _handoff(param: torch.Tensor, pid: int) -> None:
+    """Eager hand-off (post-accumulate-grad hook) of parameter `pid`'s gradient to its optimizer."""
+    grad = param.grad
+    if grad is None:
         return
-    if param.grad.layout != torch.strided:
+    if grad.layout != torch.strided:
         raise ValueError(
             f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} got a {param.grad.layout} gradient "
             "(e.g. nn.Embedding(sparse=True)); ZenFlow needs dense gradients. Fix: use sparse=False "
             "for that module")
-    pid = registry.param_id(param)
-    if pid is not None:
-        registry.accumulate_grad(pid, param.grad, None)
-        param.grad = None
+    registry.accumulate_grad(pid, grad, None)
+    param.grad = None
 
 
 def _close(runtime: ZenFlowRuntime, hook_handles: dict) -> None:
