@@ -435,6 +435,23 @@ def test_invalid_zenflow_keys_get_deepspeeds_validation_error(ds):
         ds_initialize(ds_config({"select_interval": "often"}))
 
 
+def test_project_keys_in_the_zenflow_block_reach_zenflow(ds):
+    """This project's keys (not DeepSpeed's, whose config class forbids unknown keys) sit in the same JSON
+    block: the optimizer gets them, and the run equals ZenFlowAdamW built by hand with them."""
+    ours = dict(interval_aware_update=True, interval_second_moment=True, max_update_interval=8)
+    config = ds_config(ours)
+    batches = make_batches(6)
+    engine, opt, _, _ = ds_initialize(config)
+    assert {k: getattr(opt.config, k) for k in ours} == ours
+    ds_run = train_engine(engine, batches)
+    model = tiny_model()
+    direct = direct_optimizer(model, config)
+    assert_same_run(ds_run, train_direct(model, direct, batches), atol=1e-7, rtol=1e-6)
+    assert opt.stats()["cpu_updates"] > 0
+    with pytest.raises(ValueError, match="interval_second_moment=True needs interval_aware_update=True"):
+        ds_initialize(ds_config(dict(interval_second_moment=True)))
+
+
 @pytest.mark.parametrize("change, error, match", [
     (lambda c: c["zero_optimization"].update(stage=3), ValueError, r"zero_optimization\.stage=3"),
     (lambda c: c["zero_optimization"].update(offload_optimizer={"device": "nvme", "nvme_path": "/tmp"}),

@@ -19,7 +19,10 @@ How the user's config is read. The whole JSON is first validated by DeepSpeed's 
   defaults of DeepSpeed's Adam optimizers (weight_decay 0, not torch's 0.01);
 - `gradient_clipping` -> `max_grad_norm` (ZenFlow clips from its norm proxy; parameters have no `.grad`);
 - `zero_optimization.zenflow` -> `ZenFlowConfig`; `steps_per_epoch` is the number of optimizer steps in one
-  pass over `training_data` (DeepSpeed's dataloader length // gradient_accumulation_steps);
+  pass over `training_data` (DeepSpeed's dataloader length // gradient_accumulation_steps). This project's
+  own keys (`max_update_interval`, `interval_aware_update`, `interval_second_moment`: not DeepSpeed's, whose
+  config class forbids unknown keys) are taken out of the block before DeepSpeed validates it and validated
+  by `ZenFlowConfig`, so one JSON holds every setting;
 - `zero_optimization.stage` 0/1/2 and `offload_optimizer.device` "cpu" (or none) are accepted: they are what
   DeepSpeed ZenFlow requires, and ZenFlow itself keeps the unselected columns' state on the host; stage 3,
   NVMe, parameter offload and partial offload cannot apply and are errors naming the key;
@@ -216,6 +219,19 @@ def _fp16_grad_scaler(fp16_config, device_name: str):
                                 growth_interval=fp16_config.loss_scale_window)
 
 
+def _pop_project_zenflow_keys(user_config: dict) -> dict:
+    """Take this project's ZenFlow keys (those DeepSpeed's ZenFlowConfig does not know) out of
+    `zero_optimization.zenflow`, so DeepSpeed's validation sees only its own keys."""
+    from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig as DeepSpeedZenFlowConfig
+
+    zero = user_config.get("zero_optimization")
+    block = zero.get("zenflow") if isinstance(zero, dict) else None
+    if not isinstance(block, dict):
+        return {}
+    ours = [k for k in ZENFLOW_KEYS if k not in DeepSpeedZenFlowConfig.model_fields]
+    return {k: block.pop(k) for k in ours if k in block}
+
+
 def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPlan:
     """Validate a DeepSpeed config dict with DeepSpeed's own classes and split it (see the module docstring).
 
@@ -225,6 +241,7 @@ def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPla
     from deepspeed.runtime.config import DeepSpeedConfig
 
     user_config = copy.deepcopy(dict(config))
+    project_keys = _pop_project_zenflow_keys(user_config)
     ds_config = DeepSpeedConfig(copy.deepcopy(user_config), mpu)  # DeepSpeed's validation and errors
     if ds_config.hybrid_engine.enabled:
         raise _config_error("hybrid_engine.enabled", True, "the hybrid (RLHF inference) engine is not supported")
@@ -233,6 +250,7 @@ def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPla
     deepcompile = _check_compile(ds_config.compile_config)
     zenflow = ds_config.zero_config.zenflow
     zenflow_keys = {k: getattr(zenflow, k) for k in ZENFLOW_KEYS if k in type(zenflow).model_fields}
+    zenflow_keys.update(project_keys)
     clip = float(ds_config.gradient_clipping or 0.0)
 
     engine_config = copy.deepcopy(user_config)
