@@ -31,7 +31,7 @@ import torch
 
 from zenflow_compile.config import ZenFlowConfig
 from zenflow_compile.runtime import kernels
-from zenflow_compile.runtime import registry
+from zenflow_compile.runtime import param_state, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.param_state import CanonicalState, MatrixState, VectorState, top_k_columns
@@ -83,6 +83,7 @@ class ZenFlowRuntime:
         self._update_future: Optional[Future] = None
         self._step_open = False
         self._failure: Optional[BaseException] = None
+        self._device_args = None  # (layout generation, stepped states, [(group, DeviceAdamWArgs)]): _update_on_device
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
@@ -268,16 +269,21 @@ class ZenFlowRuntime:
             for state in written:
                 state.adopt_param_values()
 
-    @staticmethod
-    def _update_on_device(stepped: list, param_groups: list[dict], coef: float) -> None:
-        """The selected columns and the vectors: one fused device AdamW per param group."""
-        by_group: dict[int, list] = {}
-        for state in stepped:
-            update = state.device_update()
-            if update is not None:
-                by_group.setdefault(state.group_index, []).append(update)
-        for group_index, updates in by_group.items():
-            kernels.device_adamw_(updates, grad_scale=coef, **_hyperparameters(param_groups[group_index]))
+    def _update_on_device(self, stepped: list, param_groups: list[dict], coef: float) -> None:
+        """The selected columns and the vectors: one fused device AdamW per param group. The argument lists
+        are rebuilt only when the stepped states or any state's layout changed (not per step)."""
+        generation = param_state.layout_generation
+        cached = self._device_args
+        if cached is None or cached[0] != generation or cached[1] != stepped:  # (states compare by identity)
+            by_group: dict[int, list] = {}
+            for state in stepped:
+                update = state.device_update()
+                if update is not None:
+                    by_group.setdefault(state.group_index, []).append(update)
+            groups = [(g, kernels.DeviceAdamWArgs(updates)) for g, updates in by_group.items()]
+            cached = self._device_args = (generation, stepped, groups)
+        for group_index, args in cached[2]:
+            kernels.device_adamw_(args, grad_scale=coef, **_hyperparameters(param_groups[group_index]))
 
     def _submit_accumulate(self, matrices: list[MatrixState], coef: float) -> None:
         if not matrices:

@@ -24,29 +24,50 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from zenflow_compile.triton_kernels import adamw_selected_columns_, column_sq_norms, merge_host_columns_
+from zenflow_compile.triton_kernels._triton import triton_available
 
 if TYPE_CHECKING:
     from zenflow_compile.runtime.param_state import DeviceUpdate
 
 
-def device_adamw_(updates: "list[DeviceUpdate]", *, lr: float, beta1: float, beta2: float, eps: float,
+class DeviceAdamWArgs:
+    """One param group's per-parameter argument lists to `device_adamw_`, built once from the states'
+    `DeviceUpdate`s and reused step after step while their layout holds (the tensors are updated in place)."""
+
+    __slots__ = ("grads", "masters", "exp_avgs", "exp_avg_sqs", "steps", "params", "columns", "count_heads")
+
+    def __init__(self, updates: "list[DeviceUpdate]"):
+        self.grads = [u.grad for u in updates]
+        self.masters = [u.master for u in updates]
+        self.exp_avgs = [u.exp_avg for u in updates]
+        self.exp_avg_sqs = [u.exp_avg_sq for u in updates]
+        self.steps = [u.step for u in updates]
+        self.params = [u.param for u in updates]
+        self.columns = [u.columns for u in updates]
+        self.count_heads = [u.count_head for u in updates]
+
+
+def device_adamw_(args: DeviceAdamWArgs, *, lr: float, beta1: float, beta2: float, eps: float,
                   weight_decay: float, grad_scale: float) -> None:
-    if not updates:
+    if not args.params:
         return
     adamw_selected_columns_(
-        [u.grad for u in updates], [u.master for u in updates], [u.exp_avg for u in updates],
-        [u.exp_avg_sq for u in updates], [u.step for u in updates], [u.param for u in updates],
-        [u.columns for u in updates],
+        args.grads, args.masters, args.exp_avgs, args.exp_avg_sqs, args.steps, args.params, args.columns,
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
-        validate=False)  # the runtime builds these arguments itself
+        validate=False,  # the runtime builds these arguments itself
+        count_heads=args.count_heads)  # the torch twin's fused CPU path; Triton ignores them
 
 
 def merge_columns_(param: torch.Tensor, columns: torch.Tensor, values: torch.Tensor) -> None:
     merge_host_columns_(param, columns, values)
 
 
-def column_scores(grad2d: torch.Tensor) -> torch.Tensor:
-    return column_sq_norms(grad2d)
+def column_scores(grad2d: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`out` (optional, fp32 [C], contiguous): written in full, no temporary (the torch path, per gradient on
+    the eager hand-off: one reduction straight into the runtime's score buffer)."""
+    if triton_available(grad2d.device):
+        return column_sq_norms(grad2d, out=out, use_triton=True)
+    return torch.sum(grad2d.float().square(), 0, out=out)
 
 
 # Elements per conversion chunk (a 4 MB fp32 scratch): measured here on one thread, 64K / 256K / 1M / 4M

@@ -33,6 +33,16 @@ from zenflow_compile.runtime.transfers import Transfers, wait_events
 
 HostRun = tuple[int, int, torch.Tensor]  # rows [start, end) of the host buffers and their shared count
 
+# Bumped whenever any state replaces a tensor `device_update` hands out (a new layout, a cast, a new state, a
+# loaded checkpoint, a parameter whose storage changed): the runtime reuses its device-AdamW argument lists
+# while the generation is unchanged.
+layout_generation = 0
+
+
+def _layout_changed() -> None:
+    global layout_generation
+    layout_generation += 1
+
 
 @dataclass
 class CanonicalState:
@@ -60,6 +70,10 @@ class DeviceUpdate:
     step: torch.Tensor
     param: torch.Tensor
     columns: torch.Tensor
+    # A one-element view of `step` when every entry of `step` holds the same count (else None): on CPU those
+    # parameters take torch's fused AdamW with no per-step count check. Every update adds 1 to every entry,
+    # so this holds until the state is laid out again.
+    count_head: Optional[torch.Tensor] = None
 
 
 def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -112,33 +126,37 @@ class VectorState:
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.step = torch.zeros(1, device=device)
         self.grad = torch.zeros(self.master.shape, dtype=param.dtype, device=device)
+        self.grad_flat = self.grad.view(-1)  # what receive_grad writes (a view made once, not per gradient)
         self.score = torch.zeros(1, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.num_grads = 0
         self.watch = ParamWatch(param)
+        _layout_changed()
 
     def written_externally(self) -> bool:
         return self.watch.written_externally()
 
     def adopt_param_values(self) -> None:
+        _layout_changed()  # the parameter's storage (its view in device_update) or the grad buffer may be new
         current = self.param.detach().reshape(-1, 1)
         if current.dtype != self.grad.dtype:  # the parameter was cast (model.to(dtype)): all of it is new
             self.grad = torch.zeros(self.master.shape, dtype=current.dtype, device=current.device)
+            self.grad_flat = self.grad.view(-1)
             self.master.copy_(current.float())
         else:
             _adopt(current, self.master.to(current.dtype), self.master)
         self.watch.remember()
 
     def receive_grad(self, grad: torch.Tensor, score: Optional[torch.Tensor], grad_slot: int) -> int:
-        grad = grad.detach().reshape(-1, 1)
+        grad = grad.detach().reshape(-1)  # (flat: a 1-D reduction costs less host time than one over [N, 1])
         if self.num_grads == 0:
-            self.grad.copy_(grad)
+            self.grad_flat.copy_(grad)
             if score is not None:
                 self.score.copy_(score.reshape(1))
             else:  # the full sum of squares, straight into the score (one op less per vector and step)
-                torch.sum(grad.float().square(), dim=(0, 1), out=self.score.view(()))
+                torch.sum(grad.float().square(), 0, keepdim=True, out=self.score)
         else:
-            self.grad.add_(grad)
+            self.grad_flat.add_(grad)
         self.num_grads += 1
         return 0
 
@@ -157,7 +175,7 @@ class VectorState:
 
     def device_update(self) -> Optional[DeviceUpdate]:
         return DeviceUpdate(self.grad, self.master, self.exp_avg, self.exp_avg_sq, self.step,
-                            self.param.data.view(-1, 1), self.column)
+                            self.param.data.view(-1, 1), self.column, count_head=self.step)
 
     def canonical(self) -> CanonicalState:
         shape = self.param.shape
@@ -168,6 +186,7 @@ class VectorState:
         for mine, saved in ((self.master, state.master), (self.exp_avg, state.exp_avg),
                             (self.exp_avg_sq, state.exp_avg_sq), (self.step, state.step)):
             mine.copy_(saved.reshape(mine.shape))
+        _layout_changed()
         self.watch.remember()  # a later write into the parameter (model.load_state_dict) is compared to it
 
 
@@ -230,12 +249,17 @@ class MatrixState:
         if host_columns is None:
             host_columns = self._host_order(selected, state)
 
+        _layout_changed()
         dev, dtype, pin = self.device, self.param.dtype, self.pin
         self.selected, self.selected_on_device = selected, selected.to(dev)
         self.dev_master = state.master[:, selected].to(dev)
         self.dev_exp_avg = state.exp_avg[:, selected].to(dev)
         self.dev_exp_avg_sq = state.exp_avg_sq[:, selected].to(dev)
-        self.dev_step = state.step[selected].to(dev)
+        counts = state.step[selected]
+        self.dev_step = counts.to(dev)
+        # (read here, on the host: NaN, unknown, never agrees)
+        uniform = counts.numel() > 0 and bool((counts == counts[0]).all())
+        self.dev_step_head = self.dev_step[:1] if uniform else None
         self.dev_grad = torch.zeros(self.rows, selected.numel(), device=dev, dtype=dtype)
 
         self.host_columns, self.host_columns_on_device = host_columns, host_columns.to(dev)
@@ -321,6 +345,7 @@ class MatrixState:
     def adopt_param_values(self) -> None:
         """The parameter was written by someone else: where it differs from what the optimizer left in it,
         its values become the master (call with no CPU work in flight)."""
+        _layout_changed()  # its storage (the view in device_update) may be new
         current = self.as_columns().detach()
         if current.dtype != self.dev_grad.dtype:  # cast (model.to(dtype)): every value is new
             state = self.canonical()
@@ -415,17 +440,19 @@ class MatrixState:
         Returns the bytes sent device -> host. Keeps no reference to `grad` (the compiled graph reuses it).
         """
         g = grad.detach().reshape(self.rows, self.cols)
-        if scores is None:
-            scores = kernels.column_scores(g)
         first = self.num_grads == 0
         self.num_grads += 1
+        if scores is None and first:
+            kernels.column_scores(g, out=self.scores)  # straight into the buffer
+        else:
+            scores = kernels.column_scores(g) if scores is None else scores
+            self.scores.copy_(scores) if first else self.scores.add_(scores)
         if self.num_selected:
             if first and g.dtype == self.dev_grad.dtype:
                 torch.index_select(g, 1, self.selected_on_device, out=self.dev_grad)
             else:
                 chosen = g.index_select(1, self.selected_on_device)
                 self.dev_grad.copy_(chosen) if first else self.dev_grad.add_(chosen)
-        self.scores.copy_(scores) if first else self.scores.add_(scores)
         if not self.num_host:
             return 0
         # Gather + transpose: one contiguous row per column, a single contiguous copy down.
@@ -513,7 +540,7 @@ class MatrixState:
         if not self.num_selected:
             return None
         return DeviceUpdate(self.dev_grad, self.dev_master, self.dev_exp_avg, self.dev_exp_avg_sq,
-                            self.dev_step, self.as_columns(), self.selected_on_device)
+                            self.dev_step, self.as_columns(), self.selected_on_device, count_head=self.dev_step_head)
 
     # -- host side (CPU worker threads) -------------------------------------------------------------------
     @staticmethod

@@ -232,11 +232,15 @@ def _check(i, grad, master, exp_avg, exp_avg_sq, step, param, cols, gcols, devic
 
 def adamw_selected_columns_reference_(
     grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns,
-    *, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0, grad_columns=None,
+    *, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0, grad_columns=None, count_heads=None,
 ) -> None:
     """Plain-torch twin of `adamw_selected_columns_` (same arguments, same math), batched over the parameters:
     torch's `_foreach` ops, and the per-column bias corrections of every parameter computed at once on their
-    concatenated update counts (a fixed number of calls per step, not per parameter)."""
+    concatenated update counts (a fixed number of calls per step, not per parameter).
+
+    `count_heads` (optional, per parameter): a one-element view of `steps[i]` when the caller knows every
+    entry of `steps[i]` holds the same count, else None; on CPU, those parameters then take the fused
+    kernel without the per-call count check."""
     grad_columns = grad_columns if grad_columns is not None else [None] * len(grads)
     live = [i for i in range(len(grads)) if columns[i].numel()]
     if not live:
@@ -249,7 +253,11 @@ def adamw_selected_columns_reference_(
         gs = torch._foreach_mul(gs, grad_scale)
     ws, ms, vs, ns = ([seq[i] for i in live] for seq in (masters, exp_avgs, exp_avg_sqs, steps))
     if ws[0].device.type == "cpu":
-        fused = _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay)
+        if count_heads is None:
+            fused = _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay)
+        else:
+            fused = _fused_cpu_known_counts(gs, ws, ms, vs, ns, [count_heads[i] for i in live], lr, beta1, beta2,
+                                            eps, weight_decay)
         _write_all_columns([params[live[j]] for j in fused], [columns[live[j]] for j in fused],
                            [ws[j] for j in fused])
         done = set(fused)
@@ -306,6 +314,22 @@ def _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, wei
     return fused
 
 
+def _fused_cpu_known_counts(gs, ws, ms, vs, ns, heads, lr, beta1, beta2, eps, weight_decay) -> list[int]:
+    """`_fused_cpu_where_counts_agree` for a caller that knows which counts agree (`heads[j]`: a one-element
+    view of `ns[j]`, or None): no count tensors to build."""
+    fused = [j for j, head in enumerate(heads) if head is not None]
+    if not fused:
+        return []
+    if len(fused) == len(heads):
+        fused_ns, fused_heads, fws, fgs, fms, fvs = ns, heads, ws, gs, ms, vs
+    else:
+        fused_ns, fused_heads, fws, fgs, fms, fvs = ([seq[j] for j in fused] for seq in (ns, heads, ws, gs, ms, vs))
+    torch._foreach_add_(fused_ns, 1)  # the heads (views) now hold the incremented count the kernel uses
+    torch._fused_adamw_(fws, fgs, fms, fvs, [], fused_heads, lr=lr, beta1=beta1, beta2=beta2,
+                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    return fused
+
+
 def adamw_selected_columns_(
     grads: Sequence[torch.Tensor],
     masters: Sequence[torch.Tensor],
@@ -324,6 +348,7 @@ def adamw_selected_columns_(
     grad_columns: Optional[Sequence[Optional[torch.Tensor]]] = None,
     use_triton: Optional[bool] = None,
     validate: bool = True,
+    count_heads: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> None:
     """One AdamW step on the selected columns of many parameters (one param group), in place.
 
@@ -332,7 +357,8 @@ def adamw_selected_columns_(
     then the full gradient and its columns `grad_columns[i]` are gathered. Columns in `columns[i]` must be
     distinct. `use_triton`: None = Triton when `triton_available(device)`, else the torch reference.
     `validate=False` skips the per-parameter argument checks (for callers that build the arguments
-    themselves, once per step, like the runtime).
+    themselves, once per step, like the runtime). `count_heads`: see `adamw_selected_columns_reference_`
+    (used by it only; the Triton kernel reads every column's count itself).
     """
     P = len(params)
     lists = (grads, masters, exp_avgs, exp_avg_sqs, steps, columns)
@@ -356,7 +382,8 @@ def adamw_selected_columns_(
     if not use_triton:
         adamw_selected_columns_reference_(
             grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns, lr=lr, beta1=beta1, beta2=beta2,
-            eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, grad_columns=grad_columns)
+            eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, grad_columns=grad_columns,
+            count_heads=count_heads)
         return
 
     # Group by (param dtype, grad dtype): the kernel's pointer element types are compile-time constants.
