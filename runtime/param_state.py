@@ -263,6 +263,9 @@ class MatrixState:
         self.dev_grad = torch.zeros(self.rows, selected.numel(), device=dev, dtype=dtype)
 
         self.host_columns, self.host_columns_on_device = host_columns, host_columns.to(dev)
+        # Read per gradient by receive_grad: plain attributes (no numel() call each time).
+        self.has_selected, self.has_host = selected.numel() > 0, host_columns.numel() > 0
+        self.host_grad_bytes = 0  # one offloaded gradient (owner only)
         self.upload_done: list = [None, None]  # upload events of host_weights[slot]
         self.offload_done: list[list] = [[], []]  # D2H events of host_grads[slot] (and its extras)
         self.extra_grads: list[list[torch.Tensor]] = [[], []]  # later backwards of a step, summed at step()
@@ -283,6 +286,7 @@ class MatrixState:
         self.host_exp_avg_sq.copy_(state.exp_avg_sq[:, host_columns].t())
         self.host_runs = self._runs_of_equal_count(state.step[host_columns])
         self.host_grads = [_host_buffer(shape, dtype, pin) for _ in range(2)]
+        self.host_grad_bytes = self.host_grads[0].numel() * self.host_grads[0].element_size()
         self.accumulators = [_host_buffer(shape, torch.float32, pin) for _ in range(2)]
         self.square_accumulators = ([_host_buffer(shape, torch.float32, pin) for _ in range(2)]
                                     if self.accumulate_squares else [])
@@ -447,13 +451,13 @@ class MatrixState:
         else:
             scores = kernels.column_scores(g) if scores is None else scores
             self.scores.copy_(scores) if first else self.scores.add_(scores)
-        if self.num_selected:
+        if self.has_selected:
             if first and g.dtype == self.dev_grad.dtype:
                 torch.index_select(g, 1, self.selected_on_device, out=self.dev_grad)
             else:
                 chosen = g.index_select(1, self.selected_on_device)
                 self.dev_grad.copy_(chosen) if first else self.dev_grad.add_(chosen)
-        if not self.num_host:
+        if not self.has_host:
             return 0
         # Gather + transpose: one contiguous row per column, a single contiguous copy down.
         return self._offload(g.t(), first, grad_slot, rows=self.host_columns_on_device)
@@ -494,14 +498,16 @@ class MatrixState:
         """Send the unselected columns' gradient ([u, R], or the rows `rows` of `rest`) to
         host_grads[grad_slot] (later backwards of the same step: to extra buffers, summed at step())."""
         if first:  # (also forgets the extras of a step that was discarded or skipped)
-            target = self.host_grads[grad_slot]
-            self.offload_done[grad_slot], self.extra_grads[grad_slot] = [], []
-        else:  # summed on the host (accumulate worker) at step(), in pinned buffers reused step after step
-            pool, index = self.extra_pool[grad_slot], len(self.extra_grads[grad_slot])
-            if index == len(pool):
-                pool.append(_host_buffer(self.host_grads[grad_slot].shape, rest.dtype, self.pin))
-            target = pool[index]
-            self.extra_grads[grad_slot].append(target)
+            self.offload_done[grad_slot] = [self.transfers.to_host(rest, self.host_grads[grad_slot], rows=rows)]
+            self.extra_grads[grad_slot] = []
+            return self.host_grad_bytes
+        # Later backwards: summed on the host (accumulate worker) at step(), in pinned buffers reused step
+        # after step.
+        pool, index = self.extra_pool[grad_slot], len(self.extra_grads[grad_slot])
+        if index == len(pool):
+            pool.append(_host_buffer(self.host_grads[grad_slot].shape, rest.dtype, self.pin))
+        target = pool[index]
+        self.extra_grads[grad_slot].append(target)
         self.offload_done[grad_slot].append(self.transfers.to_host(rest, target, rows=rows))
         return target.numel() * target.element_size()
 

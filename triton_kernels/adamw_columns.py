@@ -285,13 +285,16 @@ def adamw_selected_columns_reference_(
 
 def _write_all_columns(params: list, columns: list, masters: list) -> None:
     """param[:, columns] = master for each parameter: the vectors ([N, 1] views, every column) in one
-    batched copy, the matrices one index_copy_ each."""
-    whole = [i for i, (p, c) in enumerate(zip(params, columns)) if c.numel() == p.shape[1] == 1]
-    if whole:
-        torch._foreach_copy_([params[i] for i in whole], [masters[i] for i in whole])
-    if len(whole) < len(params):
-        for i in set(range(len(params))).difference(whole):
-            params[i].index_copy_(1, columns[i], masters[i].to(params[i].dtype))
+    batched copy, the matrices one index_copy_ each (one pass, no cast where the dtypes already match)."""
+    whole_params, whole_masters = [], []
+    for param, cols, master in zip(params, columns, masters):
+        if param.shape[1] == 1 and cols.numel() == 1:
+            whole_params.append(param)
+            whole_masters.append(master)
+        else:
+            param.index_copy_(1, cols, master if master.dtype == param.dtype else master.to(param.dtype))
+    if whole_params:
+        torch._foreach_copy_(whole_params, whole_masters)
 
 
 def _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay) -> list[int]:
