@@ -24,6 +24,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from zenflow_compile.triton_kernels import adamw_selected_columns_, column_sq_norms, merge_host_columns_
+from zenflow_compile.triton_kernels.adamw_columns import ReferencePlan
 from zenflow_compile.triton_kernels._triton import triton_available
 
 if TYPE_CHECKING:
@@ -34,8 +35,6 @@ class DeviceAdamWArgs:
     """One param group's per-parameter argument lists to `device_adamw_`, built once from the states'
     `DeviceUpdate`s and reused step after step while their layout holds (the tensors are updated in place)."""
 
-    __slots__ = ("grads", "masters", "exp_avgs", "exp_avg_sqs", "steps", "params", "columns", "count_heads")
-
     def __init__(self, updates: "list[DeviceUpdate]"):
         self.grads = [u.grad for u in updates]
         self.masters = [u.master for u in updates]
@@ -45,17 +44,28 @@ class DeviceAdamWArgs:
         self.params = [u.param for u in updates]
         self.columns = [u.columns for u in updates]
         self.count_heads = [u.count_head for u in updates]
+        self._reference_plan: Optional[ReferencePlan] = None
+
+    def reference_plan(self) -> ReferencePlan:
+        """The torch twin's partition of these arguments (fused CPU AdamW where the counts are known to agree),
+        made at the first step that needs it."""
+        if self._reference_plan is None:
+            self._reference_plan = ReferencePlan(self.grads, self.masters, self.exp_avgs, self.exp_avg_sqs,
+                                                 self.steps, self.params, self.columns, count_heads=self.count_heads)
+        return self._reference_plan
 
 
 def device_adamw_(args: DeviceAdamWArgs, *, lr: float, beta1: float, beta2: float, eps: float,
                   weight_decay: float, grad_scale: float) -> None:
     if not args.params:
         return
-    adamw_selected_columns_(
-        args.grads, args.masters, args.exp_avgs, args.exp_avg_sqs, args.steps, args.params, args.columns,
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale,
-        validate=False,  # the runtime builds these arguments itself
-        count_heads=args.count_heads)  # the torch twin's fused CPU path; Triton ignores them
+    hyperparameters = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
+    if triton_available(args.params[0].device):
+        adamw_selected_columns_(args.grads, args.masters, args.exp_avgs, args.exp_avg_sqs, args.steps, args.params,
+                                args.columns, validate=False,  # the runtime builds these arguments itself
+                                **hyperparameters)
+    else:  # the torch twin, its per-step partition made once
+        args.reference_plan().run(**hyperparameters)
 
 
 def merge_columns_(param: torch.Tensor, columns: torch.Tensor, values: torch.Tensor) -> None:

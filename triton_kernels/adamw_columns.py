@@ -29,7 +29,7 @@ import torch
 
 from ._triton import HAVE_TRITON, TORCH_TO_TL, DualKernel, constexpr, f32, split_f64, tl, triton_available
 
-__all__ = ["adamw_selected_columns_", "adamw_selected_columns_reference_"]
+__all__ = ["adamw_selected_columns_", "adamw_selected_columns_reference_", "ReferencePlan"]
 
 _BLOCK_R = 32
 # Checked without triton too: the torch twin serves the same dtypes (TORCH_TO_TL is empty without triton).
@@ -232,39 +232,112 @@ def _check(i, grad, master, exp_avg, exp_avg_sq, step, param, cols, gcols, devic
 
 def adamw_selected_columns_reference_(
     grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns,
-    *, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0, grad_columns=None, count_heads=None,
+    *, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0, grad_columns=None,
 ) -> None:
     """Plain-torch twin of `adamw_selected_columns_` (same arguments, same math), batched over the parameters:
     torch's `_foreach` ops, and the per-column bias corrections of every parameter computed at once on their
-    concatenated update counts (a fixed number of calls per step, not per parameter).
+    concatenated update counts (a fixed number of calls per step, not per parameter)."""
+    ReferencePlan(grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns, grad_columns=grad_columns).run(
+        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
 
-    `count_heads` (optional, per parameter): a one-element view of `steps[i]` when the caller knows every
-    entry of `steps[i]` holds the same count, else None; on CPU, those parameters then take the fused
-    kernel without the per-call count check."""
-    grad_columns = grad_columns if grad_columns is not None else [None] * len(grads)
-    live = [i for i in range(len(grads)) if columns[i].numel()]
-    if not live:
-        return
-    gs = []
-    for i in live:
-        g = grads[i] if grad_columns[i] is None else grads[i][:, grad_columns[i]]
-        gs.append(g if g.dtype == torch.float32 else g.float())
-    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
-        gs = torch._foreach_mul(gs, grad_scale)
-    ws, ms, vs, ns = ([seq[i] for i in live] for seq in (masters, exp_avgs, exp_avg_sqs, steps))
-    if ws[0].device.type == "cpu":
-        if count_heads is None:
-            fused = _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay)
-        else:
-            fused = _fused_cpu_known_counts(gs, ws, ms, vs, ns, [count_heads[i] for i in live], lr, beta1, beta2,
-                                            eps, weight_decay)
-        _write_all_columns([params[live[j]] for j in fused], [columns[live[j]] for j in fused],
-                           [ws[j] for j in fused])
-        done = set(fused)
-        rest = [j for j in range(len(live)) if j not in done]
-        if not rest:
+
+class ReferencePlan:
+    """What `adamw_selected_columns_reference_` derives from its arguments' layout alone: which parameters
+    have columns, which take torch's fused CPU AdamW, how their columns are written back. A caller that
+    passes the same tensors step after step (the runtime) builds it once and calls `run` per step.
+
+    `count_heads` (optional, per parameter): a one-element view of `steps[i]` when the caller knows that every
+    entry of `steps[i]` holds the same count (and keeps it so), else None. On CPU those parameters take the
+    fused kernel with no count check; without `count_heads` the counts are compared at every `run`.
+    """
+
+    def __init__(self, grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns, *, grad_columns=None,
+                 count_heads=None):
+        live = [i for i in range(len(grads)) if columns[i].numel()]
+        self.empty = not live
+        if self.empty:
             return
-        live, gs, ws, ms, vs, ns = ([seq[j] for j in rest] for seq in (live, gs, ws, ms, vs, ns))
+        gcols = [None] * len(grads) if grad_columns is None else grad_columns
+        # Split once: the fused parameters (known on CPU when the caller gave count_heads) and the others.
+        # Off CPU none fuse; on CPU without count_heads one group, split at each run by its counts.
+        on_cpu = masters[live[0]].device.type == "cpu"
+        self.check_counts = on_cpu and count_heads is None
+        if on_cpu and count_heads is not None:
+            parts = [(True, [i for i in live if count_heads[i] is not None]),
+                     (False, [i for i in live if count_heads[i] is None])]
+        else:
+            parts = [(False, live)]
+        self.groups = [_PlanGroup(
+            fused=fused, grads=[grads[i] for i in members], grad_columns=[gcols[i] for i in members],
+            ws=[masters[i] for i in members], ms=[exp_avgs[i] for i in members], vs=[exp_avg_sqs[i] for i in members],
+            ns=[steps[i] for i in members], heads=[count_heads[i] for i in members] if fused else None,
+            params=[params[i] for i in members], columns=[columns[i] for i in members])
+            for fused, members in parts if members]
+
+    def run(self, *, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0) -> None:
+        if self.empty:
+            return
+        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        scale = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
+        for group in self.groups:
+            gs = group.grads_fp32()
+            if scale:
+                gs = torch._foreach_mul(gs, grad_scale)
+            if self.check_counts:  # CPU, counts not known to agree: fuse where they do now
+                fused = _fused_cpu_where_counts_agree(gs, group.ws, group.ms, group.vs, group.ns, **hyper)
+                _write_all_columns(*group.select(fused, "params", "columns", "ws"))
+                if len(fused) == len(gs):
+                    continue
+                done = set(fused)
+                rest = [j for j in range(len(gs)) if j not in done]
+                ws, ms, vs, ns, params, columns = group.select(rest, "ws", "ms", "vs", "ns", "params", "columns")
+                _adamw_per_column(ws, [gs[j] for j in rest], ms, vs, ns, **hyper)
+                _write_all_columns(params, columns, ws)
+            elif group.fused:
+                torch._foreach_add_(group.ns, 1)  # the heads (views) now hold the incremented count the kernel uses
+                torch._fused_adamw_(group.ws, gs, group.ms, group.vs, [], group.heads, lr=lr, beta1=beta1,
+                                    beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+                group.write_columns()
+            else:
+                _adamw_per_column(group.ws, gs, group.ms, group.vs, group.ns, **hyper)
+                group.write_columns()
+
+
+class _PlanGroup:
+    """Parameters a `ReferencePlan` updates together, with their column write-back split once: the vectors
+    ([N, 1] views, every column) in one batched copy, the matrices one index_copy_ each."""
+
+    def __init__(self, *, fused, grads, grad_columns, ws, ms, vs, ns, heads, params, columns):
+        self.fused, self.grads, self.grad_columns = fused, grads, grad_columns
+        self.ws, self.ms, self.vs, self.ns, self.heads = ws, ms, vs, ns, heads
+        self.params, self.columns = params, columns
+        self.plain_grads = all(g.dtype == torch.float32 for g in grads) and all(c is None for c in grad_columns)
+        self.whole = [j for j, (p, c) in enumerate(zip(params, columns)) if p.shape[1] == 1 and c.numel() == 1]
+        whole = set(self.whole)
+        self.whole_params, self.whole_ws = [params[j] for j in self.whole], [ws[j] for j in self.whole]
+        self.by_index = [(params[j], columns[j], ws[j]) for j in range(len(params)) if j not in whole]
+
+    def grads_fp32(self) -> list:
+        if self.plain_grads:
+            return self.grads  # (read only by the update: never mutated)
+        gs = []
+        for g, gc in zip(self.grads, self.grad_columns):
+            g = g if gc is None else g[:, gc]
+            gs.append(g if g.dtype == torch.float32 else g.float())
+        return gs
+
+    def select(self, positions, *names):
+        return tuple([getattr(self, name)[j] for j in positions] for name in names)
+
+    def write_columns(self) -> None:
+        if self.whole_params:
+            torch._foreach_copy_(self.whole_params, self.whole_ws)
+        for param, cols, master in self.by_index:
+            param.index_copy_(1, cols, master if master.dtype == param.dtype else master.to(param.dtype))
+
+
+def _adamw_per_column(ws, gs, ms, vs, ns, *, lr, beta1, beta2, eps, weight_decay) -> None:
+    """AdamW with a per-column update count: the bias corrections of every column computed at once."""
     torch._foreach_add_(ns, 1)
     n64 = torch.cat(ns).double()
     sizes = [n.numel() for n in ns]
@@ -280,7 +353,6 @@ def adamw_selected_columns_reference_(
     updates = torch._foreach_mul(step_sizes, ms)
     torch._foreach_div_(updates, denoms)
     torch._foreach_sub_(ws, updates)
-    _write_all_columns([params[i] for i in live], [columns[i] for i in live], ws)
 
 
 def _write_all_columns(params: list, columns: list, masters: list) -> None:
@@ -317,22 +389,6 @@ def _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, wei
     return fused
 
 
-def _fused_cpu_known_counts(gs, ws, ms, vs, ns, heads, lr, beta1, beta2, eps, weight_decay) -> list[int]:
-    """`_fused_cpu_where_counts_agree` for a caller that knows which counts agree (`heads[j]`: a one-element
-    view of `ns[j]`, or None): no count tensors to build."""
-    fused = [j for j, head in enumerate(heads) if head is not None]
-    if not fused:
-        return []
-    if len(fused) == len(heads):
-        fused_ns, fused_heads, fws, fgs, fms, fvs = ns, heads, ws, gs, ms, vs
-    else:
-        fused_ns, fused_heads, fws, fgs, fms, fvs = ([seq[j] for j in fused] for seq in (ns, heads, ws, gs, ms, vs))
-    torch._foreach_add_(fused_ns, 1)  # the heads (views) now hold the incremented count the kernel uses
-    torch._fused_adamw_(fws, fgs, fms, fvs, [], fused_heads, lr=lr, beta1=beta1, beta2=beta2,
-                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-    return fused
-
-
 def adamw_selected_columns_(
     grads: Sequence[torch.Tensor],
     masters: Sequence[torch.Tensor],
@@ -351,7 +407,6 @@ def adamw_selected_columns_(
     grad_columns: Optional[Sequence[Optional[torch.Tensor]]] = None,
     use_triton: Optional[bool] = None,
     validate: bool = True,
-    count_heads: Optional[Sequence[Optional[torch.Tensor]]] = None,
 ) -> None:
     """One AdamW step on the selected columns of many parameters (one param group), in place.
 
@@ -360,8 +415,7 @@ def adamw_selected_columns_(
     then the full gradient and its columns `grad_columns[i]` are gathered. Columns in `columns[i]` must be
     distinct. `use_triton`: None = Triton when `triton_available(device)`, else the torch reference.
     `validate=False` skips the per-parameter argument checks (for callers that build the arguments
-    themselves, once per step, like the runtime). `count_heads`: see `adamw_selected_columns_reference_`
-    (used by it only; the Triton kernel reads every column's count itself).
+    themselves, once per step, like the runtime).
     """
     P = len(params)
     lists = (grads, masters, exp_avgs, exp_avg_sqs, steps, columns)
@@ -385,8 +439,7 @@ def adamw_selected_columns_(
     if not use_triton:
         adamw_selected_columns_reference_(
             grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns, lr=lr, beta1=beta1, beta2=beta2,
-            eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, grad_columns=grad_columns,
-            count_heads=count_heads)
+            eps=eps, weight_decay=weight_decay, grad_scale=grad_scale, grad_columns=grad_columns)
         return
 
     # Group by (param dtype, grad dtype): the kernel's pointer element types are compile-time constants.
