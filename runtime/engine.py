@@ -84,6 +84,7 @@ class ZenFlowRuntime:
         self._step_open = False
         self._failure: Optional[BaseException] = None
         self._device_args = None  # (layout generation, stepped states, [(group, DeviceAdamWArgs)]): _update_on_device
+        self._accumulate_batches = None  # (layout generation, matrices, {(grad_slot, acc_slot): AccumulateBatch})
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
@@ -289,9 +290,16 @@ class ZenFlowRuntime:
         if not matrices:
             return
         grad_slot, acc_slot = self.grad_slot, self.acc_slot
+        generation = param_state.layout_generation
+        cached = self._accumulate_batches
+        if cached is None or cached[0] != generation or cached[1] != matrices:  # (states compare by identity)
+            cached = self._accumulate_batches = (generation, matrices, {})
+        batch = cached[2].get((grad_slot, acc_slot))
+        if batch is None:
+            batch = cached[2][grad_slot, acc_slot] = param_state.AccumulateBatch(matrices, grad_slot, acc_slot)
 
         def accumulate():
-            MatrixState.accumulate_many(matrices, grad_slot, acc_slot, coef)
+            MatrixState.accumulate_many(matrices, grad_slot, acc_slot, coef, batch)
 
         future = self.accumulate_worker.submit(accumulate)
         self._accumulate_done[grad_slot] = future

@@ -190,6 +190,25 @@ class VectorState:
         self.watch.remember()  # a later write into the parameter (model.load_state_dict) is compared to it
 
 
+class AccumulateBatch:
+    """`MatrixState.accumulate_many`'s argument lists for fixed matrices and slots: the runtime builds one per
+    layout and slot pair, so the accumulate worker's task is one batched add (few Python iterations on the
+    worker: the training thread waits less for the GIL)."""
+
+    def __init__(self, matrices: "list[MatrixState]", grad_slot: int, acc_slot: int):
+        self.matrices, self.grad_slot = matrices, grad_slot
+        self.accs = [m.accumulators[acc_slot] for m in matrices]
+        self.grads = [m.host_grads[grad_slot] for m in matrices]
+        self.squares = [m.square_accumulators[acc_slot] for m in matrices if m.accumulate_squares] or None
+        self.copies_have_events = any(m.transfers.is_cuda for m in matrices)  # (CPU copies are done on return)
+
+    def run(self, coef: float) -> None:
+        if self.copies_have_events:
+            for m in self.matrices:
+                wait_events(m.offload_done[self.grad_slot])
+        kernels.accumulate_scaled_many_(self.accs, self.grads, coef, square_accs=self.squares)
+
+
 class MatrixState:
     """A weight matrix: selected columns' state on the device, the rest's in (pinned) host memory."""
 
@@ -550,15 +569,11 @@ class MatrixState:
 
     # -- host side (CPU worker threads) -------------------------------------------------------------------
     @staticmethod
-    def accumulate_many(matrices: "list[MatrixState]", grad_slot: int, acc_slot: int, coef: float) -> None:
+    def accumulate_many(matrices: "list[MatrixState]", grad_slot: int, acc_slot: int, coef: float,
+                        batch: "Optional[AccumulateBatch]" = None) -> None:
         """acc += coef * g (and square_acc += (coef * g)**2) for each matrix, once the step's offloads have
-        landed."""
-        for m in matrices:
-            wait_events(m.offload_done[grad_slot])
-        squares = [m.square_accumulators[acc_slot] for m in matrices if m.accumulate_squares]
-        kernels.accumulate_scaled_many_([m.accumulators[acc_slot] for m in matrices],
-                                        [m.host_grads[grad_slot] for m in matrices], coef,
-                                        square_accs=squares or None)
+        landed. `batch`: these arguments' lists, already built (the runtime keeps one per layout)."""
+        (batch or AccumulateBatch(matrices, grad_slot, acc_slot)).run(coef)
 
     def host_adamw_batch(self, acc_slot: int):
         """Fused-AdamW arguments for the boundary update of the host columns, per run (the accumulators
