@@ -423,6 +423,10 @@ class MatrixState:
         """
         arriving = selected[~torch.isin(selected, self.selected)]
         moved = arriving.numel() + self.num_selected - (selected.numel() - arriving.numel())
+        if moved == 0 and grad_slot is None:
+            # The same columns: the layout stands (every host column took the same updates since it was made,
+            # so its runs still share their counts). Every rank decides alike: the selections are identical.
+            return 0
         step_grad = self._step_grad(grad_slot) if grad_slot is not None else None
         state = self.canonical()
         host_columns = None
