@@ -83,6 +83,7 @@ class ZenFlowRuntime:
         self._update_future: Optional[Future] = None
         self._step_open = False
         self._failure: Optional[BaseException] = None
+        self._zen_auto_plan = None  # (layout generation, matrices, permutation, segment lengths)
         self._device_args = None  # (layout generation, stepped states, [(group, DeviceAdamWArgs)]): _update_on_device
         self._accumulate_batches = None  # (layout generation, matrices, {(grad_slot, acc_slot): AccumulateBatch})
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
@@ -325,9 +326,8 @@ class ZenFlowRuntime:
         parts = [torch.cat(scores).sum().float().reshape(1)]
         if grad_scale is not None:
             parts.append(grad_scale.to(parts[0].device).float().reshape(1))
-        for m in zen_auto:
-            parts += [m.scores[m.selected_on_device].mean().reshape(1),
-                      m.scores[m.host_columns_on_device].mean().reshape(1)]
+        if zen_auto:
+            parts.append(self._zen_auto_means(zen_auto))
         parts += [m.scores for m in selecting]
         values = self._read_to_host(torch.cat(parts))
         scale = 1.0 if grad_scale is None else float(values[1])
@@ -340,6 +340,25 @@ class ZenFlowRuntime:
             readout.selecting_scores[m.pid] = values[offset:offset + m.cols]
             offset += m.cols
         return readout
+
+    def _zen_auto_means(self, matrices: list[MatrixState]) -> torch.Tensor:
+        """[2n]: each matrix's mean score over its selected, then its unselected columns, in a fixed number
+        of ops: the scores concatenated, permuted so that every (matrix, side) is one contiguous segment, and
+        segment means (deterministic on CUDA, unlike an index_add). The permutation is rebuilt only when the
+        matrices or a layout change."""
+        plan = self._zen_auto_plan
+        if plan is None or plan[0] != param_state.layout_generation or plan[1] != matrices:
+            order, lengths, offset = [], [], 0
+            for m in matrices:
+                order += [m.selected + offset, m.host_columns + offset]
+                lengths += [m.num_selected, m.num_host]
+                offset += m.cols
+            device = matrices[0].scores.device
+            plan = self._zen_auto_plan = (param_state.layout_generation, list(matrices),
+                                          torch.cat(order).to(device), torch.tensor(lengths, device=device))
+        _, _, order, lengths = plan
+        scores = torch.cat([m.scores for m in matrices])
+        return torch.segment_reduce(scores[order], "mean", lengths=lengths)
 
     def _read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A blocking device -> host read (on CUDA, a synchronisation): every one the step makes goes

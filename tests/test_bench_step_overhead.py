@@ -14,17 +14,17 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench_step_overhead.py"
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_smoke_run_reports_host_cost(tmp_path, mode):
+@pytest.mark.parametrize("mode, clock", [("eager", "wall"), ("compiled", "thread")])
+def test_smoke_run_reports_host_cost(tmp_path, mode, clock):
     out = tmp_path / "overhead.json"
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--mode", mode, "--out", str(out)], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--mode", mode, "--clock", clock, "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     report = json.loads(out.read_text())
     rows = {r["name"]: r for r in report["rows"]}
     suffix = " compiled" if mode == "compiled" else ""
     assert set(rows) == {f"adamw{suffix}", f"zenflow{suffix} S=auto sel=auto", f"zenflow{suffix} S=4 sel=step"}
-    assert report["threads"] == 1
+    assert report["threads"] == 1 and report["clock"] == clock and f"clock: {clock}" in proc.stdout
     for r in rows.values():
         assert r["tensors"] == 40 and r["rounds"] == 2
         assert all(r[f"{phase}_s"] > 0 for phase in ("forward", "backward", "step", "zero_grad"))
