@@ -77,7 +77,7 @@ def column_scores(grad2d: torch.Tensor, out: Optional[torch.Tensor] = None) -> t
     the eager hand-off: one reduction straight into the runtime's score buffer)."""
     if triton_available(grad2d.device):
         return column_sq_norms(grad2d, out=out, use_triton=True)
-    return torch.sum(grad2d.float().square(), 0, out=out)
+    return torch.sum((grad2d if grad2d.dtype == torch.float32 else grad2d.float()).square(), 0, out=out)
 
 
 # Elements per conversion chunk (a 4 MB fp32 scratch): measured here on one thread, 64K / 256K / 1M / 4M

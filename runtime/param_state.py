@@ -86,6 +86,18 @@ def _host_buffer(shape, dtype, pin: bool) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
 
+def _plain(grad: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """`grad` detached and viewed as `shape`, without the calls when it already is (per gradient: the eager
+    hook's and the graph's gradients carry no autograd history unless the backward built a graph)."""
+    if grad.requires_grad:
+        grad = grad.detach()
+    return grad if grad.shape == shape or (len(shape) == 1 and grad.ndim == 1) else grad.reshape(shape)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
 class ParamWatch:
     """Tells whether anyone but the optimizer wrote a parameter since the optimizer last looked.
 
@@ -148,13 +160,13 @@ class VectorState:
         self.watch.remember()
 
     def receive_grad(self, grad: torch.Tensor, score: Optional[torch.Tensor], grad_slot: int) -> int:
-        grad = grad.detach().reshape(-1)  # (flat: a 1-D reduction costs less host time than one over [N, 1])
+        grad = _plain(grad, (-1,))  # (flat: a 1-D reduction costs less host time than one over [N, 1])
         if self.num_grads == 0:
             self.grad_flat.copy_(grad)
             if score is not None:
                 self.score.copy_(score.reshape(1))
             else:  # the full sum of squares, straight into the score (one op less per vector and step)
-                torch.sum(grad.float().square(), 0, keepdim=True, out=self.score)
+                torch.sum(_fp32(grad).square(), 0, keepdim=True, out=self.score)
         else:
             self.grad_flat.add_(grad)
         self.num_grads += 1
@@ -226,6 +238,7 @@ class MatrixState:
         self.transfers = transfers
         self.rows = param.shape[0]
         self.cols = param.numel() // self.rows
+        self.shape2d = (self.rows, self.cols)
         self.device = param.device
         self.pin = transfers.is_cuda
         self.scores = torch.zeros(self.cols, device=self.device)
@@ -466,7 +479,7 @@ class MatrixState:
 
         Returns the bytes sent device -> host. Keeps no reference to `grad` (the compiled graph reuses it).
         """
-        g = grad.detach().reshape(self.rows, self.cols)
+        g = _plain(grad, self.shape2d)
         first = self.num_grads == 0
         self.num_grads += 1
         if scores is None and first:
