@@ -643,3 +643,21 @@ def test_cpu_updates_counts_boundaries(update_interval):
     if update_interval == 3:
         assert counts_a == [0, 0, 1, 1, 1, 2, 2, 2, 3]
     assert zen.stats()["bytes_device_to_host"] > 0 and zen.stats()["bytes_host_to_device"] > 0
+
+
+def test_backward_with_create_graph_equals_reference():
+    """A gradient that carries autograd history (`backward(create_graph=True)`, e.g. for a gradient penalty)
+    is handed off detached: the run equals the reference on the same gradients."""
+    keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True)
+    batches = make_batches(6)
+    models = [tiny_model(), tiny_model()]
+    opts = [ZenFlowAdamW(models[0].parameters(), lr=LR, **keys), ZenFlowReference(models[1].parameters(), lr=LR, **keys)]
+    for batch in batches:
+        for model, opt in zip(models, opts):
+            loss_fn(model, batch).backward(create_graph=True)
+            opt.step()
+            opt.zero_grad()
+    for opt in opts:
+        opt.synchronize()
+    for p, q in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
