@@ -5,7 +5,7 @@
     python benchmarks/bench_host.py --smoke --out smoke.json              # tiny sizes, seconds: checks the harness
 
 What is measured (on the host, no GPU needed; the GPU's part of the offload is DMA into pinned memory):
-  accumulate   the runtime's per-step host work: `MatrixState.accumulate` (acc += coef * offloaded grad) over
+  accumulate   the runtime's per-step host work: `AccumulateBatch.run` (acc += coef * offloaded grad) over
                every matrix, once per step of the interval
   adamw        the CPU AdamW kernel alone on the host columns: `runtime.kernels.cpu_adamw_` over the runs
                that `MatrixState.host_adamw_batch` yields (what the runtime's update task calls)
@@ -47,7 +47,7 @@ from typing import Callable, Optional
 import torch
 
 from zenflow_compile.runtime import cpu_affinity, kernels
-from zenflow_compile.runtime.param_state import MatrixState
+from zenflow_compile.runtime.param_state import AccumulateBatch, MatrixState
 from zenflow_compile.runtime.transfers import Transfers
 from zenflow_compile.runtime.worker import CpuWorker
 
@@ -136,11 +136,12 @@ class HostWork:
                      weight_decay=HYPER["weight_decay"])
         self.torch_fused = torch.optim.AdamW(self.params, fused=True, **hyper)
         self.ds = ds_optimizer_class(self.params, adamw_mode=True, **hyper) if ds_optimizer_class else None
+        # The accumulate worker's task per host-gradient slot, built once as the runtime builds it.
+        self.accumulate_batches = [AccumulateBatch(states, grad_slot, 0) for grad_slot in (0, 1)]
 
     def accumulate(self) -> None:
         """One step's host accumulation (the accumulate worker's task)."""
-        grad_slot = self.step % 2
-        MatrixState.accumulate_many(self.states, grad_slot, 0, 1.0)
+        self.accumulate_batches[self.step % 2].run(1.0)
         self.step += 1
 
     def adamw(self) -> None:

@@ -83,9 +83,10 @@ class ZenFlowRuntime:
         self._update_future: Optional[Future] = None
         self._step_open = False
         self._failure: Optional[BaseException] = None
-        self._zen_auto_plan = None  # (layout generation, matrices, permutation, segment lengths)
-        self._device_args = None  # (layout generation, stepped states, [(group, DeviceAdamWArgs)]): _update_on_device
-        self._accumulate_batches = None  # (layout generation, matrices, {(grad_slot, acc_slot): AccumulateBatch})
+        # Built once per layout (param_state.PerLayout), used every step:
+        self._device_args = param_state.PerLayout(self._device_adamw_args)
+        self._accumulate_batches = param_state.PerLayout(lambda matrices: {})  # (grad_slot, acc_slot) -> batch
+        self._zen_auto_plan = param_state.PerLayout(self._zen_auto_segments)
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
@@ -272,37 +273,29 @@ class ZenFlowRuntime:
                 state.adopt_param_values()
 
     def _update_on_device(self, stepped: list, param_groups: list[dict], coef: float) -> None:
-        """The selected columns and the vectors: one fused device AdamW per param group. The argument lists
-        are rebuilt only when the stepped states or any state's layout changed (not per step)."""
-        generation = param_state.layout_generation
-        cached = self._device_args
-        if cached is None or cached[0] != generation or cached[1] != stepped:  # (states compare by identity)
-            by_group: dict[int, list] = {}
-            for state in stepped:
-                update = state.device_update()
-                if update is not None:
-                    by_group.setdefault(state.group_index, []).append(update)
-            groups = [(g, kernels.DeviceAdamWArgs(updates)) for g, updates in by_group.items()]
-            cached = self._device_args = (generation, stepped, groups)
-        for group_index, args in cached[2]:
+        """The selected columns and the vectors: one fused device AdamW per param group."""
+        for group_index, args in self._device_args.get(stepped):
             kernels.device_adamw_(args, grad_scale=coef, **_hyperparameters(param_groups[group_index]))
+
+    @staticmethod
+    def _device_adamw_args(stepped: list) -> list:
+        """[(param group, its device AdamW's argument lists)] for these states."""
+        by_group: dict[int, list] = {}
+        for state in stepped:
+            update = state.device_update()
+            if update is not None:
+                by_group.setdefault(state.group_index, []).append(update)
+        return [(g, kernels.DeviceAdamWArgs(updates)) for g, updates in by_group.items()]
 
     def _submit_accumulate(self, matrices: list[MatrixState], coef: float) -> None:
         if not matrices:
             return
         grad_slot, acc_slot = self.grad_slot, self.acc_slot
-        generation = param_state.layout_generation
-        cached = self._accumulate_batches
-        if cached is None or cached[0] != generation or cached[1] != matrices:  # (states compare by identity)
-            cached = self._accumulate_batches = (generation, matrices, {})
-        batch = cached[2].get((grad_slot, acc_slot))
+        batches = self._accumulate_batches.get(matrices)
+        batch = batches.get((grad_slot, acc_slot))
         if batch is None:
-            batch = cached[2][grad_slot, acc_slot] = param_state.AccumulateBatch(matrices, grad_slot, acc_slot)
-
-        def accumulate():
-            MatrixState.accumulate_many(matrices, grad_slot, acc_slot, coef, batch)
-
-        future = self.accumulate_worker.submit(accumulate)
+            batch = batches[grad_slot, acc_slot] = param_state.AccumulateBatch(matrices, grad_slot, acc_slot)
+        future = self.accumulate_worker.submit(lambda: batch.run(coef))
         self._accumulate_done[grad_slot] = future
         self._last_accumulate = future
 
@@ -346,19 +339,20 @@ class ZenFlowRuntime:
         of ops: the scores concatenated, permuted so that every (matrix, side) is one contiguous segment, and
         segment means (deterministic on CUDA, unlike an index_add). The permutation is rebuilt only when the
         matrices or a layout change."""
-        plan = self._zen_auto_plan
-        if plan is None or plan[0] != param_state.layout_generation or plan[1] != matrices:
-            order, lengths, offset = [], [], 0
-            for m in matrices:
-                order += [m.selected + offset, m.host_columns + offset]
-                lengths += [m.num_selected, m.num_host]
-                offset += m.cols
-            device = matrices[0].scores.device
-            plan = self._zen_auto_plan = (param_state.layout_generation, list(matrices),
-                                          torch.cat(order).to(device), torch.tensor(lengths, device=device))
-        _, _, order, lengths = plan
+        order, lengths = self._zen_auto_plan.get(matrices)
         scores = torch.cat([m.scores for m in matrices])
         return torch.segment_reduce(scores[order], "mean", lengths=lengths)
+
+    @staticmethod
+    def _zen_auto_segments(matrices: list[MatrixState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(permutation of the concatenated scores, segment lengths) for `_zen_auto_means`."""
+        order, lengths, offset = [], [], 0
+        for m in matrices:
+            order += [m.selected + offset, m.host_columns + offset]
+            lengths += [m.num_selected, m.num_host]
+            offset += m.cols
+        device = matrices[0].scores.device
+        return torch.cat(order).to(device), torch.tensor(lengths, device=device)
 
     def _read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A blocking device -> host read (on CUDA, a synchronisation): every one the step makes goes

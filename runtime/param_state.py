@@ -44,6 +44,21 @@ def _layout_changed() -> None:
     layout_generation += 1
 
 
+class PerLayout:
+    """A value derived from some states' layout alone (argument lists, plans): `build(states)` runs again
+    only when those states or any state's layout changed since the last `get`."""
+
+    def __init__(self, build):
+        self._build = build
+        self._generation, self._states, self._value = None, None, None
+
+    def get(self, states: list):
+        if self._generation != layout_generation or self._states != states:  # (states compare by identity)
+            generation = layout_generation
+            self._value, self._states, self._generation = self._build(states), list(states), generation
+        return self._value
+
+
 @dataclass
 class CanonicalState:
     """A parameter's whole optimizer state in its natural layout, on the host (for moves and checkpoints)."""
@@ -203,8 +218,9 @@ class VectorState:
 
 
 class AccumulateBatch:
-    """`MatrixState.accumulate_many`'s argument lists for fixed matrices and slots: the runtime builds one per
-    layout and slot pair, so the accumulate worker's task is one batched add (few Python iterations on the
+    """The accumulate worker's task for fixed matrices and slots: acc += coef * g (and, with
+    interval_second_moment, square_acc += (coef * g)**2) once the step's offloads have landed. The runtime
+    builds one per layout and slot pair, so the task is one batched add (few Python iterations on the
     worker: the training thread waits less for the GIL)."""
 
     def __init__(self, matrices: "list[MatrixState]", grad_slot: int, acc_slot: int):
@@ -585,13 +601,6 @@ class MatrixState:
                             self.dev_step, self.as_columns(), self.selected_on_device, count_head=self.dev_step_head)
 
     # -- host side (CPU worker threads) -------------------------------------------------------------------
-    @staticmethod
-    def accumulate_many(matrices: "list[MatrixState]", grad_slot: int, acc_slot: int, coef: float,
-                        batch: "Optional[AccumulateBatch]" = None) -> None:
-        """acc += coef * g (and square_acc += (coef * g)**2) for each matrix, once the step's offloads have
-        landed. `batch`: these arguments' lists, already built (the runtime keeps one per layout)."""
-        (batch or AccumulateBatch(matrices, grad_slot, acc_slot)).run(coef)
-
     def host_adamw_batch(self, acc_slot: int):
         """Fused-AdamW arguments for the boundary update of the host columns, per run (the accumulators
         already divided into the mean gradient and, with interval_second_moment, the mean squared gradient:

@@ -84,12 +84,10 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("keys", list(CONFIGS.values()), ids=list(CONFIGS))
-@pytest.mark.parametrize("second_moment", [False, True], ids=["lr", "lr+second-moment"])
-def test_equals_reference_with_key_on(keys, compiled, second_moment):
-    keys = dict(keys, interval_aware_update=True, interval_second_moment=second_moment)
-    a, b = tiny_model(), tiny_model()
+def train_beside_reference(keys, compiled, *, dtype=torch.float32, backwards_per_step=1, atol=ATOL, rtol=RTOL):
+    """ZenFlowAdamW and ZenFlowReference on the same model, batches and keys for STEPS steps, parameters
+    compared after every step. Returns (model, optimizer, reference model, reference)."""
+    a, b = tiny_model(dtype), tiny_model(dtype)
     opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
     ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
     # Same forward/backward numerics on both sides: Inductor for the oracle when ZenFlow is compiled.
@@ -97,11 +95,21 @@ def test_equals_reference_with_key_on(keys, compiled, second_moment):
     run_b = torch.compile(b, backend="inductor") if compiled else b
     for i in range(STEPS):
         for model, o in ((run_a, opt), (run_b, ref)):
-            loss_fn(model, i).backward()
+            for j in range(backwards_per_step):
+                loss_fn(model, backwards_per_step * i + j).backward()
             o.step()
             o.zero_grad()
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
-            torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL, msg=lambda msg: f"step {i} {name}: {msg}")
+            torch.testing.assert_close(p, q, atol=atol, rtol=rtol, msg=lambda msg: f"step {i} {name}: {msg}")
+    return a, opt, b, ref
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("keys", list(CONFIGS.values()), ids=list(CONFIGS))
+@pytest.mark.parametrize("second_moment", [False, True], ids=["lr", "lr+second-moment"])
+def test_equals_reference_with_key_on(keys, compiled, second_moment):
+    keys = dict(keys, interval_aware_update=True, interval_second_moment=second_moment)
+    a, opt, b, ref = train_beside_reference(keys, compiled)
     opt.synchronize()
     ref.synchronize()
     for p, q in zip(a.parameters(), b.parameters()):
@@ -194,19 +202,8 @@ def test_second_moment_with_gradient_accumulation_and_bf16_equals_reference(comp
     converted accumulation path): the runtime against the reference on the same bf16 forward/backward."""
     keys = dict(topk_ratio=0.25, update_interval=3, overlap_step=True, interval_aware_update=True,
                 interval_second_moment=True)
-    a, b = tiny_model(torch.bfloat16), tiny_model(torch.bfloat16)
-    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
-    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
-    run_a = torch.compile(a, backend="zenflow") if compiled else a
-    run_b = torch.compile(b, backend="inductor") if compiled else b
-    for i in range(STEPS):
-        for model, o in ((run_a, opt), (run_b, ref)):
-            for j in range(2):
-                loss_fn(model, 2 * i + j).float().backward()
-            o.step()
-            o.zero_grad()
-        for (name, p), q in zip(a.named_parameters(), b.parameters()):
-            torch.testing.assert_close(p, q, atol=0, rtol=0, msg=lambda msg: f"step {i} {name}: {msg}")
+    a, opt, b, ref = train_beside_reference(keys, compiled, dtype=torch.bfloat16, backwards_per_step=2,
+                                            atol=0, rtol=0)
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(opt.master(p), ref.master(q), atol=ATOL, rtol=RTOL)
     assert opt.stats()["cpu_updates"] == ref.stats()["cpu_updates"] > 0

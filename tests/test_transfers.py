@@ -69,15 +69,15 @@ def test_slow_cpu_worker_changes_nothing_but_stall(name, monkeypatch):
 def test_slow_accumulate_worker_never_lets_a_buffer_be_overwritten(monkeypatch):
     # The backward of step t+2 refills the host gradient buffer that the accumulate task of step t reads.
     # A slow accumulate must make that backward wait, not lose or mix gradients.
-    from zenflow_compile.runtime.param_state import MatrixState
+    from zenflow_compile.runtime.param_state import AccumulateBatch
 
-    real_accumulate = MatrixState.accumulate_many
+    real_accumulate = AccumulateBatch.run
 
     def slow_accumulate(*args):
         time.sleep(0.02)
         real_accumulate(*args)
 
-    monkeypatch.setattr(MatrixState, "accumulate_many", staticmethod(slow_accumulate))
+    monkeypatch.setattr(AccumulateBatch, "run", slow_accumulate)
     assert_matches_reference(*run_pair(CONFIGS["overlap-on"], steps=10), torch.float32)
 
 

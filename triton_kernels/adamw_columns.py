@@ -304,18 +304,14 @@ class ReferencePlan:
 
 
 class _PlanGroup:
-    """Parameters a `ReferencePlan` updates together, with their column write-back split once: the vectors
-    ([N, 1] views, every column) in one batched copy, the matrices one index_copy_ each."""
+    """Parameters a `ReferencePlan` updates together, with their column write-back planned once."""
 
     def __init__(self, *, fused, grads, grad_columns, ws, ms, vs, ns, heads, params, columns):
         self.fused, self.grads, self.grad_columns = fused, grads, grad_columns
         self.ws, self.ms, self.vs, self.ns, self.heads = ws, ms, vs, ns, heads
         self.params, self.columns = params, columns
         self.plain_grads = all(g.dtype == torch.float32 for g in grads) and all(c is None for c in grad_columns)
-        self.whole = [j for j, (p, c) in enumerate(zip(params, columns)) if p.shape[1] == 1 and c.numel() == 1]
-        whole = set(self.whole)
-        self.whole_params, self.whole_ws = [params[j] for j in self.whole], [ws[j] for j in self.whole]
-        self.by_index = [(params[j], columns[j], ws[j]) for j in range(len(params)) if j not in whole]
+        self.write_columns = _ColumnWriter(params, columns, ws).write
 
     def grads_fp32(self) -> list:
         if self.plain_grads:
@@ -328,12 +324,6 @@ class _PlanGroup:
 
     def select(self, positions, *names):
         return tuple([getattr(self, name)[j] for j in positions] for name in names)
-
-    def write_columns(self) -> None:
-        if self.whole_params:
-            torch._foreach_copy_(self.whole_params, self.whole_ws)
-        for param, cols, master in self.by_index:
-            param.index_copy_(1, cols, master if master.dtype == param.dtype else master.to(param.dtype))
 
 
 def _adamw_per_column(ws, gs, ms, vs, ns, *, lr, beta1, beta2, eps, weight_decay) -> None:
@@ -355,18 +345,28 @@ def _adamw_per_column(ws, gs, ms, vs, ns, *, lr, beta1, beta2, eps, weight_decay
     torch._foreach_sub_(ws, updates)
 
 
-def _write_all_columns(params: list, columns: list, masters: list) -> None:
-    """param[:, columns] = master for each parameter: the vectors ([N, 1] views, every column) in one
-    batched copy, the matrices one index_copy_ each (one pass, no cast where the dtypes already match)."""
-    whole_params, whole_masters = [], []
-    for param, cols, master in zip(params, columns, masters):
-        if param.shape[1] == 1 and cols.numel() == 1:
-            whole_params.append(param)
-            whole_masters.append(master)
-        else:
+class _ColumnWriter:
+    """param[:, columns] = master for each parameter, split once: the vectors ([N, 1] views, every column)
+    in one batched copy, the matrices one index_copy_ each (no cast where the dtypes already match)."""
+
+    def __init__(self, params: list, columns: list, masters: list):
+        self.whole_params, self.whole_masters, self.by_index = [], [], []
+        for param, cols, master in zip(params, columns, masters):
+            if param.shape[1] == 1 and cols.numel() == 1:
+                self.whole_params.append(param)
+                self.whole_masters.append(master)
+            else:
+                self.by_index.append((param, cols, master))
+
+    def write(self) -> None:
+        for param, cols, master in self.by_index:
             param.index_copy_(1, cols, master if master.dtype == param.dtype else master.to(param.dtype))
-    if whole_params:
-        torch._foreach_copy_(whole_params, whole_masters)
+        if self.whole_params:
+            torch._foreach_copy_(self.whole_params, self.whole_masters)
+
+
+def _write_all_columns(params: list, columns: list, masters: list) -> None:
+    _ColumnWriter(params, columns, masters).write()
 
 
 def _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay) -> list[int]:
