@@ -150,6 +150,13 @@ class ZenFlowRuntime:
             return
         self.counters["bytes_device_to_host"] += state.receive_grad(grad, scores, self.grad_slot)
 
+    def accumulate_grads(self, pids: list[int], grads: list[torch.Tensor],
+                         scores: "list[Optional[torch.Tensor]] | None" = None) -> None:
+        """One bucket of backward gradients (compiled graph's `zenflow::accumulate_grads`, or the eager hooks'
+        bucket): as `accumulate_grad` for each, in order. `scores`: per gradient, its column scores or None."""
+        for i, (pid, grad) in enumerate(zip(pids, grads)):
+            self.accumulate_grad(pid, grad, None if scores is None else scores[i])
+
     def reduce_grads(self, pids: list[int], grads: list[torch.Tensor]) -> None:
         """Data parallel, compiled: one bucket of gradients (graph order), reduced asynchronously. A graph
         compiled for a data-parallel owner can be reused (Dynamo shares graphs across instances) by an
