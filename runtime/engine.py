@@ -34,6 +34,7 @@ from zenflow_compile.runtime import kernels
 from zenflow_compile.runtime import param_state, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
+from zenflow_compile.runtime.handoff import HandoffPlan
 from zenflow_compile.runtime.param_state import CanonicalState, MatrixState, VectorState, top_k_columns
 from zenflow_compile.runtime.transfers import StallClock, Transfers
 from zenflow_compile.runtime.worker import CpuWorker
@@ -62,6 +63,7 @@ class ZenFlowRuntime:
         self.max_grad_norm = max_grad_norm
         self.data_parallel = data_parallel
         self.rank = data_parallel.rank if data_parallel is not None else 0
+        self.bucket_numel = reduce_bucket_numel  # gradient hand-off buckets (compiled graphs; reducer)
         self.reducer = (GradReducer(data_parallel, reduce_bucket_numel, self._receive_reduced)
                         if data_parallel is not None else None)
         self.owners: dict[int, int] = {}  # data parallel: pid -> rank holding its host state (set at creation)
@@ -87,6 +89,8 @@ class ZenFlowRuntime:
         self._device_args = param_state.PerLayout(self._device_adamw_args)
         self._accumulate_batches = param_state.PerLayout(lambda matrices: {})  # (grad_slot, acc_slot) -> batch
         self._zen_auto_plan = param_state.PerLayout(self._zen_auto_segments)
+        self._handoff_plans: dict[tuple, HandoffPlan] = {}  # bucket's pids -> plan, for one layout generation
+        self._handoff_generation = None
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
@@ -152,10 +156,25 @@ class ZenFlowRuntime:
 
     def accumulate_grads(self, pids: list[int], grads: list[torch.Tensor],
                          scores: "list[Optional[torch.Tensor]] | None" = None) -> None:
-        """One bucket of backward gradients (compiled graph's `zenflow::accumulate_grads`, or the eager hooks'
-        bucket): as `accumulate_grad` for each, in order. `scores`: per gradient, its column scores or None."""
-        for i, (pid, grad) in enumerate(zip(pids, grads)):
-            self.accumulate_grad(pid, grad, None if scores is None else scores[i])
+        """One bucket of backward gradients (the compiled graph's `zenflow::accumulate_grads`, or the eager
+        hooks' bucket), as `accumulate_grad` for each but batched (`runtime/handoff.py`); the plan for a
+        bucket's states is built once per layout. `scores`: per gradient, its column scores or None."""
+        if not self._step_open:
+            self._open_step()
+        states = [self.states.get(pid) or self._state(pid) for pid in pids]
+        if self.reducer is not None:
+            for state, grad in zip(states, grads):
+                self.reducer.add(state, grad)
+            return
+        if self._handoff_generation != param_state.layout_generation:
+            self._handoff_plans.clear()
+            self._handoff_generation = param_state.layout_generation
+        key = tuple(pids)
+        plan = self._handoff_plans.get(key)
+        if plan is None:
+            plan = self._handoff_plans[key] = HandoffPlan(states)
+        with torch.no_grad():  # (a backward with create_graph=True runs its hooks with grad mode on)
+            self.counters["bytes_device_to_host"] += plan.receive(grads, scores, self.grad_slot)
 
     def reduce_grads(self, pids: list[int], grads: list[torch.Tensor]) -> None:
         """Data parallel, compiled: one bucket of gradients (graph order), reduced asynchronously. A graph

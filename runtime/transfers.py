@@ -48,6 +48,22 @@ class Transfers:
         source.record_stream(stream)
         return done
 
+    def to_host_many(self, sources: list, pinned: list) -> Optional["torch.cuda.Event"]:
+        """Copy each device tensor of `sources` into the host buffer at the same position, in one batched
+        copy; returns the one event a host reader must wait for."""
+        if not self.is_cuda:
+            torch._foreach_copy_(pinned, sources)
+            return None
+        stream = self.device_to_host
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            torch._foreach_copy_(pinned, sources, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        for source in sources:
+            source.record_stream(stream)
+        return done
+
     def to_device(self, pinned: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
         """Upload host `pinned`; the compute stream waits for it. Returns the device tensor and the event
         after which `pinned` may be overwritten."""

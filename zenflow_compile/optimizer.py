@@ -1,7 +1,7 @@
 """ZenFlowAdamW: the user-facing torch.optim.Optimizer; all state and scheduling live in the runtime.
 
-Eager use works through post-accumulate-grad hooks (each backward's gradient goes to the runtime and
-`.grad` is cleared); under `torch.compile(backend="zenflow")` the rewritten backward calls the runtime
+Eager use works through post-accumulate-grad hooks (each backward's gradient leaves `.grad` for a bucket
+that the runtime takes in one batched call: `grad_hooks.py`); under `torch.compile(backend="zenflow")` the rewritten backward calls the runtime
 directly and returns no gradient, so the hooks never fire for the parameters of compiled graphs.
 """
 
@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from zenflow_compile.config import ZenFlowConfig
+from zenflow_compile.grad_hooks import GradBucket
 from zenflow_compile.runtime import collectives, registry
 from zenflow_compile.runtime.engine import ZenFlowRuntime
 
@@ -86,7 +87,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if not (isinstance(reduce_bucket_size, int) and not isinstance(reduce_bucket_size, bool)
                 and reduce_bucket_size >= 1):
             raise ValueError(f"ZenFlowAdamW reduce_bucket_size={reduce_bucket_size!r} is invalid: expected an int "
-                             ">= 1 (elements per gradient bucket reduced across ranks)")
+                             ">= 1 (elements per bucket of gradients handed to the runtime, and reduced "
+                             "across ranks under data parallelism)")
         if config is not None and zenflow_keys:
             raise ValueError("pass either config=ZenFlowConfig(...) or ZenFlow keys, not both "
                              f"(got config and {sorted(zenflow_keys)})")
@@ -97,6 +99,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "set offload=False: selected columns' state lives on the device")
         data_parallel = collectives.data_parallel_group(process_group)
         self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size)
+        self._grad_bucket = GradBucket(self._runtime, reduce_bucket_size)
         self._constructed = False
         self._param_ids: dict[int, int] = {}  # id(param) -> runtime id
         self._hook_handles: dict[int, Any] = {}  # id(param) -> its post-accumulate-grad hook
@@ -152,9 +155,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         data_parallel.broadcast_parameters([p for p in params if p.is_floating_point()])
 
     def _hook(self, param: torch.Tensor) -> None:
-        pid = self._param_ids[id(param)]
-        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(
-            lambda p: _handoff(p, pid))
+        pid, bucket = self._param_ids[id(param)], self._grad_bucket
+        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(lambda p: bucket.hook(p, pid))
 
     def param_id(self, param: torch.Tensor) -> int:
         return self._param_ids[id(param)]
@@ -167,6 +169,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._collect_unhooked_grads()
+        self._grad_bucket.finish()
         scale = None if grad_scaler is None else grad_scaler._get_scale_async()
         stepped = self._runtime.step(self.param_groups, grad_scale=scale)
         if grad_scaler is not None:
@@ -182,11 +185,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if param.grad is not None and id(param) in self._param_ids:
                     if id(param) not in self._hook_handles:
                         self._hook(param)
-                    _handoff(param, self._param_ids[id(param)])
+                    self._grad_bucket.hook(param, self._param_ids[id(param)])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients received since the last step (as torch.optim does with `.grad`)."""
         super().zero_grad(set_to_none)
+        self._grad_bucket.drop()
         self._runtime.discard_step_grads()
 
     def synchronize(self) -> None:
@@ -285,20 +289,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
-
-
-def _handoff(param: torch.Tensor, pid: int) -> None:
-    """Eager hand-off (post-accumulate-grad hook) of parameter `pid`'s gradient to its optimizer."""
-    grad = param.grad
-    if grad is None:
-        return
-    if grad.layout != torch.strided:
-        raise ValueError(
-            f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} got a {param.grad.layout} gradient "
-            "(e.g. nn.Embedding(sparse=True)); ZenFlow needs dense gradients. Fix: use sparse=False "
-            "for that module")
-    registry.accumulate_grad(pid, grad, None)
-    param.grad = None
 
 
 def _close(runtime: ZenFlowRuntime, hook_handles: dict) -> None:

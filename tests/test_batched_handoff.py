@@ -1,0 +1,201 @@
+"""The batched hand-off (runtime/handoff.py, zenflow_compile/grad_hooks.py): buckets of gradients taken in a
+few stacked torch calls per group of like parameters must leave exactly what each state's own receive_grad
+leaves, and training through it must equal the reference in every workflow (buckets flushed mid-backward,
+gradient accumulation, bf16, a backward that raised)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import zenflow_compile
+from zenflow_compile.reference import ZenFlowReference
+from zenflow_compile.runtime.handoff import HandoffPlan
+from zenflow_compile.runtime.param_state import MatrixState, VectorState
+from zenflow_compile.runtime.transfers import Transfers
+
+LR, WD = 1e-2, 0.01
+
+
+class Repeated(nn.Module):
+    """Layers of equal shapes (the case the hand-off stacks) beside unique ones: Embedding(32, 16), three
+    Linear(16, 16) + LayerNorm(16), Linear(16, 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(3))
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h)) + h
+        return self.head(h)
+
+
+def repeated_model(dtype=torch.float32, seed=0) -> Repeated:
+    torch.manual_seed(seed)
+    return Repeated().to(dtype)
+
+
+def batch(i: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, 32, (4, 5), generator=g), torch.randn(4, 5, 8, generator=g).to(dtype)
+
+
+def loss_of(model, i, dtype=torch.float32):
+    x, y = batch(i, dtype)
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+def _states(seed: int):
+    """Four [16, 12] matrices with a selection (three share it, one differs) and four [16] vectors."""
+    torch.manual_seed(seed)
+    params = [nn.Parameter(torch.randn(16, 12)) for _ in range(4)] + [nn.Parameter(torch.randn(16)) for _ in range(4)]
+    transfers = Transfers(torch.device("cpu"))
+    matrices = [MatrixState(p, i, 0, transfers) for i, p in enumerate(params[:4])]
+    for i, m in enumerate(matrices):
+        m.select(torch.tensor([1, 5, 7]) if i < 3 else torch.tensor([0, 2, 11]))
+    vectors = [VectorState(p, 4 + i, 0) for i, p in enumerate(params[4:])]
+    return matrices + vectors
+
+
+def _grads(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(16, 12, generator=g) for _ in range(4)] + [torch.randn(16, generator=g) for _ in range(4)]
+
+
+@pytest.mark.parametrize("with_scores", [False, True], ids=["scores-computed", "scores-given"])
+def test_plan_leaves_what_receive_grad_leaves(with_scores):
+    one_by_one, batched = _states(0), _states(0)
+    plan = HandoffPlan(batched)
+    assert sorted(len(group.states) for group in plan.groups) == [4, 4]  # the matrices, the vectors
+    for backward in range(2):  # the second backward of the step takes the per-state path (sums)
+        grads = _grads(backward)
+        scores = None
+        if with_scores:
+            scores = [(g.float() ** 2).sum(0) if g.dim() == 2 else (g.float() ** 2).sum().reshape(1) for g in grads]
+        sent_each = sum(s.receive_grad(g, None if scores is None else scores[i], 0)
+                        for i, (s, g) in enumerate(zip(one_by_one, grads)))
+        assert plan.receive(grads, scores, 0) == sent_each
+    for a, b in zip(one_by_one, batched):
+        assert a.num_grads == b.num_grads == 2
+        if a.is_matrix:
+            torch.testing.assert_close(b.scores, a.scores, rtol=0, atol=0)
+            torch.testing.assert_close(b.dev_grad, a.dev_grad, rtol=0, atol=0)
+            torch.testing.assert_close(b.host_grads[0], a.host_grads[0], rtol=0, atol=0)
+            assert len(b.extra_grads[0]) == len(a.extra_grads[0]) == 1
+            torch.testing.assert_close(b.extra_grads[0][0], a.extra_grads[0][0], rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(b.score, a.score, rtol=0, atol=0)
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+
+
+def test_plan_takes_a_gradient_of_another_dtype_one_by_one():
+    """A bf16 gradient for an fp32 parameter (autocast-style): the group refuses it, each state converts."""
+    one_by_one, batched = _states(1), _states(1)
+    grads = [g.bfloat16() for g in _grads(3)]
+    for s, g in zip(one_by_one, grads):
+        s.receive_grad(g, None, 1)
+    HandoffPlan(batched).receive(grads, None, 1)
+    for a, b in zip(one_by_one, batched):
+        if a.is_matrix:
+            torch.testing.assert_close(b.dev_grad, a.dev_grad, rtol=0, atol=0)
+            torch.testing.assert_close(b.host_grads[1], a.host_grads[1], rtol=0, atol=0)
+
+
+def train_beside_reference(keys, *, compiled=False, dtype=torch.float32, steps=8, backwards_per_step=1,
+                           atol=1e-6, rtol=1e-5, **opt_kwargs):
+    a, b = repeated_model(dtype), repeated_model(dtype)
+    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **opt_kwargs, **keys)
+    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
+    run_a = torch.compile(a, backend="zenflow") if compiled else a
+    run_b = torch.compile(b, backend="inductor") if compiled else b
+    for step in range(steps):
+        for model, o in ((run_a, opt), (run_b, ref)):
+            for j in range(backwards_per_step):
+                loss_of(model, backwards_per_step * step + j, dtype).backward()
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, atol=atol, rtol=rtol, msg=lambda m: f"step {step} {name}: {m}")
+    opt.synchronize()
+    ref.synchronize()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=rtol)
+    return opt
+
+
+KEYS = {
+    "S2-reselect": dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=2,
+                        overlap_step=True),
+    "auto": dict(topk_ratio=0.25),
+}
+
+
+@pytest.mark.parametrize("keys", list(KEYS.values()), ids=list(KEYS))
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_repeated_layers_equal_reference(keys, compiled):
+    opt = train_beside_reference(keys, compiled=compiled)
+    assert opt.stats()["cpu_updates"] > 0
+
+
+def test_small_buckets_flush_during_the_backward():
+    """reduce_bucket_size of 300 elements: several buckets per backward, each handed over when full."""
+    train_beside_reference(KEYS["S2-reselect"], reduce_bucket_size=300)
+
+
+def test_gradient_accumulation_and_bf16():
+    train_beside_reference(KEYS["S2-reselect"], backwards_per_step=2)
+    train_beside_reference(KEYS["S2-reselect"], dtype=torch.bfloat16, atol=1e-2, rtol=1e-2)
+
+
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises when asked: the head's gradients are already accumulated (and in the
+    bucket) when it does."""
+
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _FailOnce.fail:
+            raise RuntimeError("backward failed on purpose")
+        return grad
+
+
+def test_a_backward_that_raised_leaves_nothing_behind():
+    """The bucket holds the gradients the failed backward had produced; zero_grad() drops them, so the next
+    step is the reference's (which never saw that backward)."""
+    keys = KEYS["S2-reselect"]
+    a, b = repeated_model(), repeated_model()
+    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
+    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
+
+    def loss_through_gate(model, i):
+        x, y = batch(i)
+        h = _FailOnce.apply(model.emb(x))
+        for block in model.blocks:
+            h = torch.tanh(block(h)) + h
+        return ((model.head(h) - y) ** 2).mean()
+
+    for step in range(4):
+        if step == 2:
+            _FailOnce.fail = True
+            try:
+                with pytest.raises(RuntimeError, match="on purpose"):
+                    loss_through_gate(a, 99).backward()
+            finally:
+                _FailOnce.fail = False
+            opt.zero_grad()
+        for model, o in ((a, opt), (b, ref)):
+            loss_through_gate(model, step).backward()
+            o.step()
+            o.zero_grad()
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
