@@ -1,0 +1,196 @@
+"""The native bf16/fp16 accumulation kernel (runtime/native_accumulate.py) behind
+`kernels.accumulate_scaled_many_`: the same numbers as the chunked torch path and a float64 recomputation,
+its refusals, and how it is built and loaded (never at import, never in the way, cached, a failed build
+falls back).
+
+The kernel is built once for the session (the `native_op` fixture, ~10 s on 2 cores without a cache) into
+torch's extension cache; the subprocess tests build nothing (cache hit, a disabled switch, a failing
+compiler in an empty cache)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from zenflow_compile.runtime import kernels, native_accumulate
+
+# Sizes around the vector width (16 floats on AVX512, 8 on AVX2) and across the parallel grain (65536).
+ODD_SIZES = (1, 7, 15, 16, 17, 33, 1000, 65536 + 3, 3 * 65536 - 5)
+COEFS = (1.0, 0.37)
+
+
+@pytest.fixture(scope="session")
+def native_op():
+    if native_accumulate.op() is None and not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
+        pytest.skip("no C++ compiler: the runtime keeps the chunked path (tested below)")
+    op = native_accumulate.wait_until_ready(native_accumulate.BUILD_TIMEOUT_S)
+    assert op is not None, f"the native kernel did not load: {native_accumulate.unavailable_reason()}"
+    return op
+
+
+def _tensors(dtype: torch.dtype, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=generator).to(dtype) for n in ODD_SIZES]
+    accs = [torch.randn(n, generator=generator) for n in ODD_SIZES]
+    squares = [torch.rand(n, generator=generator) for n in ODD_SIZES]
+    return accs, grads, squares
+
+
+def _clone(tensors):
+    return [t.clone() for t in tensors]
+
+
+def _chunked(accs, grads, coef, squares):
+    for acc, grad, square in zip(accs, grads, squares or [None] * len(accs)):
+        kernels._accumulate_converted_(acc, grad, coef, square)
+
+
+def _within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int) -> bool:
+    spacing = torch.nextafter(expected.abs(), torch.tensor(float("inf"))) - expected.abs()
+    return bool(((actual - expected).abs() <= ulps * spacing).all())
+
+
+def _fused_mul_add_matches_torch() -> bool:
+    """torch's CPU addcmul_ is one fma per element where its kernels are built for AVX2/AVX512 (-mfma)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_squares", [False, True])
+@pytest.mark.parametrize("coef", COEFS)
+def test_native_equals_chunked_path_and_float64(native_op, dtype, with_squares, coef):
+    accs, grads, squares = _tensors(dtype)
+    native_accs, native_squares = _clone(accs), _clone(squares) if with_squares else None
+    chunked_accs, chunked_squares = _clone(accs), _clone(squares) if with_squares else None
+
+    native_op(native_accs, grads, coef, native_squares or [])
+    _chunked(chunked_accs, grads, coef, chunked_squares)
+
+    coef32 = float(torch.tensor(coef, dtype=torch.float32))  # the fp32 math both paths do
+    coef_sq32 = float(torch.tensor(coef * coef, dtype=torch.float32))
+    for k in range(len(ODD_SIZES)):
+        assert torch.equal(native_accs[k], chunked_accs[k]), f"acc differs from the chunked path at size {ODD_SIZES[k]}"
+        g = grads[k].double()
+        assert _within_ulps(native_accs[k], (accs[k].double() + coef32 * g).float(), 1)
+        if with_squares:
+            if _fused_mul_add_matches_torch():
+                assert torch.equal(native_squares[k], chunked_squares[k]), f"square differs at size {ODD_SIZES[k]}"
+            else:
+                assert _within_ulps(native_squares[k], chunked_squares[k], 1)
+            assert _within_ulps(native_squares[k], (squares[k].double() + coef_sq32 * g * g).float(), 1)
+
+
+def test_native_is_the_same_on_two_threads(native_op):
+    accs, grads, squares = _tensors(torch.bfloat16, seed=1)
+    one = (_clone(accs), _clone(squares))
+    two = (_clone(accs), _clone(squares))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        native_op(one[0], grads, 0.5, one[1])
+        torch.set_num_threads(2)  # the split falls inside and across tensors
+        native_op(two[0], grads, 0.5, two[1])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(one[0] + one[1], two[0] + two[1]))
+
+
+def test_accumulate_scaled_many_takes_the_native_kernel(native_op, monkeypatch):
+    """Mixed fp32 and bf16 gradients, with square accumulators: the runtime's entry point sends the bf16 ones to
+    the native kernel in one call (the chunked path is not touched) and the fp32 ones to _foreach_add_."""
+    accs, grads, squares = _tensors(torch.bfloat16, seed=2)
+    grads[1], grads[4] = grads[1].float(), grads[4].float()
+    expected_accs, expected_squares = _clone(accs), _clone(squares)
+    for acc, grad, square in zip(expected_accs, grads, expected_squares):
+        if grad.dtype == torch.float32:
+            acc.add_(grad, alpha=0.25)
+            square.addcmul_(grad, grad, value=0.25 * 0.25)
+        else:
+            kernels._accumulate_converted_(acc, grad, 0.25, square)
+
+    def chunked_path_used(*args, **kwargs):
+        raise AssertionError("the chunked path ran although the native kernel is loaded")
+
+    monkeypatch.setattr(kernels, "_accumulate_converted_", chunked_path_used)
+    kernels.accumulate_scaled_many_(accs, grads, 0.25, square_accs=squares)
+    assert all(torch.equal(a, b) for a, b in zip(accs + squares, expected_accs + expected_squares))
+
+
+def test_chunked_path_while_the_kernel_is_not_loaded(monkeypatch):
+    monkeypatch.setattr(native_accumulate, "op", lambda: None)  # building, or unavailable
+    accs, grads, squares = _tensors(torch.float16, seed=3)
+    expected_accs, expected_squares = _clone(accs), _clone(squares)
+    kernels.accumulate_scaled_many_(accs, grads, 0.37, square_accs=squares)
+    coef_sq32 = float(torch.tensor(0.37 * 0.37, dtype=torch.float32))
+    for acc, expected, square, expected_square, grad in zip(accs, expected_accs, squares, expected_squares, grads):
+        g = grad.double()
+        assert _within_ulps(acc, (expected.double() + float(torch.tensor(0.37)) * g).float(), 1)
+        assert _within_ulps(square, (expected_square.double() + coef_sq32 * g * g).float(), 1)
+
+
+def test_refuses_non_contiguous_and_mismatched_arguments(native_op):
+    acc = torch.zeros(8, 6)
+    grad = torch.randn(6, 8).bfloat16().t()  # [8, 6], not contiguous
+    with pytest.raises(ValueError, match="must be contiguous"):
+        kernels.accumulate_scaled_many_([acc], [grad], 1.0)
+    with pytest.raises(RuntimeError, match=r"accs\[0\] and grads\[0\] must be contiguous"):
+        native_op([acc], [grad], 1.0, [])
+    with pytest.raises(RuntimeError, match=r"accs\[0\] has 48 elements, grads\[0\] 47"):
+        native_op([acc], [torch.zeros(47, dtype=torch.bfloat16)], 1.0, [])
+    with pytest.raises(RuntimeError, match=r"grads\[0\] is Float, expected bfloat16 or float16"):
+        native_op([acc], [torch.zeros(8, 6)], 1.0, [])
+    with pytest.raises(RuntimeError, match=r"1 squares for 2 accs"):
+        native_op([acc, acc], [grad.contiguous()] * 2, 1.0, [torch.zeros(8, 6)])
+    with pytest.raises(ValueError, match="1 square_accs for 2 accs"):
+        kernels.accumulate_scaled_many_([acc, acc], [grad.contiguous()] * 2, 1.0, square_accs=[torch.zeros(8, 6)])
+
+
+def _run_python(code: str, **env) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+_PROBE = """
+    import logging, threading, torch
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from zenflow_compile.runtime import kernels, native_accumulate
+    assert not any(t.name == "zenflow-native-build" for t in threading.enumerate()), "started at import"
+    acc, grad = torch.zeros(100), torch.full((100,), 0.5, dtype=torch.bfloat16)
+    kernels.accumulate_scaled_many_([acc], [grad], 2.0)  # starts the build or load, runs the chunked path
+    op = native_accumulate.wait_until_ready(120)
+    kernels.accumulate_scaled_many_([acc], [grad], 2.0)
+    assert torch.equal(acc, torch.full((100,), 2.0)), acc
+    print("native:", op is not None, "| reason:", native_accumulate.unavailable_reason())
+"""
+
+
+def test_cached_kernel_is_loaded_without_a_build(native_op):
+    proc = _run_python(_PROBE)
+    assert "native: True" in proc.stdout
+    assert "loaded from" in proc.stderr and "building" not in proc.stderr, proc.stderr
+
+
+def test_switched_off_keeps_the_chunked_path(tmp_path):
+    proc = _run_python(_PROBE, ZENFLOW_NATIVE_ACCUMULATE="0", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert "native: False | reason: ZENFLOW_NATIVE_ACCUMULATE=0" in proc.stdout
+    assert "using the chunked torch path" in proc.stderr
+    assert not list(tmp_path.iterdir())  # nothing built
+
+
+def test_failed_build_falls_back_and_says_why(tmp_path):
+    """A compiler that fails, in an empty cache: the accumulation stays right, the reason is logged once."""
+    failing = shutil.which("false")
+    if failing is None:
+        pytest.skip("no `false` binary to stand in for a failing compiler")
+    proc = _run_python(_PROBE, CXX=failing, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert "native: False | reason: the build failed (exit 1)" in proc.stdout
+    assert proc.stderr.count("using the chunked torch path") == 1
+    assert not list(tmp_path.rglob("*.so"))  # no partial library left to load
