@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-__all__ = ["ZenFlowPassContext"]
+__all__ = ["ZenFlowPassContext", "DEFAULT_BUCKET_NUMEL"]
+
+#: ZenFlowAdamW's default `reduce_bucket_size` (elements), as DeepSpeed's `reduce_bucket_size`.
+DEFAULT_BUCKET_NUMEL = 25_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,18 +28,23 @@ class ZenFlowPassContext:
         loudly instead of corrupting training.
     param_names: human-readable names (for error messages and inspection only, not part of any cache key).
     configs: the ZenFlowConfig of each owning optimizer, as sorted `(key, value)` tuples (cache key only).
-    data_parallel: None, or `(world_size, bucket_numel)` when the owners reduce gradients across ranks: the
-        gradients are then handed over in buckets of about `bucket_numel` elements (`insert_grad_reduce`).
+    bucket_numel: the gradients are handed over in buckets of at least this many elements (the owners'
+        `reduce_bucket_size`), one op call per bucket (`insert_grad_accumulate`, `insert_grad_reduce`).
+    data_parallel: None, or the world size when the owners reduce gradients across ranks
+        (`insert_grad_reduce` instead of the norm proxy and `insert_grad_accumulate`).
     """
 
     param_shapes: tuple[Optional[tuple[int, ...]], ...]
     param_names: tuple[Optional[str], ...] = ()
     configs: tuple[tuple[tuple[str, object], ...], ...] = ()
-    data_parallel: Optional[tuple[int, int]] = None
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    data_parallel: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.param_names and len(self.param_names) != len(self.param_shapes):
             raise ValueError("param_names must be empty or have one entry per forward input")
+        if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1):
+            raise ValueError(f"bucket_numel must be a positive int, got {self.bucket_numel!r}")
 
     @property
     def num_inputs(self) -> int:
@@ -51,6 +59,6 @@ class ZenFlowPassContext:
         return f"forward input {index}"
 
     def cache_key(self) -> tuple:
-        """What the rewritten graph depends on (which slots are parameters, their shapes; owners' configs and
-        data-parallel settings)."""
-        return (self.param_shapes, self.configs, self.data_parallel)
+        """What the rewritten graph depends on (which slots are parameters, their shapes; owners' configs,
+        bucket size and data-parallel world size)."""
+        return (self.param_shapes, self.configs, self.bucket_numel, self.data_parallel)

@@ -1,20 +1,25 @@
 """The ZenFlow rewrite of one backward graph: the passes, in order, over an explicit context.
 
-For every ZenFlow parameter gradient output `g` (the gradient of forward input `slot`):
+For the ZenFlow parameter gradient outputs `g1, g2, ...` (the gradients of forward inputs `slot1, slot2, ...`):
 
-    scores = <norm proxy of g>                                 (insert_norm_proxy)
-    zenflow.accumulate_grad(g, scores, slot)                   (insert_grad_handoff, right after g)
+    scores1 = <norm proxy of g1>                               (insert_norm_proxy, right after each g)
+    ...
+    zenflow.accumulate_grads([g1, g2, ...], [scores1, scores2, ...], [slot1, slot2, ...])
+                                                               (insert_grad_accumulate: one per bucket of
+                                                                ~ctx.bucket_numel elements, right after its
+                                                                last gradient and scores)
     return ..., None, ...                                      (drop_param_grads)
 
-Data parallel (the owners reduce across ranks), instead of the first two:
+Data parallel (the owners reduce across ranks), instead of the norm proxies and `accumulate_grads`:
 
     zenflow.reduce_grads([g1, g2, ...], [slot1, slot2, ...])    (insert_grad_reduce, one per bucket)
 
 No optimizer math goes into the graph: the device update of the selected columns runs at `opt.step()` as
 one fused multi-parameter update, because skipping a non-finite step and clipping both need the step's
 global gradient norm, known only after the last gradient of the step (possibly in another graph, or
-another backward with gradient accumulation) has arrived. The graph's job is to hand each gradient and its
-norm proxy over as early as possible and to keep no full gradient alive.
+another backward with gradient accumulation) has arrived. The graph's job is to hand the gradients and
+their norm proxies over early (a bucket as soon as it is complete) and to keep no full gradient alive
+past its bucket's hand-off.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch.fx
 from zenflow_compile.passes.context import ZenFlowPassContext
 from zenflow_compile.passes.drop_param_grads import drop_param_grads
 from zenflow_compile.passes.find_param_grads import ParamGrad, find_param_grads, is_backward_graph
-from zenflow_compile.passes.insert_grad_handoff import insert_grad_handoff
+from zenflow_compile.passes.insert_grad_accumulate import insert_grad_accumulate
 from zenflow_compile.passes.insert_grad_reduce import insert_grad_reduce
 from zenflow_compile.passes.insert_norm_proxy import insert_norm_proxy
 
@@ -35,12 +40,10 @@ def rewrite_backward(graph: torch.fx.Graph, ctx: ZenFlowPassContext) -> list[Par
     """Rewrite a backward graph in place; return the parameter gradients handed to the runtime."""
     grads = find_param_grads(graph, ctx)
     if ctx.data_parallel is None:
-        for grad in grads:
-            scores = insert_norm_proxy(graph, grad.node)
-            insert_grad_handoff(graph, grad.node, scores, grad.slot)
+        scores = {grad.slot: insert_norm_proxy(graph, grad.node) for grad in grads}
+        insert_grad_accumulate(graph, grads, scores, ctx.param_shapes, ctx.bucket_numel)
     else:
-        _, bucket_numel = ctx.data_parallel
-        insert_grad_reduce(graph, grads, ctx.param_shapes, bucket_numel)
+        insert_grad_reduce(graph, grads, ctx.param_shapes, ctx.bucket_numel)
     drop_param_grads(graph, [grad.output_index for grad in grads])
     graph.lint()
     return grads

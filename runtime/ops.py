@@ -4,22 +4,27 @@ Schemas carry only tensors and integers (never a live object), so a compiled gra
 and shared by every model it is called with; `zenflow_compile.runtime.registry` resolves the integer at run
 time.
 
-    zenflow::accumulate_grad(Tensor grad, Tensor column_scores, int slot) -> ()
+    zenflow::accumulate_grads(Tensor[] grads, Tensor[] column_scores, int[] slots) -> ()
 
-hands one backward's gradient of the parameter in forward-input `slot` (and its per-column squared-norm
-proxy, computed by fused aten reductions in the graph) to the runtime that owns that parameter in the call
-being differentiated.
+hands one bucket of a backward's gradients over at once: `grads[i]` is the gradient of the parameter in
+forward-input `slots[i]`, `column_scores[i]` its per-column squared-norm proxy (computed by fused aten
+reductions in the graph). Each gradient goes to the runtime that owns that parameter in the call being
+differentiated; each runtime gets its part of the bucket in one call (`registry.accumulate_grads_from_graph`).
+One op per bucket rather than per gradient: every custom-op call from Inductor's generated code costs a
+Python dispatch and a Python call chain, which dominates on models of many small tensors.
 
     zenflow::reduce_grads(Tensor[] grads, int[] slots) -> ()
 
 data parallel (SPEC §5): hands one bucket of gradients over at once; the runtime starts their asynchronous
 reduction across ranks (`runtime/grad_reduce.py`) and computes the column scores from the averaged
-gradient, so the graph computes no norm proxy for them. The op returns nothing, so both FX dead-code elimination and
-Inductor's scheduler would drop it as unused: `torch.fx.node.has_side_effect` marks it impure, which is the
-one registry both consult (`torch._library.utils.is_impure`, used by `Node.is_impure` and by Inductor's
+gradient, so the graph computes no norm proxy for them.
+
+The ops return nothing, so both FX dead-code elimination and Inductor's scheduler would drop them as
+unused: `torch.fx.node.has_side_effect` marks them impure, which is the one registry both consult
+(`torch._library.utils.is_impure`, used by `Node.is_impure` and by Inductor's
 `FallbackKernel.has_side_effects`).
 
-Contract with the runtime: the op must not keep references to `grad` or `column_scores` past the call
+Contract with the runtime: an op must not keep references to its gradients or column scores past the call
 (Inductor may reuse their buffers for later kernels once the op has run); copy or accumulate instead.
 """
 
@@ -30,22 +35,23 @@ from torch.fx.node import has_side_effect
 
 from zenflow_compile.runtime import registry
 
-__all__ = ["accumulate_grad", "reduce_grads", "ACCUMULATE_GRAD", "REDUCE_GRADS"]
+__all__ = ["accumulate_grads", "reduce_grads", "ACCUMULATE_GRADS", "REDUCE_GRADS"]
 
 
-# Explicit schema: `int`, not the SymInt custom_op would infer (an id is never symbolic).
-# cudagraph_unsafe: a CUDA graph replay would skip this Python call, silently losing the gradient, so
+# Explicit schema: `int[]`, not the SymInt[] custom_op would infer (a slot is never symbolic).
+# cudagraph_unsafe: a CUDA graph replay would skip this Python call, silently losing the gradients, so
 # Inductor must not capture it (it partitions around it or disables CUDA graphs for that graph).
-@torch.library.custom_op("zenflow::accumulate_grad", mutates_args=(),
-                         schema="(Tensor grad, Tensor column_scores, int slot) -> ()",
+@torch.library.custom_op("zenflow::accumulate_grads", mutates_args=(),
+                         schema="(Tensor[] grads, Tensor[] column_scores, int[] slots) -> ()",
                          tags=(torch.Tag.cudagraph_unsafe,))
-def accumulate_grad(grad: torch.Tensor, column_scores: torch.Tensor, slot: int) -> None:
-    """Give the owner of the parameter in `slot` this backward's gradient and its column scores."""
-    registry.accumulate_grad_from_graph(slot, grad, column_scores)
+def accumulate_grads(grads: list[torch.Tensor], column_scores: list[torch.Tensor], slots: list[int]) -> None:
+    """Give the owner of the parameter in each of `slots` this backward's gradient and its column scores."""
+    registry.accumulate_grads_from_graph(slots, grads, column_scores)
 
 
-@accumulate_grad.register_fake
-def _accumulate_grad_fake(grad: torch.Tensor, column_scores: torch.Tensor, slot: int) -> None:
+@accumulate_grads.register_fake
+def _accumulate_grads_fake(grads: list[torch.Tensor], column_scores: list[torch.Tensor],
+                           slots: list[int]) -> None:
     # Nothing to describe: the op produces no tensors.
     return None
 
@@ -64,9 +70,9 @@ def _reduce_grads_fake(grads: list[torch.Tensor], slots: list[int]) -> None:
 
 
 #: The OpOverloads the passes insert into backward graphs.
-ACCUMULATE_GRAD = torch.ops.zenflow.accumulate_grad.default
+ACCUMULATE_GRADS = torch.ops.zenflow.accumulate_grads.default
 REDUCE_GRADS = torch.ops.zenflow.reduce_grads.default
 
 # Without this, the ops (no outputs, no mutated args) look pure and would be dead-code eliminated.
-has_side_effect(ACCUMULATE_GRAD)
+has_side_effect(ACCUMULATE_GRADS)
 has_side_effect(REDUCE_GRADS)

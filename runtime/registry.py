@@ -6,7 +6,7 @@ A compiled backward graph knows no ids: its hand-off op carries the parameter's 
 because one compiled graph serves every model it is called with (Dynamo reuses a graph for another instance
 of the same module class). Each call of the compiled forward resolves its slots to ids from the tensors it
 was actually called with (`bind_param_ids`) and attaches them to the autograd node that call created; the
-backward of that call finds them on the node it is running in (`accumulate_grad_from_graph`). So gradients
+backward of that call finds them on the node it is running in (`accumulate_grads_from_graph`). So gradients
 reach the owner of the tensors the graph ran with, for any number of models and optimizers in a process.
 """
 
@@ -112,37 +112,50 @@ def _tensors(outputs):
     return []
 
 
-def _bound_param_id(slot: int, op: str) -> int:
-    """The id of the parameter in `slot` of the compiled call being differentiated."""
+def _bound_param_ids(slots: list[int], op: str) -> list[int]:
+    """The ids of the parameters in `slots` of the compiled call being differentiated."""
     node = torch._C._current_autograd_node()
     param_ids = None if node is None else node.metadata.get(_GRAPH_IDS_KEY)
     if param_ids is None:
         raise RuntimeError(
             f"zenflow::{op} ran outside the backward of a graph compiled with backend='zenflow' "
             "(or under compiled autograd, which ZenFlow does not support): no parameters are bound to it")
-    pid = param_ids[slot]
-    if pid is None:
+    pids = [param_ids[slot] for slot in slots]
+    if None in pids:
+        slot = slots[pids.index(None)]
         raise RuntimeError(f"ZenFlow: forward input {slot} of this graph got a gradient but no ZenFlowAdamW "
                            "owned it when the graph ran")
-    return pid
+    return pids
 
 
-def accumulate_grad_from_graph(slot: int, grad: torch.Tensor, column_scores: torch.Tensor) -> None:
-    """The compiled backward's hand-off: resolve `slot` through the call that is being differentiated."""
-    accumulate_grad(_bound_param_id(slot, "accumulate_grad"), grad, column_scores)
+def _by_runtime(pids: list[int]) -> list[tuple["ZenFlowRuntime", list[int]]]:
+    """Positions in `pids` grouped by owning runtime, in order (first appearance; positions ascending)."""
+    groups: dict[int, tuple] = {}
+    for i, pid in enumerate(pids):
+        runtime = _live_runtime(pid)
+        groups.setdefault(id(runtime), (runtime, []))[1].append(i)
+    return list(groups.values())
+
+
+def accumulate_grads_from_graph(slots: list[int], grads: list[torch.Tensor],
+                                column_scores: list[torch.Tensor]) -> None:
+    """The compiled backward's hand-off of one bucket: resolve each slot through the call that is being
+    differentiated; each owner gets its gradients (in bucket order) in one `accumulate_grads` call."""
+    pids = _bound_param_ids(slots, "accumulate_grads")
+    groups = _by_runtime(pids)
+    if len(groups) == 1:  # the common case: one optimizer owns the whole graph
+        groups[0][0].accumulate_grads(pids, grads, column_scores)
+        return
+    for runtime, positions in groups:
+        runtime.accumulate_grads([pids[i] for i in positions], [grads[i] for i in positions],
+                                 [column_scores[i] for i in positions])
 
 
 def reduce_grads_from_graph(slots: list[int], grads: list[torch.Tensor]) -> None:
     """The compiled backward's data-parallel hand-off of one bucket: each owner gets its gradients in order."""
-    by_runtime: dict[int, tuple] = {}
-    for slot, grad in zip(slots, grads):
-        pid = _bound_param_id(slot, "reduce_grads")
-        runtime = _live_runtime(pid)
-        _, pids, bucket = by_runtime.setdefault(id(runtime), (runtime, [], []))
-        pids.append(pid)
-        bucket.append(grad)
-    for runtime, pids, bucket in by_runtime.values():
-        runtime.reduce_grads(pids, bucket)
+    pids = _bound_param_ids(slots, "reduce_grads")
+    for runtime, positions in _by_runtime(pids):
+        runtime.reduce_grads([pids[i] for i in positions], [grads[i] for i in positions])
 
 
 def _live_runtime(pid: int) -> "ZenFlowRuntime":
@@ -155,10 +168,11 @@ def _live_runtime(pid: int) -> "ZenFlowRuntime":
 
 
 def accumulate_grad(pid: int, grad: torch.Tensor, column_scores: Optional[torch.Tensor] = None) -> None:
-    """Hand one backward pass's gradient of parameter `pid` to its runtime.
+    """Hand one backward pass's gradient of parameter `pid` to its runtime (the eager hooks' entry).
 
     `column_scores` is the per-column squared L2 norm of `grad` viewed as [rows, columns] (fp32, one value
     for a vector parameter), when the caller already computed it (the compiled graph does, fused into the
-    backward); None makes the runtime compute it.
+    backward, and hands whole buckets over through `accumulate_grads_from_graph`); None makes the runtime
+    compute it.
     """
     _live_runtime(pid).accumulate_grad(pid, grad, column_scores)

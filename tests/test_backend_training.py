@@ -16,6 +16,7 @@ import torch
 import zenflow_compile
 import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow" without the installed entry point)
 from helpers import tiny_model as make_model
+from zenflow_compile import inspect as zf_inspect
 from zenflow_compile.reference import ZenFlowReference
 
 ATOL, RTOL = 1e-6, 1e-5
@@ -40,10 +41,12 @@ def loss_fn(model, i):
     return ((model(x).float() - y.float()) ** 2).mean()
 
 
-def run_against(make_oracle, keys, *, dtype=torch.float32, clip=None, atol=ATOL, rtol=RTOL):
+def run_against(make_oracle, keys, *, dtype=torch.float32, clip=None, atol=ATOL, rtol=RTOL,
+                reduce_bucket_size=25_000_000):
     """Train a compiled ZenFlow copy and an oracle copy on the same batches; compare after every step."""
     a, b = make_model(dtype), make_model(dtype)
-    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, max_grad_norm=clip, **keys)
+    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, max_grad_norm=clip,
+                                       reduce_bucket_size=reduce_bucket_size, **keys)
     oracle = make_oracle(b.parameters())
     compiled = torch.compile(a, backend="zenflow")
     compiled_b = torch.compile(b, backend="inductor")
@@ -111,3 +114,61 @@ def test_interval_one_equals_adamw(keys, clip):
 def test_ratio_one_equals_adamw(update_interval, overlap):
     keys = dict(topk_ratio=1.0, update_interval=update_interval, overlap_step=overlap)
     run_against(lambda ps: torch.optim.AdamW(ps, lr=LR), keys)
+
+
+# Tiny's gradients in the order the backward produces them: fc2.weight 384, fc2.bias 16, norm.weight 24,
+# norm.bias 24, fc1.weight 384, fc1.bias 24, emb.weight 512 elements.
+@pytest.mark.parametrize("reduce_bucket_size,buckets", [(1, 7), (600, 2), (25_000_000, 1)])
+def test_compiled_in_buckets_equals_reference(reduce_bucket_size, buckets):
+    """The backward hands gradients over in buckets of `reduce_bucket_size` elements; training is the same."""
+    keys = REFERENCE_CONFIGS["interval2-overlap-reselect"]
+    with zf_inspect.capture() as graphs:
+        run_against(lambda ps: ZenFlowReference(ps, lr=LR, **keys), keys, reduce_bucket_size=reduce_bucket_size)
+    (graph,) = graphs
+    calls = [n for n in graph.after.graph.nodes if n.target is torch.ops.zenflow.accumulate_grads.default]
+    assert len(calls) == buckets
+    handed = [graph.param_names[slot] for call in calls for slot in call.args[2]]
+    assert sorted(handed) == sorted(name for name, _ in make_model().named_parameters())  # each once
+
+
+def test_one_graph_owned_by_two_optimizers_routes_each_gradient_to_its_owner():
+    """Matrices and vectors of one model in two ZenFlowAdamW (other lr and interval): the graph's buckets
+    mix both owners' gradients, each owner gets its own, and each side equals its own reference."""
+    a, b = make_model(), make_model()
+
+    def split(model):
+        return ([p for p in model.parameters() if p.dim() >= 2], [p for p in model.parameters() if p.dim() < 2])
+
+    keys = [dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=2),
+            dict(topk_ratio=0.5, update_interval=3, overlap_step=True)]
+    lrs = [LR, 3 * LR]
+    opts = [zenflow_compile.ZenFlowAdamW(ps, lr=lr, reduce_bucket_size=600, **k)
+            for ps, lr, k in zip(split(a), lrs, keys)]
+    refs = [ZenFlowReference(ps, lr=lr, **k) for ps, lr, k in zip(split(b), lrs, keys)]
+    compiled, compiled_b = torch.compile(a, backend="zenflow"), torch.compile(b, backend="inductor")
+    with zf_inspect.capture() as graphs:
+        for i in range(STEPS):
+            loss_fn(compiled, i).backward()
+            loss_fn(compiled_b, i).backward()
+            for opt in [*opts, *refs]:
+                opt.step()
+                opt.zero_grad()
+            for (name, p), q in zip(a.named_parameters(), b.parameters()):
+                torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {i} {name}: {m}")
+    (graph,) = graphs
+    (first, *_) = [n for n in graph.after.graph.nodes if n.target is torch.ops.zenflow.accumulate_grads.default]
+    names = [graph.param_names[slot] for slot in first.args[2]]
+    assert any(n.endswith("weight") and n != "norm.weight" for n in names) and "fc2.bias" in names  # mixed
+    assert [opt.stats()["steps"] for opt in opts] == [STEPS, STEPS]
+
+
+def test_owners_of_one_graph_must_agree_on_the_bucket_size():
+    model = make_model()
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    opts = [zenflow_compile.ZenFlowAdamW(matrices, lr=LR, reduce_bucket_size=600),
+            zenflow_compile.ZenFlowAdamW(vectors, lr=LR, reduce_bucket_size=1000)]
+    with pytest.raises(Exception, match=r"disagree on how gradients are handed over.*reduce_bucket_size 1000.*"
+                                        r"Fix: give them the same reduce_bucket_size"):
+        loss_fn(torch.compile(model, backend="zenflow"), 0).backward()
+    del opts

@@ -29,12 +29,15 @@ def shared_fresh_cache():
 
 
 class RecordingRuntime:
-    def __init__(self, **keys):
+    def __init__(self, bucket_numel=25_000_000, **keys):
         self.config = ZenFlowConfig(**keys)
+        self.bucket_numel = bucket_numel
         self.pids = []
+        self.buckets = 0
 
-    def accumulate_grad(self, pid, grad, scores):
-        self.pids.append(pid)
+    def accumulate_grads(self, pids, grads, scores):
+        self.pids.extend(pids)
+        self.buckets += 1
 
 
 def mlp():
@@ -97,6 +100,21 @@ def test_another_config_never_reuses_a_cached_graph():
     other = train_once(model, "zenflow")
     assert other["aot_hit"] == 0 and other["aot_miss"] == 1 and other["fx_hit"] == 0
     assert sorted(set(runtime.pids)) == sorted(pids)
+
+
+def test_another_bucket_size_never_reuses_a_cached_graph():
+    """The bucket size (the owners' reduce_bucket_size) shapes the rewritten graph: one hand-off op per bucket."""
+    model, runtime = mlp(), RecordingRuntime(topk_ratio=0.35)  # a config no other test compiles with
+    pids = own(model, runtime)
+    assert train_once(model, "zenflow")["aot_miss"] == 1 and runtime.buckets == 1
+    assert train_once(model, "zenflow")["aot_hit"] == 1
+
+    runtime.bucket_numel, runtime.buckets = 1, 0  # same parameters and config, a bucket per gradient
+    other = train_once(model, "zenflow")
+    assert other["aot_hit"] == 0 and other["aot_miss"] == 1 and other["fx_hit"] == 0
+    assert runtime.buckets == len(pids) and sorted(set(runtime.pids)) == sorted(pids)
+    runtime.buckets = 0
+    assert train_once(model, "zenflow")["aot_hit"] == 1 and runtime.buckets == len(pids)
 
 
 def test_a_new_owner_reuses_the_cached_graph_and_gets_the_gradients():

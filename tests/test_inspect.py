@@ -25,21 +25,21 @@ import zenflow_compile.backend  # noqa: F401  (registers the backend)
 
 
 class RecordingRuntime:
-    def __init__(self):
+    def __init__(self, bucket_numel=25_000_000):
         self.config = ZenFlowConfig()
+        self.bucket_numel = bucket_numel
         self.pids = []
 
-    def accumulate_grad(self, pid, grad, scores):
-        self.pids.append(pid)
+    def accumulate_grads(self, pids, grads, scores):
+        self.pids.extend(pids)
 
 
 class DataParallelRecordingRuntime(RecordingRuntime):
     """Looks like a runtime of a 2-rank data-parallel optimizer with 40-element gradient buckets."""
 
     def __init__(self):
-        super().__init__()
+        super().__init__(bucket_numel=40)
         self.data_parallel = types.SimpleNamespace(world_size=2)
-        self.reducer = types.SimpleNamespace(bucket_numel=40)
         self.buckets = []
 
     def reduce_grads(self, pids, grads):
@@ -107,7 +107,6 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_2: "f32[4, 8]" = torch.ops.aten.pow.Tensor_Scalar(mm_1, 2)
         sum_dim_int_list_1: "f32[8]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_2, [0]);  pow_tensor_scalar_2 = None
-        accumulate_grad_default_2 = torch.ops.zenflow.accumulate_grad.default(mm_1, sum_dim_int_list_1, slot[fc2.weight]);  mm_1 = sum_dim_int_list_1 = accumulate_grad_default_2 = None
 
         sum_1: "f32[1, 4]" = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
         view: "f32[4]" = torch.ops.aten.reshape.default(sum_1, [4]);  sum_1 = None
@@ -115,7 +114,6 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_3: "f32[4]" = torch.ops.aten.pow.Tensor_Scalar(view, 2)
         sum_default_1: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_3);  pow_tensor_scalar_3 = None
         reshape_default_1: "f32[1]" = torch.ops.aten.reshape.default(sum_default_1, [1]);  sum_default_1 = None
-        accumulate_grad_default_3 = torch.ops.zenflow.accumulate_grad.default(view, reshape_default_1, slot[fc2.bias]);  view = reshape_default_1 = accumulate_grad_default_3 = None
 
         le: "b8[3, 8]" = torch.ops.aten.le.Scalar(relu, 0);  relu = None
         full_default: "f32[]" = torch.ops.aten.full.default([], 0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
@@ -125,7 +123,6 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar: "f32[8, 6]" = torch.ops.aten.pow.Tensor_Scalar(mm_2, 2)
         sum_dim_int_list: "f32[6]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar, [0]);  pow_tensor_scalar = None
-        accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(mm_2, sum_dim_int_list, slot[fc1.weight]);  mm_2 = sum_dim_int_list = accumulate_grad_default = None
 
         sum_2: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(where, [0], True);  where = None
         view_1: "f32[8]" = torch.ops.aten.reshape.default(sum_2, [8]);  sum_2 = None
@@ -133,7 +130,51 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_1: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(view_1, 2)
         sum_default: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_1);  pow_tensor_scalar_1 = None
         reshape_default: "f32[1]" = torch.ops.aten.reshape.default(sum_default, [1]);  sum_default = None
-        accumulate_grad_default_1 = torch.ops.zenflow.accumulate_grad.default(view_1, reshape_default, slot[fc1.bias]);  view_1 = reshape_default = accumulate_grad_default_1 = None
+        accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm_1, view, mm_2, view_1], [sum_dim_int_list_1, reshape_default_1, sum_dim_int_list, reshape_default], [3, 4, 0, 1]);  mm_1 = view = mm_2 = view_1 = sum_dim_int_list_1 = reshape_default_1 = sum_dim_int_list = reshape_default = accumulate_grads_default = None
+        return (None, None, None, None, None)
+""")
+
+    def test_mlp_backward_in_buckets(self):
+        # Buckets of >= 40 elements in production order: fc2.weight (32) + fc2.bias (4) + fc1.weight (48),
+        # then fc1.bias; each op right after its bucket's last gradient and that gradient's scores.
+        torch.manual_seed(0)
+        record = rewrite(MLP(), torch.randn(3, 6), runtime=RecordingRuntime(bucket_numel=40))
+        self.assertExpectedInline(record.normalized_after_code(), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, primals_3: "f32[3, 6]", primals_4: "f32[4, 8]", relu: "f32[3, 8]", tangents_1: "f32[3, 4]"):
+        permute_1: "f32[8, 4]" = torch.ops.aten.permute.default(primals_4, [1, 0]);  primals_4 = None
+        permute_2: "f32[4, 8]" = torch.ops.aten.permute.default(permute_1, [1, 0]);  permute_1 = None
+        mm: "f32[3, 8]" = torch.ops.aten.mm.default(tangents_1, permute_2);  permute_2 = None
+        permute_3: "f32[4, 3]" = torch.ops.aten.permute.default(tangents_1, [1, 0])
+        mm_1: "f32[4, 8]" = torch.ops.aten.mm.default(permute_3, relu);  permute_3 = None
+
+        pow_tensor_scalar_2: "f32[4, 8]" = torch.ops.aten.pow.Tensor_Scalar(mm_1, 2)
+        sum_dim_int_list_1: "f32[8]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_2, [0]);  pow_tensor_scalar_2 = None
+
+        sum_1: "f32[1, 4]" = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True);  tangents_1 = None
+        view: "f32[4]" = torch.ops.aten.reshape.default(sum_1, [4]);  sum_1 = None
+
+        pow_tensor_scalar_3: "f32[4]" = torch.ops.aten.pow.Tensor_Scalar(view, 2)
+        sum_default_1: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_3);  pow_tensor_scalar_3 = None
+        reshape_default_1: "f32[1]" = torch.ops.aten.reshape.default(sum_default_1, [1]);  sum_default_1 = None
+
+        le: "b8[3, 8]" = torch.ops.aten.le.Scalar(relu, 0);  relu = None
+        full_default: "f32[]" = torch.ops.aten.full.default([], 0.0, dtype = torch.float32, layout = torch.strided, device = device(type='cpu'), pin_memory = False)
+        where: "f32[3, 8]" = torch.ops.aten.where.self(le, full_default, mm);  le = full_default = mm = None
+        permute_6: "f32[8, 3]" = torch.ops.aten.permute.default(where, [1, 0])
+        mm_2: "f32[8, 6]" = torch.ops.aten.mm.default(permute_6, primals_3);  permute_6 = primals_3 = None
+
+        pow_tensor_scalar: "f32[8, 6]" = torch.ops.aten.pow.Tensor_Scalar(mm_2, 2)
+        sum_dim_int_list: "f32[6]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar, [0]);  pow_tensor_scalar = None
+        accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm_1, view, mm_2], [sum_dim_int_list_1, reshape_default_1, sum_dim_int_list], [3, 4, 0]);  mm_1 = view = mm_2 = sum_dim_int_list_1 = reshape_default_1 = sum_dim_int_list = accumulate_grads_default = None
+
+        sum_2: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(where, [0], True);  where = None
+        view_1: "f32[8]" = torch.ops.aten.reshape.default(sum_2, [8]);  sum_2 = None
+
+        pow_tensor_scalar_1: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(view_1, 2)
+        sum_default: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_1);  pow_tensor_scalar_1 = None
+        reshape_default: "f32[1]" = torch.ops.aten.reshape.default(sum_default, [1]);  sum_default = None
+        accumulate_grads_default_1 = torch.ops.zenflow.accumulate_grads.default([view_1], [reshape_default], [1]);  view_1 = reshape_default = accumulate_grads_default_1 = None
         return (None, None, None, None, None)
 """)
 
@@ -184,7 +225,6 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_10: "f32[8, 32]" = torch.ops.aten.pow.Tensor_Scalar(mm_1, 2)
         sum_dim_int_list_3: "f32[32]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_10, [0]);  pow_tensor_scalar_10 = None
-        accumulate_grad_default_10 = torch.ops.zenflow.accumulate_grad.default(mm_1, sum_dim_int_list_3, slot[fc2.weight]);  mm_1 = sum_dim_int_list_3 = accumulate_grad_default_10 = None
 
         sum_1: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(view_12, [0], True);  view_12 = None
         view_13: "f32[8]" = torch.ops.aten.reshape.default(sum_1, [8]);  sum_1 = None
@@ -192,7 +232,6 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_11: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(view_13, 2)
         sum_default_7: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_11);  pow_tensor_scalar_11 = None
         reshape_default_7: "f32[1]" = torch.ops.aten.reshape.default(sum_default_7, [1]);  sum_default_7 = None
-        accumulate_grad_default_11 = torch.ops.zenflow.accumulate_grad.default(view_13, reshape_default_7, slot[fc2.bias]);  view_13 = reshape_default_7 = accumulate_grad_default_11 = None
 
         view_14: "f32[2, 4, 32]" = torch.ops.aten.reshape.default(mm, [2, 4, 32]);  mm = None
         view_9: "f32[2, 4, 32]" = torch.ops.aten.reshape.default(addmm_2, [2, 4, 32]);  addmm_2 = None
@@ -216,7 +255,6 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_8: "f32[32, 8]" = torch.ops.aten.pow.Tensor_Scalar(mm_3, 2)
         sum_dim_int_list_2: "f32[8]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_8, [0]);  pow_tensor_scalar_8 = None
-        accumulate_grad_default_8 = torch.ops.zenflow.accumulate_grad.default(mm_3, sum_dim_int_list_2, slot[fc1.weight]);  mm_3 = sum_dim_int_list_2 = accumulate_grad_default_8 = None
 
         sum_2: "f32[1, 32]" = torch.ops.aten.sum.dim_IntList(view_15, [0], True);  view_15 = None
         view_16: "f32[32]" = torch.ops.aten.reshape.default(sum_2, [32]);  sum_2 = None
@@ -224,7 +262,6 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_9: "f32[32]" = torch.ops.aten.pow.Tensor_Scalar(view_16, 2)
         sum_default_6: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_9);  pow_tensor_scalar_9 = None
         reshape_default_6: "f32[1]" = torch.ops.aten.reshape.default(sum_default_6, [1]);  sum_default_6 = None
-        accumulate_grad_default_9 = torch.ops.zenflow.accumulate_grad.default(view_16, reshape_default_6, slot[fc1.bias]);  view_16 = reshape_default_6 = accumulate_grad_default_9 = None
 
         view_17: "f32[2, 4, 8]" = torch.ops.aten.reshape.default(mm_2, [2, 4, 8]);  mm_2 = None
         mul_15: "f32[2, 4, 8]" = torch.ops.aten.mul.Tensor(view_17, primals_8);  primals_8 = None
@@ -254,14 +291,12 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_6: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(sum_5, 2)
         sum_default_4: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_6);  pow_tensor_scalar_6 = None
         reshape_default_4: "f32[1]" = torch.ops.aten.reshape.default(sum_default_4, [1]);  sum_default_4 = None
-        accumulate_grad_default_6 = torch.ops.zenflow.accumulate_grad.default(sum_5, reshape_default_4, slot[ln2.weight]);  sum_5 = reshape_default_4 = accumulate_grad_default_6 = None
 
         sum_6: "f32[8]" = torch.ops.aten.sum.dim_IntList(view_17, [0, 1]);  view_17 = None
 
         pow_tensor_scalar_7: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(sum_6, 2)
         sum_default_5: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_7);  pow_tensor_scalar_7 = None
         reshape_default_5: "f32[1]" = torch.ops.aten.reshape.default(sum_default_5, [1]);  sum_default_5 = None
-        accumulate_grad_default_7 = torch.ops.zenflow.accumulate_grad.default(sum_6, reshape_default_5, slot[ln2.bias]);  sum_6 = reshape_default_5 = accumulate_grad_default_7 = None
 
         add_9: "f32[2, 4, 8]" = torch.ops.aten.add.Tensor(tangents_1, mul_19);  tangents_1 = mul_19 = None
 
@@ -277,7 +312,6 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_4: "f32[8, 8]" = torch.ops.aten.pow.Tensor_Scalar(mm_5, 2)
         sum_dim_int_list_1: "f32[8]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_4, [0]);  pow_tensor_scalar_4 = None
-        accumulate_grad_default_4 = torch.ops.zenflow.accumulate_grad.default(mm_5, sum_dim_int_list_1, slot[proj.weight]);  mm_5 = sum_dim_int_list_1 = accumulate_grad_default_4 = None
 
         sum_7: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(view_18, [0], True);  view_18 = None
         view_19: "f32[8]" = torch.ops.aten.reshape.default(sum_7, [8]);  sum_7 = None
@@ -285,7 +319,6 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_5: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(view_19, 2)
         sum_default_3: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_5);  pow_tensor_scalar_5 = None
         reshape_default_3: "f32[1]" = torch.ops.aten.reshape.default(sum_default_3, [1]);  sum_default_3 = None
-        accumulate_grad_default_5 = torch.ops.zenflow.accumulate_grad.default(view_19, reshape_default_3, slot[proj.bias]);  view_19 = reshape_default_3 = accumulate_grad_default_5 = None
 
         view_20: "f32[2, 4, 8]" = torch.ops.aten.reshape.default(mm_4, [2, 4, 8]);  mm_4 = None
         view_21: "f32[2, 4, 2, 4]" = torch.ops.aten.reshape.default(view_20, [2, 4, 2, 4]);  view_20 = None
@@ -313,7 +346,6 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar_2: "f32[24, 8]" = torch.ops.aten.pow.Tensor_Scalar(mm_7, 2)
         sum_dim_int_list: "f32[8]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar_2, [0]);  pow_tensor_scalar_2 = None
-        accumulate_grad_default_2 = torch.ops.zenflow.accumulate_grad.default(mm_7, sum_dim_int_list, slot[qkv.weight]);  mm_7 = sum_dim_int_list = accumulate_grad_default_2 = None
 
         sum_8: "f32[1, 24]" = torch.ops.aten.sum.dim_IntList(view_25, [0], True);  view_25 = None
         view_26: "f32[24]" = torch.ops.aten.reshape.default(sum_8, [24]);  sum_8 = None
@@ -321,7 +353,6 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_3: "f32[24]" = torch.ops.aten.pow.Tensor_Scalar(view_26, 2)
         sum_default_2: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_3);  pow_tensor_scalar_3 = None
         reshape_default_2: "f32[1]" = torch.ops.aten.reshape.default(sum_default_2, [1]);  sum_default_2 = None
-        accumulate_grad_default_3 = torch.ops.zenflow.accumulate_grad.default(view_26, reshape_default_2, slot[qkv.bias]);  view_26 = reshape_default_2 = accumulate_grad_default_3 = None
 
         view_27: "f32[2, 4, 8]" = torch.ops.aten.reshape.default(mm_6, [2, 4, 8]);  mm_6 = None
         var_mean = torch.ops.aten.var_mean.correction(primals_1, [2], correction = 0, keepdim = True)
@@ -337,14 +368,13 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(sum_11, 2)
         sum_default: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar);  pow_tensor_scalar = None
         reshape_default: "f32[1]" = torch.ops.aten.reshape.default(sum_default, [1]);  sum_default = None
-        accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(sum_11, reshape_default, slot[ln1.weight]);  sum_11 = reshape_default = accumulate_grad_default = None
 
         sum_12: "f32[8]" = torch.ops.aten.sum.dim_IntList(view_27, [0, 1]);  view_27 = None
 
         pow_tensor_scalar_1: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(sum_12, 2)
         sum_default_1: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_1);  pow_tensor_scalar_1 = None
         reshape_default_1: "f32[1]" = torch.ops.aten.reshape.default(sum_default_1, [1]);  sum_default_1 = None
-        accumulate_grad_default_1 = torch.ops.zenflow.accumulate_grad.default(sum_12, reshape_default_1, slot[ln1.bias]);  sum_12 = reshape_default_1 = accumulate_grad_default_1 = None
+        accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm_1, view_13, mm_3, view_16, sum_5, sum_6, mm_5, view_19, mm_7, view_26, sum_11, sum_12], [sum_dim_int_list_3, reshape_default_7, sum_dim_int_list_2, reshape_default_6, reshape_default_4, reshape_default_5, sum_dim_int_list_1, reshape_default_3, sum_dim_int_list, reshape_default_2, reshape_default, reshape_default_1], [11, 12, 9, 10, 7, 8, 5, 6, 3, 4, 1, 2]);  mm_1 = view_13 = mm_3 = view_16 = sum_5 = sum_6 = mm_5 = view_19 = mm_7 = view_26 = sum_11 = sum_12 = sum_dim_int_list_3 = reshape_default_7 = sum_dim_int_list_2 = reshape_default_6 = reshape_default_4 = reshape_default_5 = sum_dim_int_list_1 = reshape_default_3 = sum_dim_int_list = reshape_default_2 = reshape_default = reshape_default_1 = accumulate_grads_default = None
         return (None, None, None, None, None, None, None, None, None, None, None, None, None)
 """)
 
@@ -359,8 +389,8 @@ def test_capture_gives_graphs_before_and_after():
     assert sorted(record.param_names.values()) == sorted(n for n, _ in model.named_parameters())
     for index in record.param_names:
         assert before_out[index] is not None and after_out[index] is None
-    assert "zenflow.accumulate_grad" not in record.before_code
-    assert record.after_code.count("torch.ops.zenflow.accumulate_grad.default(") == 4
+    assert "zenflow.accumulate_grads" not in record.before_code
+    assert record.after_code.count("torch.ops.zenflow.accumulate_grads.default(") == 1  # one bucket
     assert zf_inspect.backward_graphs()[-1] is record
 
 
@@ -373,7 +403,7 @@ def test_debug_dir_option_and_env(tmp_path, monkeypatch):
         files = sorted(p.name for p in (tmp_path / sub).iterdir())
         assert len(files) == 2 and files[0].endswith("_after.py") and files[1].endswith("_before.py"), files
         after = (tmp_path / sub / files[0]).read_text()
-        assert "torch.ops.zenflow.accumulate_grad.default(" in after and "fc1.weight" in after
+        assert "torch.ops.zenflow.accumulate_grads.default(" in after and "fc1.weight" in after
         compile(after.split("\n", 1)[1].replace("class GraphModule", "class G", 1), files[0], "exec")
 
 
@@ -413,7 +443,7 @@ def test_structured_trace_and_logs_show_the_rewritten_graph(tmp_path):
     after = [p for name, p in artifacts.items() if "zenflow_backward_after" in name]
     before = [p for name, p in artifacts.items() if "zenflow_backward_before" in name]
     assert after and before, sorted(p.name for p in out.rglob("*"))
-    assert "torch.ops.zenflow.accumulate_grad.default(" in after[0].read_text()
+    assert "torch.ops.zenflow.accumulate_grads.default(" in after[0].read_text()
     assert "zenflow" not in before[0].read_text().replace("zenflow_backward_before", "")
     assert "zenflow_backward_after" in (out / "index.html").read_text() or any(
         "zenflow_backward_after" in p.read_text(errors="ignore") for p in out.rglob("*.html"))

@@ -6,7 +6,9 @@ what is returned) is checked on numbers, not just on graph text.
 """
 
 import copy
+import dataclasses
 import logging
+import math
 import pickle
 
 import pytest
@@ -20,18 +22,21 @@ from zenflow_compile.config import ZenFlowConfig
 from zenflow_compile.passes import ZenFlowPassContext, is_backward_graph, rewrite_backward
 from zenflow_compile.passes.find_param_grads import ZenFlowGraphError
 from zenflow_compile.runtime import registry
-from zenflow_compile.runtime.ops import ACCUMULATE_GRAD
+from zenflow_compile.runtime.ops import ACCUMULATE_GRADS
 
 from helpers import run_bound, slot_ids
 
 
 class RecordingRuntime:
-    def __init__(self, config=None):
+    def __init__(self, config=None, bucket_numel=25_000_000):
         self.config = config or ZenFlowConfig()
-        self.calls = []
+        self.bucket_numel = bucket_numel
+        self.calls = []  # (pid, grad, scores), in hand-off order
+        self.buckets = []  # the pids of each accumulate_grads call
 
-    def accumulate_grad(self, pid, grad, scores):
-        self.calls.append((pid, grad.clone(), scores.clone()))
+    def accumulate_grads(self, pids, grads, scores):
+        self.buckets.append(list(pids))
+        self.calls.extend((pid, g.clone(), s.clone()) for pid, g, s in zip(pids, grads, scores))
 
 
 def own(model, runtime):
@@ -96,18 +101,32 @@ def conv_case():
     return model, runtime, names, rec
 
 
-def test_rewritten_graph_hands_every_param_grad_and_returns_none(conv_case):
+def bucketed(ctx, bucket_numel):
+    return ctx if bucket_numel is None else dataclasses.replace(ctx, bucket_numel=bucket_numel)
+
+
+# ConvMLP's gradients: conv.weight 18, conv.bias 3, fc.weight 60, fc.bias 5, norm.weight 5, norm.bias 5
+# elements. None: the default bucket size (one bucket); 1: one bucket per gradient; 30: two.
+BUCKET_SIZES = [None, 1, 30]
+
+
+@pytest.mark.parametrize("bucket_numel", BUCKET_SIZES)
+def test_rewritten_graph_hands_every_param_grad_and_returns_none(conv_case, bucket_numel):
     model, runtime, names, rec = conv_case
+    ctx = bucketed(rec["ctx"], bucket_numel)
     original = rec["backward"](*copy.copy(rec["args"]))
     rewritten = copy.deepcopy(rec["backward"])
-    grads = rewrite_backward(rewritten.graph, rec["ctx"])
+    grads = rewrite_backward(rewritten.graph, ctx)
     rewritten.recompile()
-    ids = slot_ids(rec["ctx"], {name: pid for pid, name in names.items()})
+    ids = slot_ids(ctx, {name: pid for pid, name in names.items()})
     assert sorted(ids[g.slot] for g in grads) == sorted(names)
 
     outputs = run_bound(lambda: rewritten(*copy.copy(rec["args"])), ids)
     by_pid = {pid: (g, s) for pid, g, s in runtime.calls}
-    assert sorted(by_pid) == sorted(names)  # each parameter exactly once
+    assert len(runtime.calls) == len(by_pid) and sorted(by_pid) == sorted(names)  # each parameter exactly once
+    calls = [n for n in rewritten.graph.nodes if n.target is ACCUMULATE_GRADS]
+    assert len(runtime.buckets) == len(calls)  # one runtime call per bucket op (a single owner)
+    assert len(calls) == {None: 1, 1: 6, 30: 2}[bucket_numel]  # 30: norm.*, fc.bias, fc.weight | conv.*
     for index, pid in enumerate(ids):
         if pid is None:
             # other outputs (the input x's gradient) are untouched
@@ -123,20 +142,84 @@ def test_rewritten_graph_hands_every_param_grad_and_returns_none(conv_case):
     assert conv_scores.shape == (2 * 3,)
 
 
-def test_handoff_goes_right_after_the_gradient_producer(conv_case):
+def check_bucket_placement(graph, ctx):
+    """Every bucket op comes after every node it uses, right after the last of them (or the previous bucket's
+    op); buckets cover the gradients in production order, each the shortest run reaching ctx.bucket_numel."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    calls = [n for n in graph.nodes if n.target is ACCUMULATE_GRADS]
+    produced = []
+    previous = None
+    for call in calls:
+        grads, scores, slots = call.args
+        assert len(grads) == len(scores) == len(slots) > 0
+        used = [*grads, *scores] + ([previous] if previous is not None else [])
+        assert all(order[n] < order[call] for n in used)  # topological
+        last = max(used, key=order.__getitem__)
+        between = list(graph.nodes)[order[last] + 1:order[call]]
+        assert all(n.op == "placeholder" for n in between), between  # right after its last input
+        for grad, score in zip(grads, scores):
+            assert order[grad] < order[score] and score.meta["val"].dtype == torch.float32
+        numel = [math.prod(ctx.param_shapes[slot]) for slot in slots]
+        assert call is calls[-1] or (sum(numel) >= ctx.bucket_numel > sum(numel[:-1]))
+        produced += [order[g] for g in grads]
+        previous = call
+    assert produced == sorted(produced)
+    return calls
+
+
+@pytest.mark.parametrize("bucket_numel", BUCKET_SIZES)
+def test_each_bucket_goes_right_after_its_last_gradient_and_scores(conv_case, bucket_numel):
     _, _, _, rec = conv_case
     gm = copy.deepcopy(rec["backward"])
-    rewrite_backward(gm.graph, rec["ctx"])
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
-    handoffs = [n for n in gm.graph.nodes if n.target is ACCUMULATE_GRAD]
-    assert len(handoffs) == 6
-    for call in handoffs:
-        grad, scores, _ = call.args
-        between = list(gm.graph.nodes)[order[grad] + 1:order[call]]
-        # only the norm-proxy chain of this gradient sits between its producer and its hand-off
-        assert all(n.op == "call_function" and n.target.__name__.split(".")[0] in
-                   ("pow", "sum", "reshape", "convert_element_type") for n in between), between
-        assert scores in between
+    ctx = bucketed(rec["ctx"], bucket_numel)
+    grads = rewrite_backward(gm.graph, ctx)  # lints the graph (every node defined before use)
+    calls = check_bucket_placement(gm.graph, ctx)
+    assert sorted(s for call in calls for s in call.args[2]) == sorted(g.slot for g in grads)
+    if bucket_numel == 1:
+        # one gradient per bucket: only that gradient's norm-proxy chain sits between its producer and its op
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
+        for call in calls:
+            (grad,), (scores,), _ = call.args
+            between = list(gm.graph.nodes)[order[grad] + 1:order[call]]
+            assert all(n.op == "call_function" and n.target.__name__.split(".")[0] in
+                       ("pow", "sum", "reshape", "convert_element_type") for n in between), between
+            assert scores in between
+
+
+class AddBias(nn.Module):
+    """out = x + w: the gradient of `w` is the incoming tangent itself, a graph input (placeholder)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+        self.v = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * self.v + self.w
+
+
+def test_a_gradient_that_is_a_graph_input_is_handed_over_after_the_inputs():
+    torch.manual_seed(0)
+    model, runtime = AddBias(), RecordingRuntime()
+    names = own(model, runtime)
+    rec = capture(model, torch.randn(3, 4))
+    runtime.calls.clear()
+    original = rec["backward"](*copy.copy(rec["args"]))
+    for bucket_numel in (1, 100):
+        runtime.calls.clear()
+        gm = copy.deepcopy(rec["backward"])
+        ctx = bucketed(rec["ctx"], bucket_numel)
+        rewrite_backward(gm.graph, ctx)
+        gm.recompile()
+        check_bucket_placement(gm.graph, ctx)
+        ids = slot_ids(ctx, {n: p for p, n in names.items()})
+        assert any(g.op == "placeholder" for call in gm.graph.nodes if call.target is ACCUMULATE_GRADS
+                   for g in call.args[0])
+        run_bound(lambda: gm(*copy.copy(rec["args"])), ids)
+        got = {pid: g for pid, g, _ in runtime.calls}
+        for index, pid in enumerate(ids):
+            if pid is not None:
+                torch.testing.assert_close(got[pid], original[index])
 
 
 def test_bf16_gradients_get_fp32_scores():
@@ -197,7 +280,7 @@ def test_shape_mismatch_is_an_error(conv_case):
         rewrite_backward(copy.deepcopy(rec["backward"]).graph, ZenFlowPassContext(tuple(shapes)))
 
 
-def test_uuid_covers_slots_shapes_configs_and_pass_sources():
+def test_uuid_covers_slots_shapes_configs_buckets_and_pass_sources():
     base = ZenFlowPassContext((None, (2, 2), (2,)), configs=((("topk_ratio", 0.1),),))
 
     def uuid(ctx):
@@ -209,6 +292,8 @@ def test_uuid_covers_slots_shapes_configs_and_pass_sources():
     assert uuid(base) != uuid(ZenFlowPassContext(((2, 2), None, (2,)), configs=base.configs))  # other slots
     assert uuid(base) != uuid(ZenFlowPassContext((None, (4,), (2,)), configs=base.configs))
     assert uuid(base) != uuid(ZenFlowPassContext(base.param_shapes, configs=((("topk_ratio", 0.2),),)))
+    assert uuid(base) != uuid(dataclasses.replace(base, bucket_numel=1000))  # other buckets, other ops
+    assert uuid(base) != uuid(dataclasses.replace(base, data_parallel=2))
     # the pass travels to Inductor compile subprocesses by pickle, keeping its identity
     graph_pass = zf_backend.ZenFlowGraphPass(base, debug_dir="somewhere")
     assert pickle.loads(pickle.dumps(graph_pass)).uuid() == graph_pass.uuid()

@@ -18,8 +18,9 @@ How it works:
   and binds them to that call's autograd node (`registry.bind_param_ids`); the backward's hand-off ops read
   them back. Any number of models and optimizers share compiled graphs safely, with no recompilation.
 - Caches: Inductor's FX-graph cache and AOTAutograd's cache both hash the pass's `uuid()`, which covers the
-  source of the pass modules, the owners' ZenFlow configs and the parameter slots and shapes, so a cached
-  graph compiled without the passes or for other settings is never reused.
+  source of the pass modules, the owners' ZenFlow configs, their hand-off bucket size (`reduce_bucket_size`)
+  and data-parallel world size, and the parameter slots and shapes, so a cached graph compiled without the
+  passes or for other settings is never reused.
 
 Logs: `TORCH_LOGS="+zenflow_compile"` (human logs), `TORCH_LOGS="post_grad_graphs"` (rewritten graphs),
 `TORCH_TRACE=dir` + tlparse (graphs before/after, see `zenflow_compile.inspect`).
@@ -41,7 +42,7 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get
 
 from zenflow_compile import inspect as zf_inspect
 from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
-from zenflow_compile.passes.context import ZenFlowPassContext
+from zenflow_compile.passes.context import DEFAULT_BUCKET_NUMEL, ZenFlowPassContext
 from zenflow_compile.passes.find_param_grads import graph_outputs, is_backward_graph
 from zenflow_compile.passes.pipeline import rewrite_backward
 from zenflow_compile.runtime import registry
@@ -142,7 +143,7 @@ class GraphOwnerBinding:
     """A compiled graph that, at each call, binds its parameter slots to the ids of the tensors it runs with.
 
     The backward of that call hands each gradient to the owner of the tensor that was in the slot
-    (`registry.accumulate_grad_from_graph`). Resolution is cached on tensor identity and the registry's
+    (`registry.accumulate_grads_from_graph`). Resolution is cached on tensor identity and the registry's
     generation, so a training loop pays one identity check per parameter per call.
     """
 
@@ -243,21 +244,25 @@ def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             owners.setdefault(id(runtime), runtime)
     configs = [_owner_config(runtime) for runtime in owners.values()]
     _check_options(zenflow_keys, configs)
+    data_parallel, bucket_numel = _handoff_settings(owners.values())
     return ZenFlowPassContext(
         param_shapes=tuple(shapes), param_names=tuple(names),
         configs=tuple(tuple(sorted(cfg.to_dict().items())) for cfg in configs),
-        data_parallel=_data_parallel_settings(owners.values()))
+        bucket_numel=bucket_numel, data_parallel=data_parallel)
 
 
-def _data_parallel_settings(runtimes) -> Optional[tuple[int, int]]:
-    """(world size, bucket elements) shared by the owners of one graph, None without data parallelism."""
-    settings = {None if getattr(r, "data_parallel", None) is None
-                else (r.data_parallel.world_size, r.reducer.bucket_numel) for r in runtimes}
+def _handoff_settings(runtimes) -> tuple[Optional[int], int]:
+    """(data-parallel world size or None, bucket elements) shared by the owners of one graph: the graph hands
+    every gradient over the same way, in buckets of one size."""
+    settings = {(None if getattr(r, "data_parallel", None) is None else r.data_parallel.world_size,
+                 _owner_bucket_numel(r)) for r in runtimes}
     if len(settings) > 1:
+        described = sorted(f"(world size {ws or 1}, reduce_bucket_size {n})" for ws, n in settings)
         raise ValueError("backend='zenflow': the ZenFlowAdamW optimizers owning this graph's parameters disagree "
-                         f"on data parallelism (world size, reduce_bucket_size): {sorted(map(str, settings))}. "
-                         "Fix: give them the same process_group and reduce_bucket_size")
-    return settings.pop() if settings else None
+                         f"on how gradients are handed over: {', '.join(described)}. One compiled graph hands "
+                         "all its gradients over in buckets of one size. Fix: give them the same "
+                         "reduce_bucket_size (and the same process_group)")
+    return settings.pop() if settings else (None, DEFAULT_BUCKET_NUMEL)
 
 
 def _needs_owner(value: Any) -> bool:
@@ -270,6 +275,14 @@ def _unowned_message(name: str, value: torch.Tensor) -> str:
             "requires grad but no ZenFlowAdamW owns it. Fix: create "
             "zenflow_compile.ZenFlowAdamW(model.parameters(), ...) covering every trainable parameter "
             "before calling the compiled model, or freeze it with requires_grad_(False).")
+
+
+def _owner_bucket_numel(runtime: Any) -> int:
+    bucket_numel = getattr(runtime, "bucket_numel", None)
+    if not isinstance(bucket_numel, int):
+        raise TypeError(f"ZenFlow runtime {type(runtime).__name__} has no int `.bucket_numel` (its hand-off "
+                        "bucket size)")
+    return bucket_numel
 
 
 def _owner_config(runtime: Any) -> ZenFlowConfig:
