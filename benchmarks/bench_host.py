@@ -6,7 +6,8 @@
 
 What is measured (on the host, no GPU needed; the GPU's part of the offload is DMA into pinned memory):
   accumulate   the runtime's per-step host work: `AccumulateBatch.run` (acc += coef * offloaded grad) over
-               every matrix, once per step of the interval
+               every matrix, once per step of the interval (bf16/fp16 gradients: the native kernel, whose
+               build the script waits for first; --no-native: the chunked torch path)
   adamw        the CPU AdamW kernel alone on the host columns: `runtime.kernels.cpu_adamw_` over the runs
                that `MatrixState.host_adamw_batch` yields (what the runtime's update task calls)
   update       the runtime's whole boundary update, the calls of its update task in order: host_adamw_batch
@@ -19,7 +20,7 @@ What is measured (on the host, no GPU needed; the GPU's part of the offload is D
                bandwidth / the bytes per param the row must at least move (its minimal reads + writes)
 
 Matrices are [1024, 2048] (Llama-like rows) with every column unselected (host-resident), fp32 masters and
-moments, gradients in the parameter dtype (bf16 or fp32). Each round measures every row once, in turn; the
+moments, gradients in the parameter dtype (bf16, fp16 or fp32). Each round measures every row once, in turn; the
 reported time is the median over --repeats rounds (ratios come from the same run). Two placements: all of
 this process's cores, and the worker share the runtime pins its host workers to by default
 (pt_reserved_cores_perc=0.5, runtime/cpu_affinity.py), measured inside a real pinned CpuWorker.
@@ -58,7 +59,7 @@ DEFAULT_INTERVAL = 4  # steps per interval for the per-interval figures (the siz
 TARGET_FRACTION_OF_BOUND = 0.8
 SIZING_MODEL_SIZES = (0.5e9, 1e9, 2e9, 4e9, 8e9)
 SIZING_STEP_TIMES = (0.05, 0.1, 0.2, 0.5, 1.0)
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def min_bytes_per_param(row: str, grad_bytes: int) -> int:
