@@ -2,9 +2,9 @@
 
 A backward graph made by AOTAutograd returns one gradient per forward input ("primal"), in input order.
 The backend knows which forward inputs are ZenFlow parameters; it records their shapes here by primal index
-(the parameter's *slot*). The passes never see a live tensor or a parameter id: the hand-off op carries the
-slot, and the runtime resolves slot -> parameter for each call of the compiled graph (the same compiled graph
-serves every model it is called with), so the context can be hashed into the compile caches' keys.
+(the parameter's *slot*). The passes never see a live tensor or a parameter id: the hand-off ops carry
+slots, and the runtime resolves slot -> parameter for each call of the compiled graph (the same compiled
+graph serves every model it is called with), so the context can be hashed into the compile caches' keys.
 """
 
 from __future__ import annotations
