@@ -35,6 +35,7 @@ from zenflow_compile.runtime import param_state, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.handoff import HandoffPlan
+from zenflow_compile.runtime.stacked_state import stack_like_states
 from zenflow_compile.runtime.param_state import CanonicalState, MatrixState, VectorState, top_k_columns
 from zenflow_compile.runtime.transfers import StallClock, Transfers
 from zenflow_compile.runtime.worker import CpuWorker
@@ -86,11 +87,13 @@ class ZenFlowRuntime:
         self._step_open = False
         self._failure: Optional[BaseException] = None
         # Built once per layout (param_state.PerLayout), used every step:
-        self._device_args = param_state.PerLayout(self._device_adamw_args)
-        self._accumulate_batches = param_state.PerLayout(lambda matrices: {})  # (grad_slot, acc_slot) -> batch
-        self._zen_auto_plan = param_state.PerLayout(self._zen_auto_segments)
+        self.layout_clock = param_state.LayoutClock()  # this optimizer's states' layout changes
+        self._device_args = param_state.PerLayout(self._device_adamw_args, self.layout_clock)
+        self._accumulate_batches = param_state.PerLayout(lambda matrices: {}, self.layout_clock)  # slots -> batch
+        self._zen_auto_plan = param_state.PerLayout(self._zen_auto_segments, self.layout_clock)
         self._handoff_plans: dict[tuple, HandoffPlan] = {}  # bucket's pids -> plan, for one layout generation
         self._handoff_generation = None
+        self._stacked_generation = None  # the layout generation stack_like_states last saw
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
@@ -119,9 +122,9 @@ class ZenFlowRuntime:
             if param.dim() >= 2:
                 state = MatrixState(param, pid, group_index, self.transfers, owner=owner,
                                     owns_host=owner == self.rank,
-                                    accumulate_squares=self.config.interval_second_moment)
+                                    accumulate_squares=self.config.interval_second_moment, clock=self.layout_clock)
             else:
-                state = VectorState(param, pid, group_index, owner=owner)
+                state = VectorState(param, pid, group_index, owner=owner, clock=self.layout_clock)
             self.states[pid] = state
             # Registration order (ids grow with it), not gradient order: the global norm sums the scores in
             # this order, so a resumed run (states created by load_state_dict) must use the same one.
@@ -161,18 +164,19 @@ class ZenFlowRuntime:
         bucket's states is built once per layout. `scores`: per gradient, its column scores or None."""
         if not self._step_open:
             self._open_step()
-        states = [self.states.get(pid) or self._state(pid) for pid in pids]
         if self.reducer is not None:
-            for state, grad in zip(states, grads):
-                self.reducer.add(state, grad)
+            for pid, grad in zip(pids, grads):
+                self.reducer.add(self.states.get(pid) or self._state(pid), grad)
             return
-        if self._handoff_generation != param_state.layout_generation:
+        if self._handoff_generation != self.layout_clock.generation:
             self._handoff_plans.clear()
-            self._handoff_generation = param_state.layout_generation
+            self._handoff_generation = self.layout_clock.generation
         key = tuple(pids)
         plan = self._handoff_plans.get(key)
         if plan is None:
+            states = [self.states.get(pid) or self._state(pid) for pid in pids]  # (may create states)
             plan = self._handoff_plans[key] = HandoffPlan(states)
+            self._handoff_generation = self.layout_clock.generation
         with torch.no_grad():  # (a backward with create_graph=True runs its hooks with grad mode on)
             self.counters["bytes_device_to_host"] += plan.receive(grads, scores, self.grad_slot)
 
@@ -259,6 +263,7 @@ class ZenFlowRuntime:
                 readout.mean_scores[m.pid] = (float(host_scores[m.selected].mean()),
                                               float(host_scores[m.host_columns].mean()))
 
+        self._stack_like_states()
         self._update_on_device(stepped, param_groups, coef)
         self._submit_accumulate([m for m in stepped_matrices if m.num_host and m.owns_host], coef)
         for m in stepped_matrices:
@@ -297,6 +302,13 @@ class ZenFlowRuntime:
             self._drain()  # CPU work in flight reads and writes the host masters
             for state in written:
                 state.adopt_param_values()
+
+    def _stack_like_states(self) -> None:
+        """Like states share stacked device storage (`runtime/stacked_state.py`), redone after any layout
+        change (here, before the device update: the first selections of this step have been made)."""
+        if self._stacked_generation != self.layout_clock.generation:
+            stack_like_states(list(self.states.values()))
+            self._stacked_generation = self.layout_clock.generation
 
     def _update_on_device(self, stepped: list, param_groups: list[dict], coef: float) -> None:
         """The selected columns and the vectors: one fused device AdamW per param group."""

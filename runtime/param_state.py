@@ -33,28 +33,35 @@ from zenflow_compile.runtime.transfers import Transfers, wait_events
 
 HostRun = tuple[int, int, torch.Tensor]  # rows [start, end) of the host buffers and their shared count
 
-# Bumped whenever any state replaces a tensor `device_update` hands out (a new layout, a cast, a new state, a
-# loaded checkpoint, a parameter whose storage changed): the runtime reuses its device-AdamW argument lists
-# while the generation is unchanged.
-layout_generation = 0
+
+class LayoutClock:
+    """Counts layout changes of one optimizer's states: bumped whenever a state replaces a tensor that a
+    plan hands out (a new state, a new selection, a cast, a loaded checkpoint, a parameter whose storage
+    changed, stacking). Plans built from the states (`PerLayout`) are reused while it stands still; one
+    clock per runtime, so one optimizer's relayout never invalidates another's plans."""
+
+    def __init__(self):
+        self.generation = 0
+
+    def bump(self) -> None:
+        self.generation += 1
 
 
-def _layout_changed() -> None:
-    global layout_generation
-    layout_generation += 1
+# States made outside a runtime (tests, benchmarks) share this one.
+_SHARED_CLOCK = LayoutClock()
 
 
 class PerLayout:
     """A value derived from some states' layout alone (argument lists, plans): `build(states)` runs again
-    only when those states or any state's layout changed since the last `get`."""
+    only when those states or any state's layout (on `clock`) changed since the last `get`."""
 
-    def __init__(self, build):
-        self._build = build
+    def __init__(self, build, clock: LayoutClock):
+        self._build, self._clock = build, clock
         self._generation, self._states, self._value = None, None, None
 
     def get(self, states: list):
-        if self._generation != layout_generation or self._states != states:  # (states compare by identity)
-            generation = layout_generation
+        if self._generation != self._clock.generation or self._states != states:  # (states compare by identity)
+            generation = self._clock.generation
             self._value, self._states, self._generation = self._build(states), list(states), generation
         return self._value
 
@@ -144,8 +151,10 @@ class VectorState:
 
     is_matrix = False
 
-    def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int = 0):
+    def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int = 0,
+                 clock: Optional[LayoutClock] = None):
         self.param, self.pid, self.group_index = param, pid, group_index
+        self.clock = clock if clock is not None else _SHARED_CLOCK
         self.owner = owner  # data parallel: the rank that reports its score and saves its state
         device = param.device
         self.master = param.detach().float().reshape(-1, 1).clone()
@@ -158,13 +167,13 @@ class VectorState:
         self.column = torch.zeros(1, dtype=torch.long, device=device)
         self.num_grads = 0
         self.watch = ParamWatch(param)
-        _layout_changed()
+        self.clock.bump()
 
     def written_externally(self) -> bool:
         return self.watch.written_externally()
 
     def adopt_param_values(self) -> None:
-        _layout_changed()  # the parameter's storage (its view in device_update) or the grad buffer may be new
+        self.clock.bump()  # the parameter's storage (its view in device_update) or the grad buffer may be new
         current = self.param.detach().reshape(-1, 1)
         if current.dtype != self.grad.dtype:  # the parameter was cast (model.to(dtype)): all of it is new
             self.grad = torch.zeros(self.master.shape, dtype=current.dtype, device=current.device)
@@ -213,7 +222,7 @@ class VectorState:
         for mine, saved in ((self.master, state.master), (self.exp_avg, state.exp_avg),
                             (self.exp_avg_sq, state.exp_avg_sq), (self.step, state.step)):
             mine.copy_(saved.reshape(mine.shape))
-        _layout_changed()
+        self.clock.bump()
         self.watch.remember()  # a later write into the parameter (model.load_state_dict) is compared to it
 
 
@@ -243,12 +252,14 @@ class MatrixState:
     is_matrix = True
 
     def __init__(self, param: torch.Tensor, pid: int, group_index: int, transfers: Transfers,
-                 owner: int = 0, owns_host: bool = True, accumulate_squares: bool = False):
+                 owner: int = 0, owns_host: bool = True, accumulate_squares: bool = False,
+                 clock: Optional[LayoutClock] = None):
         if not param.is_contiguous():
             raise ValueError(
                 f"ZenFlowAdamW needs contiguous parameters; got one of shape {tuple(param.shape)} with strides "
                 f"{param.stride()}. Make it contiguous (param.data = param.data.contiguous()) first.")
         self.param, self.pid, self.group_index = param, pid, group_index
+        self.clock = clock if clock is not None else _SHARED_CLOCK
         self.owner, self.owns_host = owner, owns_host
         self.accumulate_squares = accumulate_squares  # interval_second_moment
         self.transfers = transfers
@@ -271,14 +282,6 @@ class MatrixState:
                          CanonicalState(master, zeros, zeros.clone(), torch.zeros(self.cols)))
 
     # -- layout -------------------------------------------------------------------------------------------
-    @property
-    def num_selected(self) -> int:
-        return self.selected.numel()
-
-    @property
-    def num_host(self) -> int:
-        return self.host_columns.numel()
-
     def as_columns(self) -> torch.Tensor:
         """The device parameter viewed as [R, C] (a view: writes land in the parameter)."""
         return self.param.data.view(self.rows, self.cols)
@@ -297,7 +300,7 @@ class MatrixState:
         if host_columns is None:
             host_columns = self._host_order(selected, state)
 
-        _layout_changed()
+        self.clock.bump()
         dev, dtype, pin = self.device, self.param.dtype, self.pin
         self.selected, self.selected_on_device = selected, selected.to(dev)
         self.dev_master = state.master[:, selected].to(dev)
@@ -311,8 +314,9 @@ class MatrixState:
         self.dev_grad = torch.zeros(self.rows, selected.numel(), device=dev, dtype=dtype)
 
         self.host_columns, self.host_columns_on_device = host_columns, host_columns.to(dev)
-        # Read per gradient by receive_grad: plain attributes (no numel() call each time).
-        self.has_selected, self.has_host = selected.numel() > 0, host_columns.numel() > 0
+        # Read per gradient and step: plain attributes (no numel() call each time).
+        self.num_selected, self.num_host = selected.numel(), host_columns.numel()
+        self.has_selected, self.has_host = self.num_selected > 0, self.num_host > 0
         self.host_grad_bytes = 0  # one offloaded gradient (owner only)
         self.upload_done: list = [None, None]  # upload events of host_weights[slot]
         self.offload_done: list[list] = [[], []]  # D2H events of host_grads[slot] (and its extras)
@@ -397,7 +401,7 @@ class MatrixState:
     def adopt_param_values(self) -> None:
         """The parameter was written by someone else: where it differs from what the optimizer left in it,
         its values become the master (call with no CPU work in flight)."""
-        _layout_changed()  # its storage (the view in device_update) may be new
+        self.clock.bump()  # its storage (the view in device_update) may be new
         current = self.as_columns().detach()
         if current.dtype != self.dev_grad.dtype:  # cast (model.to(dtype)): every value is new
             state = self.canonical()

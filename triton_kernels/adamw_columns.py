@@ -28,6 +28,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from ._triton import HAVE_TRITON, TORCH_TO_TL, DualKernel, constexpr, f32, split_f64, tl, triton_available
+from .rows import rows_of_one_tensor, runs_of_rows
 
 __all__ = ["adamw_selected_columns_", "adamw_selected_columns_reference_", "ReferencePlan"]
 
@@ -294,8 +295,8 @@ class ReferencePlan:
                 _adamw_per_column(ws, [gs[j] for j in rest], ms, vs, ns, **hyper)
                 _write_all_columns(params, columns, ws)
             elif group.fused:
-                torch._foreach_add_(group.ns, 1)  # the heads (views) now hold the incremented count the kernel uses
-                torch._fused_adamw_(group.ws, gs, group.ms, group.vs, [], group.heads, lr=lr, beta1=beta1,
+                torch._foreach_add_(group.uns, 1)  # the heads (views) now hold the incremented count the kernel uses
+                torch._fused_adamw_(group.uws, gs, group.ums, group.uvs, [], group.uheads, lr=lr, beta1=beta1,
                                     beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
                 group.write_columns()
             else:
@@ -304,7 +305,11 @@ class ReferencePlan:
 
 
 class _PlanGroup:
-    """Parameters a `ReferencePlan` updates together, with their column write-back planned once."""
+    """Parameters a `ReferencePlan` updates together, with their column write-back planned once.
+
+    A fused group updates runs of parameters whose tensors are consecutive rows of shared stacks (the
+    runtime's like states, `runtime/stacked_state.py`) and whose counts agree as one tensor each (`u*`
+    lists): one kernel "tensor" and one count increment per run instead of per parameter."""
 
     def __init__(self, *, fused, grads, grad_columns, ws, ms, vs, ns, heads, params, columns):
         self.fused, self.grads, self.grad_columns = fused, grads, grad_columns
@@ -312,12 +317,28 @@ class _PlanGroup:
         self.params, self.columns = params, columns
         self.plain_grads = all(g.dtype == torch.float32 for g in grads) and all(c is None for c in grad_columns)
         self.write_columns = _ColumnWriter(params, columns, ws).write
+        self.ugrads, self.uws, self.ums, self.uvs, self.uns, self.uheads = grads, ws, ms, vs, ns, heads
+        if fused and all(c is None for c in grad_columns):
+            self._join_stacked_runs()
+
+    def _join_stacked_runs(self) -> None:
+        # Rows of one stack next to each other, in row order (the update of each parameter is independent).
+        order = sorted(range(len(self.ws)), key=lambda i: (id(self.ws[i]._base), self.ws[i].storage_offset()))
+        lists = [[tensors[i] for i in order] for tensors in (self.grads, self.ws, self.ms, self.vs, self.ns)]
+        counts = [float(self.heads[i]) for i in order]  # (CPU: reading costs nothing)
+        runs = runs_of_rows(lists, can_join=lambda i: counts[i] == counts[i - 1])
+        if len(runs) == len(self.ws):
+            return
+        joined = [[rows_of_one_tensor(tensors[a:b]) if b - a > 1 else tensors[a] for a, b in runs]
+                  for tensors in lists]
+        self.ugrads, self.uws, self.ums, self.uvs, self.uns = joined
+        self.uheads = [n.view(-1)[:1] for n in self.uns]  # (each run's counts agree: its first is the count)
 
     def grads_fp32(self) -> list:
         if self.plain_grads:
-            return self.grads  # (read only by the update: never mutated)
+            return self.ugrads  # (read only by the update: never mutated)
         gs = []
-        for g, gc in zip(self.grads, self.grad_columns):
+        for g, gc in zip(self.ugrads, self.grad_columns if self.ugrads is self.grads else [None] * len(self.ugrads)):
             g = g if gc is None else g[:, gc]
             gs.append(g if g.dtype == torch.float32 else g.float())
         return gs

@@ -2,7 +2,8 @@
 
 A hook per parameter is how an eager backward tells the optimizer that a gradient is ready, but handing each
 gradient to the runtime from its hook costs a Python call chain and several small torch calls per tensor.
-Instead the hook only moves the gradient out of `.grad` into the optimizer's open bucket; the bucket goes to
+Instead the hook only records the parameter in the optimizer's open bucket; the flush moves the bucket's
+gradients out of `.grad` (so after a backward `.grad` is None, as before) and hands them to
 `ZenFlowRuntime.accumulate_grads` (batched, `runtime/handoff.py`) when it holds `bucket_numel` elements (so
 on a large model the offload of early gradients still overlaps the rest of the backward) and at the end of
 the backward (a callback queued on the autograd engine, as DDP does). `ZenFlowAdamW.step()` and
@@ -24,41 +25,34 @@ if TYPE_CHECKING:
 
 
 class GradBucket:
-    """One optimizer's open bucket of eager gradients. Holds its runtime weakly (the hooks hold the bucket,
-    the parameters hold the hooks: a deleted optimizer must still be freed)."""
+    """One optimizer's open bucket of eager gradients: the parameters whose gradient is ready, in the order
+    autograd produced them. Holds its runtime weakly (the hooks hold the bucket, the parameters hold the
+    hooks: a deleted optimizer must still be freed)."""
 
-    def __init__(self, runtime: "ZenFlowRuntime", bucket_numel: int):
+    def __init__(self, runtime: "ZenFlowRuntime", bucket_numel: int, param_ids: dict[int, int]):
         self._runtime = weakref.ref(runtime)
         self.bucket_numel = bucket_numel
-        self.pids: list[int] = []
-        self.grads: list[torch.Tensor] = []
+        self._param_ids = param_ids  # id(param) -> runtime id (the optimizer's own dict)
+        self.ready: list[torch.Tensor] = []
         self.numel = 0
         self._flush_queued = False
 
-    def hook(self, param: torch.Tensor, pid: int) -> None:
-        """The post-accumulate-grad hook of parameter `pid`."""
-        grad = param.grad
-        if grad is None:
-            return
-        if grad.layout != torch.strided:
-            raise ValueError(
-                f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} got a {grad.layout} gradient "
-                "(e.g. nn.Embedding(sparse=True)); ZenFlow needs dense gradients. Fix: use sparse=False "
-                "for that module")
-        param.grad = None
-        runtime = self._runtime()
-        if runtime is None:
-            return
-        if runtime.reducer is not None:
-            runtime.accumulate_grad(pid, grad, None)
-            return
-        self.pids.append(pid)
-        self.grads.append(grad)
-        self.numel += grad.numel()
+    def hook(self, param: torch.Tensor) -> None:
+        """The post-accumulate-grad hook (per parameter and backward: kept to the minimum; the gradient is
+        taken out of `.grad` at the flush)."""
+        self.ready.append(param)
+        self.numel += param.numel()
         if self.numel >= self.bucket_numel:
             self.flush()
         elif not self._flush_queued:
             self._queue_flush()
+
+    def hook_data_parallel(self, param: torch.Tensor) -> None:
+        """Data parallel: each gradient to the runtime's reducer at once (it buckets for the collectives)."""
+        runtime = self._runtime()
+        pids, grads = self._take_grads([param])
+        if runtime is not None and pids:
+            runtime.accumulate_grad(pids[0], grads[0], None)
 
     def _queue_flush(self) -> None:
         try:
@@ -71,14 +65,32 @@ class GradBucket:
         self._flush_queued = False
         self.flush()
 
+    def _take_grads(self, params: list) -> tuple[list[int], list[torch.Tensor]]:
+        """Move the parameters' gradients out of `.grad` (a parameter listed twice, after a backward that
+        raised before its flush, has its summed gradient taken once)."""
+        pids, grads = [], []
+        for param in params:
+            grad = param.grad
+            if grad is None:
+                continue
+            if grad.layout != torch.strided:
+                raise ValueError(
+                    f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} got a {grad.layout} gradient "
+                    "(e.g. nn.Embedding(sparse=True)); ZenFlow needs dense gradients. Fix: use sparse=False "
+                    "for that module")
+            param.grad = None
+            pids.append(self._param_ids[id(param)])
+            grads.append(grad)
+        return pids, grads
+
     def flush(self) -> None:
         """Hand the open bucket to the runtime."""
-        if not self.pids:
+        if not self.ready:
             return
-        pids, grads = self.pids, self.grads
-        self.pids, self.grads, self.numel = [], [], 0
+        ready, self.ready, self.numel = self.ready, [], 0
+        pids, grads = self._take_grads(ready)
         runtime = self._runtime()
-        if runtime is not None:
+        if runtime is not None and pids:
             runtime.accumulate_grads(pids, grads)
 
     def finish(self) -> None:
@@ -87,6 +99,6 @@ class GradBucket:
         self.flush()
 
     def drop(self) -> None:
-        """Between backwards (zero_grad()): forget the open bucket."""
+        """Between backwards (zero_grad(), which also clears `.grad`): forget the open bucket."""
         self._flush_queued = False
-        self.pids, self.grads, self.numel = [], [], 0
+        self.ready, self.numel = [], 0

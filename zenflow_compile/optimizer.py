@@ -99,10 +99,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "set offload=False: selected columns' state lives on the device")
         data_parallel = collectives.data_parallel_group(process_group)
         self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size)
-        self._grad_bucket = GradBucket(self._runtime, reduce_bucket_size)
         self._constructed = False
         self._param_ids: dict[int, int] = {}  # id(param) -> runtime id
         self._hook_handles: dict[int, Any] = {}  # id(param) -> its post-accumulate-grad hook
+        self._grad_bucket = GradBucket(self._runtime, reduce_bucket_size, self._param_ids)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         weakref.finalize(self, _close, self._runtime, self._hook_handles)
@@ -155,8 +155,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         data_parallel.broadcast_parameters([p for p in params if p.is_floating_point()])
 
     def _hook(self, param: torch.Tensor) -> None:
-        pid, bucket = self._param_ids[id(param)], self._grad_bucket
-        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(lambda p: bucket.hook(p, pid))
+        bucket = self._grad_bucket
+        hook = bucket.hook if self._runtime.reducer is None else bucket.hook_data_parallel
+        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(hook)
 
     def param_id(self, param: torch.Tensor) -> int:
         return self._param_ids[id(param)]
@@ -185,7 +186,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 if param.grad is not None and id(param) in self._param_ids:
                     if id(param) not in self._hook_handles:
                         self._hook(param)
-                    self._grad_bucket.hook(param, self._param_ids[id(param)])
+                    self._grad_bucket.hook(param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients received since the last step (as torch.optim does with `.grad`)."""

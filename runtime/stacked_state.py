@@ -1,0 +1,82 @@
+"""Like states share stacked device storage, so per-step work over them is a few calls, not a few per state.
+
+On a model of many small tensors (LoRA adapters, biases, norms, a deep stack of equal layers) the device
+work per step is launch- and dispatch-bound: the hand-off writes each state's gradient and scores, the
+device AdamW reads and writes each state's master, moments and counts. When like states (matrices of one
+shape, dtype and selection size; vectors of one size and dtype) keep those tensors as consecutive rows of
+one stacked tensor, the hand-off writes the whole group in one call (`runtime/handoff.py`) and the torch
+twin of the device AdamW updates it as one tensor where the counts agree (`triton_kernels/rows.py`).
+
+`stack_like_states` moves the tensors of each group into stacks (values kept) and rebinds the states'
+attributes to the rows: the states stay the owners and everything else keeps reading `state.dev_master`
+etc. It runs at a step, before the device update, whenever the layout generation changed (new states, a
+selection, a checkpoint load: whatever made a state allocate new tensors). It touches only device-side
+tensors that no CPU worker reads, so nothing in flight is affected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zenflow_compile.triton_kernels.rows import rows_of_one_tensor
+
+# Largest parameter (elements) whose state is stacked with its group: stacking its gradient in the hand-off
+# copies it once more, which pays while a tensor costs more in per-call host time than in bandwidth (CPU:
+# ~5 us of host time per call vs ~10 GB/s; CUDA: the same host time vs TB/s).
+STACK_MAX_NUMEL = {"cpu": 1 << 14, "cuda": 1 << 20}
+
+
+def stackable(state) -> bool:
+    return state.param.numel() <= STACK_MAX_NUMEL.get(state.param.device.type, 0)
+
+
+def group_key(state):
+    """States with equal keys can share stacks (None: never stacked)."""
+    if not stackable(state):
+        return None
+    if state.is_matrix:
+        return ("matrix", tuple(state.param.shape), state.dev_grad.dtype, state.num_selected, state.num_host,
+                state.device)
+    return ("vector", state.grad.numel(), state.grad.dtype, state.param.device)
+
+MATRIX_TENSORS = ("scores", "dev_grad", "dev_master", "dev_exp_avg", "dev_exp_avg_sq", "dev_step")
+VECTOR_TENSORS = ("grad", "master", "exp_avg", "exp_avg_sq", "step", "score")
+
+
+def like_groups(states: list) -> list[list[int]]:
+    """Positions of the states that can share stacks (two or more of one key), in the order given."""
+    groups: dict[tuple, list[int]] = {}
+    for position, state in enumerate(states):
+        key = group_key(state)
+        if key is not None:
+            groups.setdefault(key, []).append(position)
+    return [positions for positions in groups.values() if len(positions) > 1]
+
+
+def stack_like_states(states: list) -> bool:
+    """Give every group of like states one stack per tensor (rows in group order, values copied); returns
+    whether any state's tensors were replaced (then their layout clock has moved on: every plan built on
+    the old tensors is rebuilt)."""
+    moved = set()
+    for positions in like_groups(states):
+        group = [states[p] for p in positions]
+        names = MATRIX_TENSORS if group[0].is_matrix else VECTOR_TENSORS
+        for name in names:
+            tensors = [getattr(state, name) for state in group]
+            if rows_of_one_tensor(tensors) is not None:
+                continue
+            for state, row in zip(group, torch.stack(tensors).unbind(0)):
+                setattr(state, name, row)
+            moved.add(group[0].clock)
+        for state in group:  # views derived from the replaced tensors
+            if state.is_matrix:
+                if state.dev_step_head is not None:
+                    state.dev_step_head = state.dev_step[:1]
+            else:
+                state.grad_flat = state.grad.view(-1)
+    for clock in moved:
+        clock.bump()
+    return bool(moved)
+
+
+__all__ = ["like_groups", "stack_like_states", "stackable", "STACK_MAX_NUMEL"]
