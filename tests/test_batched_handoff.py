@@ -14,6 +14,7 @@ from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime.handoff import HandoffPlan
 from zenflow_compile.runtime.param_state import MatrixState, VectorState
 from zenflow_compile.runtime.transfers import Transfers
+from zenflow_compile.triton_kernels.rows import rows_of_one_tensor, runs_of_rows
 
 LR, WD = 1e-2, 0.01
 
@@ -199,3 +200,49 @@ def test_a_backward_that_raised_leaves_nothing_behind():
             o.zero_grad()
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_like_states_share_stacks_and_the_update_joins_them():
+    """After the first steps, the three blocks' matrices (and the LayerNorm/bias vectors) keep their device
+    state as rows of shared stacks, and the CPU device AdamW updates each stack as one tensor."""
+    opt = train_beside_reference(dict(topk_ratio=0.25, update_interval=2, select_strategy="step",
+                                      select_interval=1000), steps=3)  # (a reselection unstacks until the next step)
+    runtime = opt._runtime
+    params = [p for group in opt.param_groups for p in group["params"]]
+    blocks = [runtime.states[opt.param_id(p)] for p in params if tuple(p.shape) == (16, 16)]
+    assert len(blocks) == 3
+    for name in ("dev_master", "dev_exp_avg", "dev_exp_avg_sq", "dev_step", "dev_grad", "scores"):
+        tensors = [getattr(state, name) for state in blocks]
+        assert rows_of_one_tensor(tensors) is not None, name
+    (group_index, args), = runtime._device_args.get([s for s in runtime.states.values()])
+    fused = [group for group in args.reference_plan().groups if group.fused]
+    assert len(fused[0].uws) < len(fused[0].ws)  # runs of stacked rows joined
+
+
+def test_frozen_then_unfrozen_block_with_stacks():
+    """A block frozen after two steps (its state stays in the stacks, unstepped) and unfrozen two steps
+    later: the others and then it train as under the reference."""
+    keys = KEYS["S2-reselect"]
+    a, b = repeated_model(), repeated_model()
+    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
+    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
+    for step in range(8):
+        for model in (a, b):
+            model.blocks[1].requires_grad_(not 2 <= step < 4)
+        for model, o in ((a, opt), (b, ref)):
+            loss_of(model, step).backward()
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+
+
+def test_rows_of_one_tensor():
+    stack = torch.zeros(4, 3, 2)
+    rows = list(stack.unbind(0))
+    assert rows_of_one_tensor(rows[1:3]).data_ptr() == stack[1].data_ptr()
+    assert rows_of_one_tensor(rows[1:3]).shape == (2, 3, 2)
+    assert rows_of_one_tensor([rows[0], rows[2]]) is None  # a gap
+    assert rows_of_one_tensor([rows[1], rows[0]]) is None  # out of order
+    assert rows_of_one_tensor([torch.zeros(3, 2), torch.zeros(3, 2)]) is None  # separate storages
+    assert runs_of_rows([rows], can_join=lambda i: i != 2) == [(0, 2), (2, 4)]
