@@ -112,50 +112,55 @@ def _tensors(outputs):
     return []
 
 
-def _bound_param_ids(slots: list[int], op: str) -> list[int]:
-    """The ids of the parameters in `slots` of the compiled call being differentiated."""
+# A bucket's slots -> how they were last resolved: (the call's bound ids, registry generation, pids, positions
+# per owner). A training loop runs each compiled graph with the same bound ids (`GraphOwnerBinding` reuses
+# the tuple) step after step, so resolving a bucket is one lookup; no runtime is referenced from here.
+_resolved_buckets: dict[tuple[int, ...], tuple] = {}
+
+
+def _resolve_bucket(slots: list[int], op: str) -> tuple[list[int], list[list[int]]]:
+    """The ids of the parameters in `slots` of the compiled call being differentiated, and their positions
+    grouped by owning runtime (in order of first appearance; positions ascending)."""
     node = torch._C._current_autograd_node()
     param_ids = None if node is None else node.metadata.get(_GRAPH_IDS_KEY)
     if param_ids is None:
         raise RuntimeError(
             f"zenflow::{op} ran outside the backward of a graph compiled with backend='zenflow' "
             "(or under compiled autograd, which ZenFlow does not support): no parameters are bound to it")
+    key = tuple(slots)
+    hit = _resolved_buckets.get(key)
+    if hit is not None and hit[0] is param_ids and hit[1] == _generation:
+        return hit[2], hit[3]
     pids = [param_ids[slot] for slot in slots]
     if None in pids:
         slot = slots[pids.index(None)]
         raise RuntimeError(f"ZenFlow: forward input {slot} of this graph got a gradient but no ZenFlowAdamW "
                            "owned it when the graph ran")
-    return pids
-
-
-def _by_runtime(pids: list[int]) -> list[tuple["ZenFlowRuntime", list[int]]]:
-    """Positions in `pids` grouped by owning runtime, in order (first appearance; positions ascending)."""
-    groups: dict[int, tuple] = {}
+    groups: dict[int, list[int]] = {}
     for i, pid in enumerate(pids):
-        runtime = _live_runtime(pid)
-        groups.setdefault(id(runtime), (runtime, []))[1].append(i)
-    return list(groups.values())
+        groups.setdefault(id(_live_runtime(pid)), []).append(i)
+    _resolved_buckets[key] = (param_ids, _generation, pids, list(groups.values()))
+    return pids, list(groups.values())
 
 
 def accumulate_grads_from_graph(slots: list[int], grads: list[torch.Tensor],
                                 column_scores: list[torch.Tensor]) -> None:
     """The compiled backward's hand-off of one bucket: resolve each slot through the call that is being
     differentiated; each owner gets its gradients (in bucket order) in one `accumulate_grads` call."""
-    pids = _bound_param_ids(slots, "accumulate_grads")
-    groups = _by_runtime(pids)
-    if len(groups) == 1:  # the common case: one optimizer owns the whole graph
-        groups[0][0].accumulate_grads(pids, grads, column_scores)
+    pids, groups = _resolve_bucket(slots, "accumulate_grads")
+    if len(groups) == 1:  # the common case: one optimizer owns the whole bucket
+        _live_runtime(pids[0]).accumulate_grads(pids, grads, column_scores)
         return
-    for runtime, positions in groups:
-        runtime.accumulate_grads([pids[i] for i in positions], [grads[i] for i in positions],
-                                 [column_scores[i] for i in positions])
+    for positions in groups:
+        _live_runtime(pids[positions[0]]).accumulate_grads(
+            [pids[i] for i in positions], [grads[i] for i in positions], [column_scores[i] for i in positions])
 
 
 def reduce_grads_from_graph(slots: list[int], grads: list[torch.Tensor]) -> None:
     """The compiled backward's data-parallel hand-off of one bucket: each owner gets its gradients in order."""
-    pids = _bound_param_ids(slots, "reduce_grads")
-    for runtime, positions in _by_runtime(pids):
-        runtime.reduce_grads([pids[i] for i in positions], [grads[i] for i in positions])
+    pids, groups = _resolve_bucket(slots, "reduce_grads")
+    for positions in groups:
+        _live_runtime(pids[positions[0]]).reduce_grads([pids[i] for i in positions], [grads[i] for i in positions])
 
 
 def _live_runtime(pid: int) -> "ZenFlowRuntime":

@@ -84,6 +84,21 @@ def test_a_bucket_reaches_each_owner_in_one_call_in_bucket_order():
     assert seen(runtimes[1]) == [([pids[1]], [1.0], [11.0])]
 
 
+def test_a_resolved_bucket_is_not_reused_after_its_owner_went_away():
+    """The registry remembers how a bucket's slots resolved (same bound ids, step after step); unregistering
+    an owner's parameter (what deleting the optimizer does) must not leave a stale route to it."""
+    runtime, params = RecordingRuntime(), [nn.Parameter(torch.zeros(3, 2)) for _ in range(2)]
+    bound = tuple(registry.register_param(p, runtime) for p in params)  # one tuple object, as the backend's
+    s = torch.rand(2)
+    for _ in range(2):
+        run_backward(lambda g: torch.ops.zenflow.accumulate_grads([g, g], [s, s], [0, 1]), bound)
+    assert [c[0] for c in runtime.calls] == [list(bound)] * 2
+    registry.unregister_param(bound[1])
+    with pytest.raises(RuntimeError, match=f"parameter id {bound[1]} has no live optimizer"):
+        run_backward(lambda g: torch.ops.zenflow.accumulate_grads([g, g], [s, s], [0, 1]), bound)
+    assert len(runtime.calls) == 2
+
+
 def test_op_outside_a_zenflow_backward_is_a_clear_error():
     with pytest.raises(RuntimeError, match="outside the backward of a graph compiled with backend='zenflow'"):
         torch.ops.zenflow.accumulate_grads([torch.randn(3, 2)], [torch.rand(2)], [0])
