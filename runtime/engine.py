@@ -35,8 +35,9 @@ from zenflow_compile.runtime import param_state, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.handoff import HandoffPlan
-from zenflow_compile.runtime.stacked_state import stack_like_states
-from zenflow_compile.runtime.param_state import CanonicalState, MatrixState, VectorState, top_k_columns
+from zenflow_compile.runtime.stacked_state import stack_like_states, stacked_merges
+from zenflow_compile.runtime.param_state import (CanonicalState, MatrixState, VectorState, top_k_columns,
+                                                 top_k_columns_many)
 from zenflow_compile.runtime.transfers import StallClock, Transfers
 from zenflow_compile.runtime.worker import CpuWorker
 
@@ -91,6 +92,7 @@ class ZenFlowRuntime:
         self._device_args = param_state.PerLayout(self._device_adamw_args, self.layout_clock)
         self._accumulate_batches = param_state.PerLayout(lambda matrices: {}, self.layout_clock)  # slots -> batch
         self._zen_auto_plan = param_state.PerLayout(self._zen_auto_segments, self.layout_clock)
+        self._stacked_merges = param_state.PerLayout(stacked_merges, self.layout_clock)
         self._handoff_plans: dict[tuple, HandoffPlan] = {}  # bucket's pids -> plan, for one layout generation
         self._handoff_generation = None
         self._stacked_generation = None  # the layout generation stack_like_states last saw
@@ -441,8 +443,9 @@ class ZenFlowRuntime:
             return True  # _may_reselect decided
         # "auto": reselect once matrices holding half of the columns kept fewer than half of S in the top-k.
         drifted_columns = 0
-        for m in stepped_matrices:
-            top = top_k_columns(host_scores[m.pid], m.num_selected)
+        tops = top_k_columns_many([host_scores[m.pid] for m in stepped_matrices],
+                                  [m.num_selected for m in stepped_matrices])
+        for m, top in zip(stepped_matrices, tops):
             if 2 * int(torch.isin(top, m.selected).sum()) < m.num_selected:
                 drifted_columns += m.cols
         total_columns = sum(m.cols for m in stepped_matrices)
@@ -505,6 +508,10 @@ class ZenFlowRuntime:
         # Data parallel: the other ranks wait in the broadcast for the owners' CPU updates (counted as stall).
         waiting = self._counted_wait() if self.data_parallel is not None and unapplied else contextlib.nullcontext()
         with waiting:
+            if self.data_parallel is None:  # like CPU matrices in a few stacked calls
+                merges, unapplied = self._stacked_merges.get(unapplied)
+                for merge in merges:
+                    self.counters["bytes_host_to_device"] += merge.apply()
             for m in unapplied:
                 self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_,
                                                                               self.data_parallel)
@@ -512,10 +519,11 @@ class ZenFlowRuntime:
 
     def _reselect(self, t: int, matrices: list[MatrixState], host_scores: dict[int, torch.Tensor]) -> None:
         moved = total = 0
-        for m in matrices:
+        chosen = top_k_columns_many([host_scores[m.pid] for m in matrices],
+                                    [self.config.num_selected(m.cols) for m in matrices])
+        for m, columns in zip(matrices, chosen):
             total += m.num_selected
-            moved += m.select(top_k_columns(host_scores[m.pid], self.config.num_selected(m.cols)),
-                              data_parallel=self.data_parallel)
+            moved += m.select(columns, data_parallel=self.data_parallel)
         self.selection_start = t + 1
         self.selection_epoch = self._epoch_grid_point(t)
         self.counters["reselections"] += 1

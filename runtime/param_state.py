@@ -99,9 +99,23 @@ class DeviceUpdate:
 
 
 def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores, ties to the lower index, in ascending order (on the host)."""
-    order = torch.sort(scores.detach().cpu(), descending=True, stable=True).indices
-    return order[:k].sort().values
+    """Indices of the k largest scores, ties to the lower index, in ascending order (on the host). `scores`
+    may be [n, C]: the top k of each row (one sort for n matrices of C columns)."""
+    order = torch.sort(scores.detach().cpu(), dim=-1, descending=True, stable=True).indices
+    return order[..., :k].sort(dim=-1).values
+
+
+def top_k_columns_many(scores: list[torch.Tensor], ks: list[int]) -> list[torch.Tensor]:
+    """`top_k_columns` of each (scores, k) pair; pairs of one size and k share one sort."""
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (row, k) in enumerate(zip(scores, ks)):
+        groups.setdefault((row.numel(), k), []).append(i)
+    result: list = [None] * len(scores)
+    for (_, k), members in groups.items():
+        chosen = top_k_columns(torch.stack([scores[i] for i in members]), k)
+        for i, columns in zip(members, chosen.unbind(0)):
+            result[i] = columns
+    return result
 
 
 def _host_buffer(shape, dtype, pin: bool) -> torch.Tensor:
@@ -454,6 +468,8 @@ class MatrixState:
         boundary, and before the first selection). Data parallel: the state of the newly selected columns
         (and their gradient) comes from the owner's host to every rank.
         """
+        if grad_slot is None and selected.shape == self.selected.shape and torch.equal(selected, self.selected):
+            return 0  # the same columns (see below), found in one comparison
         arriving = selected[~torch.isin(selected, self.selected)]
         moved = arriving.numel() + self.num_selected - (selected.numel() - arriving.numel())
         if moved == 0 and grad_slot is None:

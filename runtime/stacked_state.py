@@ -80,3 +80,45 @@ def stack_like_states(states: list) -> bool:
 
 
 __all__ = ["like_groups", "stack_like_states", "stackable", "STACK_MAX_NUMEL"]
+
+
+class StackedMerge:
+    """At a boundary, on CPU: write the CPU-updated columns of like matrices into their parameters in a
+    fixed number of calls (the parameters gathered into a reused [n, R, C] buffer, the host columns
+    scattered in with one index_put_, the buffer copied back in one batched copy), instead of one
+    `MatrixState.apply_host_columns` (an upload and a merge) each."""
+
+    def __init__(self, matrices: list):
+        self.matrices = matrices
+        first = matrices[0]
+        self.params = [m.as_columns() for m in matrices]  # [R, C] views of the parameters
+        self.buffer = torch.empty((len(matrices), first.rows, first.cols), dtype=first.param.dtype)
+        self.buffer_rows = list(self.buffer.unbind(0))
+        self.columns = torch.stack([m.host_columns for m in matrices])  # [n, u]
+        self.which = torch.arange(len(matrices)).unsqueeze(1)
+        self.bytes = sum(m.host_weights[0].numel() * m.host_weights[0].element_size() for m in matrices)
+
+    @staticmethod
+    def applies_to(m) -> bool:
+        """Matrices this merge can take: host-resident columns on a CPU device, this rank's own."""
+        return m.device.type == "cpu" and m.owns_host and m.num_host > 0 and stackable(m)
+
+    def apply(self) -> int:
+        """Returns the bytes "uploaded" (the host weights read, as `apply_host_columns` counts them)."""
+        values = torch.stack([m.host_weights[m.weights_slot] for m in self.matrices])  # [n, u, R]
+        torch.stack(self.params, out=self.buffer)
+        self.buffer.transpose(1, 2).index_put_((self.which, self.columns), values)
+        torch._foreach_copy_(self.params, self.buffer_rows)
+        for m in self.matrices:
+            m.unapplied = False
+        return self.bytes
+
+
+def stacked_merges(matrices: list) -> tuple[list[StackedMerge], list]:
+    """(merges for the groups of like matrices `StackedMerge` can take, the other matrices)."""
+    takers = [m for m in matrices if StackedMerge.applies_to(m)]
+    merges, grouped = [], set()
+    for positions in like_groups(takers):
+        merges.append(StackedMerge([takers[p] for p in positions]))
+        grouped.update(id(takers[p]) for p in positions)
+    return merges, [m for m in matrices if id(m) not in grouped]

@@ -12,7 +12,7 @@ from torch import nn
 import zenflow_compile
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime.handoff import HandoffPlan
-from zenflow_compile.runtime.param_state import MatrixState, VectorState
+from zenflow_compile.runtime.param_state import MatrixState, VectorState, top_k_columns, top_k_columns_many
 from zenflow_compile.runtime.transfers import Transfers
 from zenflow_compile.triton_kernels.rows import rows_of_one_tensor, runs_of_rows
 
@@ -246,3 +246,14 @@ def test_rows_of_one_tensor():
     assert rows_of_one_tensor([rows[1], rows[0]]) is None  # out of order
     assert rows_of_one_tensor([torch.zeros(3, 2), torch.zeros(3, 2)]) is None  # separate storages
     assert runs_of_rows([rows], can_join=lambda i: i != 2) == [(0, 2), (2, 4)]
+
+
+def test_top_k_of_many_matrices_equals_one_by_one():
+    """One sort for matrices of one size and k: the same columns as top_k_columns each, ties to the lower
+    index included."""
+    g = torch.Generator().manual_seed(5)
+    scores = [torch.randint(0, 4, (12,), generator=g).float() for _ in range(5)]  # many ties
+    scores += [torch.rand(7, generator=g) for _ in range(3)]
+    ks = [3, 3, 3, 5, 3, 2, 2, 7]
+    for columns, row, k in zip(top_k_columns_many(scores, ks), scores, ks):
+        assert torch.equal(columns, top_k_columns(row, k))

@@ -368,22 +368,63 @@ def _adamw_per_column(ws, gs, ms, vs, ns, *, lr, beta1, beta2, eps, weight_decay
 
 class _ColumnWriter:
     """param[:, columns] = master for each parameter, split once: the vectors ([N, 1] views, every column)
-    in one batched copy, the matrices one index_copy_ each (no cast where the dtypes already match)."""
+    in one batched copy; matrices whose masters are consecutive rows of one stack (like parameters, see
+    `rows.py`) through one stacked scatter per run (`_StackedColumnWriter`); the others one index_copy_ each
+    (no cast where the dtypes already match)."""
 
     def __init__(self, params: list, columns: list, masters: list):
-        self.whole_params, self.whole_masters, self.by_index = [], [], []
+        self.whole_params, self.whole_masters, by_index = [], [], []
         for param, cols, master in zip(params, columns, masters):
             if param.shape[1] == 1 and cols.numel() == 1:
                 self.whole_params.append(param)
                 self.whole_masters.append(master)
             else:
-                self.by_index.append((param, cols, master))
+                by_index.append((param, cols, master))
+        self.stacked, self.by_index = [], []
+        by_index.sort(key=lambda item: (id(item[2]._base), item[2].storage_offset()))
+        masters_in_order = [master for _, _, master in by_index]
+        for start, end in runs_of_rows([masters_in_order], can_join=lambda i: _same_layout(by_index[i - 1], by_index[i])):
+            if end - start > 1:
+                self.stacked.append(_StackedColumnWriter(by_index[start:end]))
+            else:
+                self.by_index.append(by_index[start])
 
     def write(self) -> None:
         for param, cols, master in self.by_index:
             param.index_copy_(1, cols, master if master.dtype == param.dtype else master.to(param.dtype))
+        for writer in self.stacked:
+            writer.write()
         if self.whole_params:
             torch._foreach_copy_(self.whole_params, self.whole_masters)
+
+
+def _same_layout(a, b) -> bool:
+    (param_a, cols_a, _), (param_b, cols_b, _) = a, b
+    return (param_a.shape == param_b.shape and param_a.dtype == param_b.dtype and param_a.device == param_b.device
+            and cols_a.shape == cols_b.shape)
+
+
+class _StackedColumnWriter:
+    """n like parameters [R, C] whose masters [R, k] are the rows of one stack: the parameters are gathered
+    into a reused [n, R, C] buffer, the columns scattered in with one index_put_, and the buffer copied back
+    in one batched copy (three calls for n parameters instead of n; each parameter is small, or its state
+    would not be stacked)."""
+
+    def __init__(self, items: list):
+        self.params = [param for param, _, _ in items]
+        self.masters = rows_of_one_tensor([master for _, _, master in items])  # [n, R, k]
+        first = self.params[0]
+        self.buffer = torch.empty((len(items), *first.shape), dtype=first.dtype, device=first.device)
+        self.buffer_rows = list(self.buffer.unbind(0))
+        self.columns = torch.stack([cols for _, cols, _ in items])  # [n, k]
+        self.which = torch.arange(len(items), device=first.device).unsqueeze(1)  # [n, 1]
+        self.cast = self.masters.dtype != first.dtype
+
+    def write(self) -> None:
+        torch.stack(self.params, out=self.buffer)
+        values = self.masters.to(self.buffer.dtype) if self.cast else self.masters
+        self.buffer.transpose(1, 2).index_put_((self.which, self.columns), values.transpose(1, 2))
+        torch._foreach_copy_(self.params, self.buffer_rows)
 
 
 def _write_all_columns(params: list, columns: list, masters: list) -> None:

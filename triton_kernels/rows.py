@@ -7,9 +7,14 @@ per row (`ReferencePlan`).
 
 from __future__ import annotations
 
+import operator
 from typing import Optional, Sequence
 
 import torch
+
+
+_BASE = operator.attrgetter("_base")
+_SHAPE = operator.attrgetter("shape")
 
 
 def rows_of_one_tensor(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -17,27 +22,46 @@ def rows_of_one_tensor(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor
     or None if they are not."""
     first = tensors[0]
     base = first._base
-    if base is None or not base.is_contiguous() or not first.is_contiguous():
+    if base is None or not base.is_contiguous():
         return None
-    size, offset, shape = first.numel(), first.storage_offset() - base.storage_offset(), first.shape
+    size, shape, n = first.numel(), first.shape, len(tensors)
+    offset = first.storage_offset() - base.storage_offset()
     if size == 0 or offset % size or base.numel() % size:
         return None
-    for j, t in enumerate(tensors):
-        if (t._base is not base or t.shape != shape or not t.is_contiguous()
-                or t.storage_offset() - base.storage_offset() != offset + j * size):
-            return None
+    # (builtins over the whole list: this runs over hundreds of rows whenever a layout changes)
+    if (not all(b is base for b in map(_BASE, tensors))
+            or list(map(torch.Tensor.storage_offset, tensors))
+            != list(range(first.storage_offset(), first.storage_offset() + n * size, size))
+            or list(map(_SHAPE, tensors)).count(shape) != n or not all(map(torch.Tensor.is_contiguous, tensors))):
+        return None
     start = offset // size
-    return base.view(-1, *shape)[start:start + len(tensors)]
+    return base.view(-1, *shape)[start:start + n]
 
 
 def runs_of_rows(tensor_lists: Sequence[Sequence[torch.Tensor]], can_join) -> list[tuple[int, int]]:
     """Split positions 0..n into maximal runs [start, end) over which every list in `tensor_lists` is
     consecutive rows of one tensor and `can_join(i)` holds for every position after the run's first (e.g.
-    equal update counts). Linear: each position is compared with its predecessor only."""
-    n = len(tensor_lists[0])
+    equal update counts). A stretch of the first list sharing one base is checked whole first (the common
+    case: one run), else position by position."""
+    lead, n = tensor_lists[0], len(tensor_lists[0])
     runs, start = [], 0
-    for i in range(1, n + 1):
-        if i == n or not (can_join(i) and all(_next_row(tensors[i - 1], tensors[i]) for tensors in tensor_lists)):
+    while start < n:
+        base, end = lead[start]._base, start + 1
+        while end < n and base is not None and lead[end]._base is base:
+            end += 1
+        if end - start > 1 and all(can_join(i) for i in range(start + 1, end)) and all(
+                rows_of_one_tensor(tensors[start:end]) is not None for tensors in tensor_lists):
+            runs.append((start, end))
+        else:
+            runs += _runs_one_by_one(tensor_lists, can_join, start, end)
+        start = end
+    return runs
+
+
+def _runs_one_by_one(tensor_lists, can_join, start: int, end: int) -> list[tuple[int, int]]:
+    runs = []
+    for i in range(start + 1, end + 1):
+        if i == end or not (can_join(i) and all(_next_row(tensors[i - 1], tensors[i]) for tensors in tensor_lists)):
             runs.append((start, i))
             start = i
     return runs

@@ -6,6 +6,7 @@ Plain dataclass: importing this module never imports DeepSpeed (an optional extr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import numbers
@@ -171,8 +172,7 @@ class ZenFlowConfig:
         """Columns selected in a matrix of ``num_columns`` columns: max(1, floor(topk_ratio * C))."""
         if not (_is_int(num_columns) and num_columns >= 1):
             raise ValueError(f"num_columns={num_columns!r} is invalid: expected an int >= 1")
-        # The exact decimal product: 0.29 * 100 is 28.999999999999996 in floating point, but k is 29.
-        return max(1, math.floor(Fraction(repr(self.topk_ratio)) * int(num_columns)))
+        return _num_selected(self.topk_ratio, int(num_columns))
 
     @property
     def auto_update(self) -> bool:
@@ -190,3 +190,10 @@ class ZenFlowConfig:
 
 
 ZENFLOW_KEYS = tuple(f.name for f in dataclasses.fields(ZenFlowConfig))
+
+
+@functools.lru_cache(maxsize=4096)
+def _num_selected(topk_ratio: float, num_columns: int) -> int:
+    # The exact decimal product: 0.29 * 100 is 28.999999999999996 in floating point, but k is 29. (Cached:
+    # asked per matrix at every selection.)
+    return max(1, math.floor(Fraction(repr(topk_ratio)) * num_columns))

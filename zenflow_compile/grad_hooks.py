@@ -39,7 +39,10 @@ class GradBucket:
 
     def hook(self, param: torch.Tensor) -> None:
         """The post-accumulate-grad hook (per parameter and backward: kept to the minimum; the gradient is
-        taken out of `.grad` at the flush)."""
+        taken out of `.grad` at the flush). It also fires, with no gradient, for the parameters of a graph
+        compiled with backend="zenflow", whose backward hands gradients over itself."""
+        if param.grad is None:
+            return
         self.ready.append(param)
         self.numel += param.numel()
         if self.numel >= self.bucket_numel:
