@@ -147,10 +147,12 @@ class ParamWatch:
         self.remember()
 
     def remember(self) -> None:
-        self._seen = (self.param._version, self.param.data_ptr(), self.param.dtype)
+        """Called by the states whenever they also mark a layout change (the runtime checks all parameters
+        at once against what their watches saw, per layout)."""
+        self.seen = (self.param._version, self.param.data_ptr(), self.param.dtype)
 
     def written_externally(self) -> bool:
-        return (self.param._version, self.param.data_ptr(), self.param.dtype) != self._seen
+        return (self.param._version, self.param.data_ptr(), self.param.dtype) != self.seen
 
 
 def _adopt(current: torch.Tensor, last_written: torch.Tensor, master: torch.Tensor) -> None:
