@@ -130,7 +130,7 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_1: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(view_1, 2)
         sum_default: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_1);  pow_tensor_scalar_1 = None
         reshape_default: "f32[1]" = torch.ops.aten.reshape.default(sum_default, [1]);  sum_default = None
-        accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm_1, view, mm_2, view_1], [sum_dim_int_list_1, reshape_default_1, sum_dim_int_list, reshape_default], [3, 4, 0, 1]);  mm_1 = view = mm_2 = view_1 = sum_dim_int_list_1 = reshape_default_1 = sum_dim_int_list = reshape_default = accumulate_grads_default = None
+        accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm_1, view, mm_2, view_1], [sum_dim_int_list_1, reshape_default_1, sum_dim_int_list, reshape_default], slots[fc2.weight, fc2.bias, fc1.weight, fc1.bias]);  mm_1 = view = mm_2 = view_1 = sum_dim_int_list_1 = reshape_default_1 = sum_dim_int_list = reshape_default = accumulate_grads_default = None
         return (None, None, None, None, None)
 """)
 
@@ -166,7 +166,7 @@ class GraphModule(torch.nn.Module):
 
         pow_tensor_scalar: "f32[8, 6]" = torch.ops.aten.pow.Tensor_Scalar(mm_2, 2)
         sum_dim_int_list: "f32[6]" = torch.ops.aten.sum.dim_IntList(pow_tensor_scalar, [0]);  pow_tensor_scalar = None
-        accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm_1, view, mm_2], [sum_dim_int_list_1, reshape_default_1, sum_dim_int_list], [3, 4, 0]);  mm_1 = view = mm_2 = sum_dim_int_list_1 = reshape_default_1 = sum_dim_int_list = accumulate_grads_default = None
+        accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm_1, view, mm_2], [sum_dim_int_list_1, reshape_default_1, sum_dim_int_list], slots[fc2.weight, fc2.bias, fc1.weight]);  mm_1 = view = mm_2 = sum_dim_int_list_1 = reshape_default_1 = sum_dim_int_list = accumulate_grads_default = None
 
         sum_2: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(where, [0], True);  where = None
         view_1: "f32[8]" = torch.ops.aten.reshape.default(sum_2, [8]);  sum_2 = None
@@ -174,7 +174,7 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_1: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(view_1, 2)
         sum_default: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_1);  pow_tensor_scalar_1 = None
         reshape_default: "f32[1]" = torch.ops.aten.reshape.default(sum_default, [1]);  sum_default = None
-        accumulate_grads_default_1 = torch.ops.zenflow.accumulate_grads.default([view_1], [reshape_default], [1]);  view_1 = reshape_default = accumulate_grads_default_1 = None
+        accumulate_grads_default_1 = torch.ops.zenflow.accumulate_grads.default([view_1], [reshape_default], slots[fc1.bias]);  view_1 = reshape_default = accumulate_grads_default_1 = None
         return (None, None, None, None, None)
 """)
 
@@ -201,12 +201,12 @@ class GraphModule(torch.nn.Module):
         permute_6: "f32[8, 3]" = torch.ops.aten.permute.default(where, [1, 0])
         mm_2: "f32[8, 6]" = torch.ops.aten.mm.default(permute_6, primals_3);  permute_6 = primals_3 = None
 
-        reduce_grads_default = torch.ops.zenflow.reduce_grads.default([mm_1, view, mm_2], [3, 4, 0]);  mm_1 = view = mm_2 = reduce_grads_default = None
+        reduce_grads_default = torch.ops.zenflow.reduce_grads.default([mm_1, view, mm_2], slots[fc2.weight, fc2.bias, fc1.weight]);  mm_1 = view = mm_2 = reduce_grads_default = None
 
         sum_2: "f32[1, 8]" = torch.ops.aten.sum.dim_IntList(where, [0], True);  where = None
         view_1: "f32[8]" = torch.ops.aten.reshape.default(sum_2, [8]);  sum_2 = None
 
-        reduce_grads_default_1 = torch.ops.zenflow.reduce_grads.default([view_1], [1]);  view_1 = reduce_grads_default_1 = None
+        reduce_grads_default_1 = torch.ops.zenflow.reduce_grads.default([view_1], slots[fc1.bias]);  view_1 = reduce_grads_default_1 = None
         return (None, None, None, None, None)
 """)
 
@@ -374,7 +374,7 @@ class GraphModule(torch.nn.Module):
         pow_tensor_scalar_1: "f32[8]" = torch.ops.aten.pow.Tensor_Scalar(sum_12, 2)
         sum_default_1: "f32[]" = torch.ops.aten.sum.default(pow_tensor_scalar_1);  pow_tensor_scalar_1 = None
         reshape_default_1: "f32[1]" = torch.ops.aten.reshape.default(sum_default_1, [1]);  sum_default_1 = None
-        accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm_1, view_13, mm_3, view_16, sum_5, sum_6, mm_5, view_19, mm_7, view_26, sum_11, sum_12], [sum_dim_int_list_3, reshape_default_7, sum_dim_int_list_2, reshape_default_6, reshape_default_4, reshape_default_5, sum_dim_int_list_1, reshape_default_3, sum_dim_int_list, reshape_default_2, reshape_default, reshape_default_1], [11, 12, 9, 10, 7, 8, 5, 6, 3, 4, 1, 2]);  mm_1 = view_13 = mm_3 = view_16 = sum_5 = sum_6 = mm_5 = view_19 = mm_7 = view_26 = sum_11 = sum_12 = sum_dim_int_list_3 = reshape_default_7 = sum_dim_int_list_2 = reshape_default_6 = reshape_default_4 = reshape_default_5 = sum_dim_int_list_1 = reshape_default_3 = sum_dim_int_list = reshape_default_2 = reshape_default = reshape_default_1 = accumulate_grads_default = None
+        accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm_1, view_13, mm_3, view_16, sum_5, sum_6, mm_5, view_19, mm_7, view_26, sum_11, sum_12], [sum_dim_int_list_3, reshape_default_7, sum_dim_int_list_2, reshape_default_6, reshape_default_4, reshape_default_5, sum_dim_int_list_1, reshape_default_3, sum_dim_int_list, reshape_default_2, reshape_default, reshape_default_1], slots[fc2.weight, fc2.bias, fc1.weight, fc1.bias, ln2.weight, ln2.bias, proj.weight, proj.bias, qkv.weight, qkv.bias, ln1.weight, ln1.bias]);  mm_1 = view_13 = mm_3 = view_16 = sum_5 = sum_6 = mm_5 = view_19 = mm_7 = view_26 = sum_11 = sum_12 = sum_dim_int_list_3 = reshape_default_7 = sum_dim_int_list_2 = reshape_default_6 = reshape_default_4 = reshape_default_5 = sum_dim_int_list_1 = reshape_default_3 = sum_dim_int_list = reshape_default_2 = reshape_default = reshape_default_1 = accumulate_grads_default = None
         return (None, None, None, None, None, None, None, None, None, None, None, None, None)
 """)
 
@@ -409,10 +409,11 @@ def test_debug_dir_option_and_env(tmp_path, monkeypatch):
 
 def test_normalize_code_names_slots_and_hides_comments():
     code = ("    # File: /some/where.py:12 in forward\n"
-            "    accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(mm, sum_1, 17);  mm = None\n")
-    assert zf_inspect.normalize_code(code, {17: "fc1.weight"}) == (
-        "    accumulate_grad_default = torch.ops.zenflow.accumulate_grad.default(mm, sum_1, slot[fc1.weight]);"
-        "  mm = None\n")
+            "    accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm, view], [sum_1, sum_2], "
+            "[17, 18]);  mm = None\n")
+    assert zf_inspect.normalize_code(code, {17: "fc1.weight", 18: "fc1.bias"}) == (
+        "    accumulate_grads_default = torch.ops.zenflow.accumulate_grads.default([mm, view], [sum_1, sum_2], "
+        "slots[fc1.weight, fc1.bias]);  mm = None\n")
 
 
 @pytest.mark.skipif(shutil.which("tlparse") is None, reason="tlparse CLI not installed")

@@ -111,22 +111,25 @@ def readable(gm: torch.fx.GraphModule, *, verbose: bool = False) -> str:
     return gm.print_readable(print_output=False, include_stride=verbose, include_device=verbose)
 
 
-_SLOT_ARG = re.compile(r"(torch\.ops\.zenflow\.\w+\.default\(.*, )(\d+)\)")
+_SLOT_LIST = re.compile(r"(torch\.ops\.zenflow\.\w+\.default\(.*, )\[([\d, ]*)\]\)")
 
 
 def normalize_code(code: str, slot_names: Optional[Mapping[int, str]] = None) -> str:
-    """Drop comment lines (source locations vary) and show each op's slot as `slot[name]`."""
+    """Drop comment lines (source locations vary) and show each op's slots by parameter name:
+    `[3, 4]` -> `slots[fc2.weight, fc2.bias]`."""
 
-    def name(match: re.Match) -> str:
-        slot = int(match.group(2))
-        label = slot_names.get(slot, "?") if slot_names is not None else "?"
-        return f"{match.group(1)}slot[{label}])"
+    def label(slot: str) -> str:
+        return slot_names.get(int(slot), "?") if slot_names is not None else "?"
+
+    def names(match: re.Match) -> str:
+        slots = [slot for slot in match.group(2).split(",") if slot.strip()]
+        return f"{match.group(1)}slots[{', '.join(label(slot) for slot in slots)}])"
 
     lines = []
     for line in code.splitlines():
         if line.strip().startswith("#"):
             continue
-        lines.append(_SLOT_ARG.sub(name, line.rstrip()))
+        lines.append(_SLOT_LIST.sub(names, line.rstrip()))
     return "\n".join(lines).strip("\n") + "\n"
 
 
