@@ -142,7 +142,7 @@ class _VectorGroup:
         g = g.view(-1, self.numel)  # [n, N]
         _write(self.grads, g)
         if scores is not None and scores[self.positions[0]] is not None:
-            _write(self.scores, torch.stack([scores[p].reshape(1) for p in self.positions]))
+            _write(self.scores, torch.stack([scores[p] for p in self.positions]).view(-1, 1))  # ([1] or [] each)
         else:
             _write(self.scores, (g if g.dtype == torch.float32 else g.float()).square().sum(1, keepdim=True))
         for state in self.states:

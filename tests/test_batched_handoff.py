@@ -257,3 +257,13 @@ def test_top_k_of_many_matrices_equals_one_by_one():
     ks = [3, 3, 3, 5, 3, 2, 2, 7]
     for columns, row, k in zip(top_k_columns_many(scores, ks), scores, ks):
         assert torch.equal(columns, top_k_columns(row, k))
+
+
+def test_stacked_state_through_the_triton_kernels(monkeypatch):
+    """The device AdamW's Triton kernel (interpreted on CPU) takes the stacks' rows as its per-parameter
+    tensors, as on CUDA."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from zenflow_compile.triton_kernels import triton_available
+    assert triton_available(torch.device("cpu"))
+    train_beside_reference(KEYS["S2-reselect"], steps=5)
