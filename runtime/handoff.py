@@ -81,6 +81,8 @@ class _MatrixGroup:
             self.owners = [i for i, s in enumerate(states) if s.owns_host]
             self.all_own = len(self.owners) == len(states)
             self.host_grads = [[states[i].host_grads[slot] for i in self.owners] for slot in (0, 1)]
+            # (one pinned stack per slot once the states are stacked: one copy down for the group)
+            self.host_stacks = [rows_of_one_tensor(grads) if self.all_own else None for grads in self.host_grads]
             self.host_bytes = sum(states[i].host_grad_bytes for i in self.owners)
         self.transfers = first.transfers
 
@@ -106,8 +108,12 @@ class _MatrixGroup:
         sent = 0
         if self.has_host and self.owners:
             rest = columns[self.matrix_index, self.host_columns]  # [n, u, R]: the host layout
-            sources = rest.unbind(0) if self.all_own else [rest[i] for i in self.owners]
-            done = self.transfers.to_host_many(sources, self.host_grads[grad_slot])
+            stack = self.host_stacks[grad_slot]
+            if stack is not None:
+                done = self.transfers.to_host(rest, stack)
+            else:
+                sources = rest.unbind(0) if self.all_own else [rest[i] for i in self.owners]
+                done = self.transfers.to_host_many(sources, self.host_grads[grad_slot])
             for i in self.owners:
                 state = self.states[i]
                 state.offload_done[grad_slot] = [done]

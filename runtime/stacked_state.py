@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from zenflow_compile.runtime.transfers import wait_events
 from zenflow_compile.triton_kernels.rows import rows_of_one_tensor
 
 # Largest parameter (elements) whose state is stacked with its group: stacking its gradient in the hand-off
@@ -68,6 +69,8 @@ def stack_like_states(states: list) -> bool:
             for state, row in zip(group, torch.stack(tensors).unbind(0)):
                 setattr(state, name, row)
             moved.add(group[0].clock)
+        if group[0].is_matrix and _stack_host_grads(group):
+            moved.add(group[0].clock)
         for state in group:  # views derived from the replaced tensors
             if state.is_matrix:
                 if state.dev_step_head is not None:
@@ -79,7 +82,27 @@ def stack_like_states(states: list) -> bool:
     return bool(moved)
 
 
-__all__ = ["like_groups", "stack_like_states", "stackable", "STACK_MAX_NUMEL"]
+def _stack_host_grads(group: list) -> bool:
+    """The offloaded gradients' pinned buffers (`host_grads[slot]`, [u, R] each) as rows of one pinned stack
+    per slot, so the hand-off sends a group down in one copy. Only the training thread writes them (the
+    hand-off) and their old values are read at most by the accumulate task already running, which keeps its
+    own references; on CUDA the copies still in flight into the old buffers are waited for first."""
+    if not all(m.owns_host and m.num_host for m in group):
+        return False
+    moved = False
+    for slot in (0, 1):
+        buffers = [m.host_grads[slot] for m in group]
+        if rows_of_one_tensor(buffers) is not None:
+            continue
+        for m in group:
+            wait_events(m.offload_done[slot])
+        first = buffers[0]
+        stack = torch.empty((len(group), *first.shape), dtype=first.dtype, pin_memory=first.is_pinned())
+        torch.stack(buffers, out=stack)
+        for m, row in zip(group, stack.unbind(0)):
+            m.host_grads[slot] = row
+        moved = True
+    return moved
 
 
 class StackedMerge:
@@ -122,3 +145,6 @@ def stacked_merges(matrices: list) -> tuple[list[StackedMerge], list]:
         merges.append(StackedMerge([takers[p] for p in positions]))
         grouped.update(id(takers[p]) for p in positions)
     return merges, [m for m in matrices if id(m) not in grouped]
+
+
+__all__ = ["like_groups", "stack_like_states", "stacked_merges", "StackedMerge", "stackable", "STACK_MAX_NUMEL"]

@@ -214,6 +214,8 @@ def test_like_states_share_stacks_and_the_update_joins_them():
     for name in ("dev_master", "dev_exp_avg", "dev_exp_avg_sq", "dev_step", "dev_grad", "scores"):
         tensors = [getattr(state, name) for state in blocks]
         assert rows_of_one_tensor(tensors) is not None, name
+    for slot in (0, 1):
+        assert rows_of_one_tensor([state.host_grads[slot] for state in blocks]) is not None
     (group_index, args), = runtime._device_args.get([s for s in runtime.states.values()])
     fused = [group for group in args.reference_plan().groups if group.fused]
     assert len(fused[0].uws) < len(fused[0].ws)  # runs of stacked rows joined
