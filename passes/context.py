@@ -32,6 +32,10 @@ class ZenFlowPassContext:
         `reduce_bucket_size`), one op call per bucket (`insert_grad_accumulate`, `insert_grad_reduce`).
     data_parallel: None, or the world size when the owners reduce gradients across ranks
         (`insert_grad_reduce` instead of the norm proxy and `insert_grad_accumulate`).
+    runtime_scored_numel: gradients of at most this many elements get no norm proxy in the graph (None in
+        the op's score list): the runtime scores them together with their like parameters, one stacked
+        reduction per group instead of one kernel (and one live buffer) per parameter. 0: every gradient is
+        scored in the graph. The backend sets it from the parameters' device (`STACK_MAX_NUMEL`).
     """
 
     param_shapes: tuple[Optional[tuple[int, ...]], ...]
@@ -39,12 +43,15 @@ class ZenFlowPassContext:
     configs: tuple[tuple[tuple[str, object], ...], ...] = ()
     bucket_numel: int = DEFAULT_BUCKET_NUMEL
     data_parallel: Optional[int] = None
+    runtime_scored_numel: int = 0
 
     def __post_init__(self) -> None:
         if self.param_names and len(self.param_names) != len(self.param_shapes):
             raise ValueError("param_names must be empty or have one entry per forward input")
         if not (isinstance(self.bucket_numel, int) and self.bucket_numel >= 1):
             raise ValueError(f"bucket_numel must be a positive int, got {self.bucket_numel!r}")
+        if not (isinstance(self.runtime_scored_numel, int) and self.runtime_scored_numel >= 0):
+            raise ValueError(f"runtime_scored_numel must be an int >= 0, got {self.runtime_scored_numel!r}")
 
     @property
     def num_inputs(self) -> int:
@@ -60,5 +67,5 @@ class ZenFlowPassContext:
 
     def cache_key(self) -> tuple:
         """What the rewritten graph depends on (which slots are parameters, their shapes; owners' configs,
-        bucket size and data-parallel world size)."""
-        return (self.param_shapes, self.configs, self.bucket_numel, self.data_parallel)
+        bucket size, data-parallel world size, which gradients the runtime scores)."""
+        return (self.param_shapes, self.configs, self.bucket_numel, self.data_parallel, self.runtime_scored_numel)

@@ -21,7 +21,8 @@ __all__ = ["insert_grad_accumulate"]
 
 def insert_grad_accumulate(graph: torch.fx.Graph, grads: list[ParamGrad], scores: dict[int, torch.fx.Node],
                            shapes: tuple, bucket_numel: int) -> list[torch.fx.Node]:
-    """`scores[slot]` is the norm-proxy node of the gradient in `slot` (`insert_norm_proxy`). The slots are
+    """`scores[slot]` is the norm-proxy node of the gradient in `slot` (`insert_norm_proxy`), or None where the
+    runtime scores it. The slots are
     forward-input indices; the runtime resolves them to the parameters the compiled graph was called with."""
     calls: list[torch.fx.Node] = []
     for bucket in bucket_param_grads(graph, grads, shapes, bucket_numel):

@@ -24,6 +24,8 @@ past its bucket's hand-off.
 
 from __future__ import annotations
 
+import math
+
 import torch.fx
 
 from zenflow_compile.passes.context import ZenFlowPassContext
@@ -40,7 +42,8 @@ def rewrite_backward(graph: torch.fx.Graph, ctx: ZenFlowPassContext) -> list[Par
     """Rewrite a backward graph in place; return the parameter gradients handed to the runtime."""
     grads = find_param_grads(graph, ctx)
     if ctx.data_parallel is None:
-        scores = {grad.slot: insert_norm_proxy(graph, grad.node) for grad in grads}
+        scores = {grad.slot: insert_norm_proxy(graph, grad.node)
+                  if math.prod(ctx.param_shapes[grad.slot]) > ctx.runtime_scored_numel else None for grad in grads}
         insert_grad_accumulate(graph, grads, scores, ctx.param_shapes, ctx.bucket_numel)
     else:
         insert_grad_reduce(graph, grads, ctx.param_shapes, ctx.bucket_numel)

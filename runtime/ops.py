@@ -4,11 +4,11 @@ Schemas carry only tensors and integers (never a live object), so a compiled gra
 and shared by every model it is called with; `zenflow_compile.runtime.registry` resolves the integer at run
 time.
 
-    zenflow::accumulate_grads(Tensor[] grads, Tensor[] column_scores, int[] slots) -> ()
+    zenflow::accumulate_grads(Tensor[] grads, Tensor?[] column_scores, int[] slots) -> ()
 
 hands one bucket of a backward's gradients over at once: `grads[i]` is the gradient of the parameter in
 forward-input `slots[i]`, `column_scores[i]` its per-column squared-norm proxy (computed by fused aten
-reductions in the graph). Each gradient goes to the runtime that owns that parameter in the call being
+reductions in the graph), or None for a small gradient the runtime scores with its like parameters. Each gradient goes to the runtime that owns that parameter in the call being
 differentiated; each runtime gets its part of the bucket in one call (`registry.accumulate_grads_from_graph`).
 One op per bucket rather than per gradient: every custom-op call from Inductor's generated code costs a
 Python dispatch and a Python call chain, which dominates on models of many small tensors.
@@ -30,6 +30,8 @@ Contract with the runtime: an op must not keep references to its gradients or co
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.fx.node import has_side_effect
 
@@ -42,15 +44,16 @@ __all__ = ["accumulate_grads", "reduce_grads", "ACCUMULATE_GRADS", "REDUCE_GRADS
 # cudagraph_unsafe: a CUDA graph replay would skip this Python call, silently losing the gradients, so
 # Inductor must not capture it (it partitions around it or disables CUDA graphs for that graph).
 @torch.library.custom_op("zenflow::accumulate_grads", mutates_args=(),
-                         schema="(Tensor[] grads, Tensor[] column_scores, int[] slots) -> ()",
+                         schema="(Tensor[] grads, Tensor?[] column_scores, int[] slots) -> ()",
                          tags=(torch.Tag.cudagraph_unsafe,))
-def accumulate_grads(grads: list[torch.Tensor], column_scores: list[torch.Tensor], slots: list[int]) -> None:
+def accumulate_grads(grads: list[torch.Tensor], column_scores: list[Optional[torch.Tensor]],
+                     slots: list[int]) -> None:
     """Give the owner of the parameter in each of `slots` this backward's gradient and its column scores."""
     registry.accumulate_grads_from_graph(slots, grads, column_scores)
 
 
 @accumulate_grads.register_fake
-def _accumulate_grads_fake(grads: list[torch.Tensor], column_scores: list[torch.Tensor],
+def _accumulate_grads_fake(grads: list[torch.Tensor], column_scores: list[Optional[torch.Tensor]],
                            slots: list[int]) -> None:
     # Nothing to describe: the op produces no tensors.
     return None

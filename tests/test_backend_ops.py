@@ -49,7 +49,7 @@ def run_backward(hand_off, param_ids, shape=(3, 2)):
 
 def test_schema_has_only_tensors_and_int_slots():
     schema = ACCUMULATE_GRADS._schema
-    assert str(schema) == ("zenflow::accumulate_grads(Tensor[] grads, Tensor[] column_scores, int[] slots) -> ()")
+    assert str(schema) == ("zenflow::accumulate_grads(Tensor[] grads, Tensor?[] column_scores, int[] slots) -> ()")
     assert not schema.is_mutable
     assert torch.Tag.cudagraph_unsafe in ACCUMULATE_GRADS.tags  # never captured into a CUDA graph
     assert not hasattr(torch.ops.zenflow, "accumulate_grad")  # one hand-off op kind: the bucketed one

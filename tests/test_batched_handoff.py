@@ -269,3 +269,47 @@ def test_stacked_state_through_the_triton_kernels(monkeypatch):
     from zenflow_compile.triton_kernels import triton_available
     assert triton_available(torch.device("cpu"))
     train_beside_reference(KEYS["S2-reselect"], steps=5)
+
+
+class Wide(nn.Module):
+    """A weight above the CPU stacking size (256 x 128 = 32K elements: scored in the graph) beside small
+    layers (scored by the runtime)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = nn.Linear(128, 256)
+        self.small = nn.ModuleList(nn.Linear(256, 8) if i == 0 else nn.Linear(8, 8) for i in range(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.wide(x))
+        for layer in self.small:
+            h = torch.tanh(layer(h))
+        return h.square().mean()
+
+
+def test_compiled_large_gradients_scored_in_the_graph_small_ones_by_the_runtime():
+    from zenflow_compile import inspect as zf_inspect
+    from zenflow_compile.runtime.stacked_state import STACK_MAX_NUMEL
+
+    assert 8 * 8 <= STACK_MAX_NUMEL["cpu"] < 128 * 256
+    keys = dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=2)
+    torch.manual_seed(0)
+    a = Wide()
+    b = Wide()
+    b.load_state_dict(a.state_dict())
+    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
+    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
+    run_a, run_b = torch.compile(a, backend="zenflow"), torch.compile(b, backend="inductor")
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    with zf_inspect.capture() as graphs:
+        for step in range(5):
+            for model, o in ((run_a, opt), (run_b, ref)):
+                model(x * (1 + step)).backward()
+                o.step()
+                o.zero_grad()
+            for p, q in zip(a.parameters(), b.parameters()):  # (differently fused backward kernels: ulps,
+                torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4)  # which Adam's normalisation can grow)
+    (graph,) = graphs
+    (call,) = [n for n in graph.after.graph.nodes if n.target is torch.ops.zenflow.accumulate_grads.default]
+    _, scores, slots = call.args
+    assert [graph.param_names[slot] for slot, s in zip(slots, scores) if s is not None] == ["wide.weight"]

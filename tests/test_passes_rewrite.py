@@ -36,7 +36,7 @@ class RecordingRuntime:
 
     def accumulate_grads(self, pids, grads, scores):
         self.buckets.append(list(pids))
-        self.calls.extend((pid, g.clone(), s.clone()) for pid, g, s in zip(pids, grads, scores))
+        self.calls.extend((pid, g.clone(), None if s is None else s.clone()) for pid, g, s in zip(pids, grads, scores))
 
 
 def own(model, runtime):
@@ -140,6 +140,24 @@ def test_rewritten_graph_hands_every_param_grad_and_returns_none(conv_case, buck
         torch.testing.assert_close(scores, expected_scores(original[index]))
     conv_scores = by_pid[next(p for p, n in names.items() if n == "conv.weight")][1]
     assert conv_scores.shape == (2 * 3,)
+
+
+def test_small_gradients_are_scored_by_the_runtime(conv_case):
+    """runtime_scored_numel=18: conv.weight (18), the biases and the norm (3-5) get no norm proxy (None in the
+    op's score list), fc.weight (60) keeps its in-graph proxy; the runtime receives None for the small ones."""
+    model, runtime, names, rec = conv_case
+    ctx = dataclasses.replace(rec["ctx"], runtime_scored_numel=18)
+    rewritten = copy.deepcopy(rec["backward"])
+    rewrite_backward(rewritten.graph, ctx)
+    rewritten.recompile()
+    (call,) = [n for n in rewritten.graph.nodes if n.target is ACCUMULATE_GRADS]
+    grads, scores, slots = call.args
+    proxied = {ctx.name(slot) for slot, score in zip(slots, scores) if score is not None}
+    assert proxied == {"fc.weight"}
+    ids = slot_ids(ctx, {name: pid for pid, name in names.items()})
+    run_bound(lambda: rewritten(*copy.copy(rec["args"])), ids)
+    received = {names[pid]: score for pid, _, score in runtime.calls}
+    assert {name for name, score in received.items() if score is not None} == {"fc.weight"}
 
 
 def check_bucket_placement(graph, ctx):
@@ -294,6 +312,7 @@ def test_uuid_covers_slots_shapes_configs_buckets_and_pass_sources():
     assert uuid(base) != uuid(ZenFlowPassContext(base.param_shapes, configs=((("topk_ratio", 0.2),),)))
     assert uuid(base) != uuid(dataclasses.replace(base, bucket_numel=1000))  # other buckets, other ops
     assert uuid(base) != uuid(dataclasses.replace(base, data_parallel=2))
+    assert uuid(base) != uuid(dataclasses.replace(base, runtime_scored_numel=16))  # other scores in the graph
     # the pass travels to Inductor compile subprocesses by pickle, keeping its identity
     graph_pass = zf_backend.ZenFlowGraphPass(base, debug_dir="somewhere")
     assert pickle.loads(pickle.dumps(graph_pass)).uuid() == graph_pass.uuid()

@@ -46,6 +46,7 @@ from zenflow_compile.passes.context import DEFAULT_BUCKET_NUMEL, ZenFlowPassCont
 from zenflow_compile.passes.find_param_grads import graph_outputs, is_backward_graph
 from zenflow_compile.passes.pipeline import rewrite_backward
 from zenflow_compile.runtime import registry
+from zenflow_compile.runtime.stacked_state import STACK_MAX_NUMEL
 
 __all__ = ["zenflow_backend", "ZenFlowGraphPass", "GraphOwnerBinding", "make_pass_context", "register",
            "BACKEND_NAME"]
@@ -248,7 +249,15 @@ def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     return ZenFlowPassContext(
         param_shapes=tuple(shapes), param_names=tuple(names),
         configs=tuple(tuple(sorted(cfg.to_dict().items())) for cfg in configs),
-        bucket_numel=bucket_numel, data_parallel=data_parallel)
+        bucket_numel=bucket_numel, data_parallel=data_parallel,
+        runtime_scored_numel=_runtime_scored_numel(owners.values()))
+
+
+def _runtime_scored_numel(runtimes) -> int:
+    """Gradients this small are scored by the runtime, batched with their like parameters (the owners'
+    device decides: see `stacked_state.STACK_MAX_NUMEL`); 0 when the owners have no device yet."""
+    devices = {r.transfers.device.type for r in runtimes if getattr(r, "transfers", None) is not None}
+    return min((STACK_MAX_NUMEL.get(device, 0) for device in devices), default=0)
 
 
 def _handoff_settings(runtimes) -> tuple[Optional[int], int]:
