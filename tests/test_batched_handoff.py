@@ -248,6 +248,11 @@ def test_rows_of_one_tensor():
     assert rows_of_one_tensor([rows[1], rows[0]]) is None  # out of order
     assert rows_of_one_tensor([torch.zeros(3, 2), torch.zeros(3, 2)]) is None  # separate storages
     assert runs_of_rows([rows], can_join=lambda i: i != 2) == [(0, 2), (2, 4)]
+    six = list(torch.zeros(6, 2).unbind(0))
+    gap = [six[0], six[1], six[2], six[4], six[5]]  # one stack with a row missing: checked row by row
+    assert runs_of_rows([gap], can_join=lambda i: True) == [(0, 3), (3, 5)]
+    assert runs_of_rows([gap, gap], can_join=lambda i: i != 4) == [(0, 3), (3, 4), (4, 5)]
+    assert runs_of_rows([[six[0], six[2], six[3], six[4]]], can_join=lambda i: True) == [(0, 1), (1, 4)]
 
 
 def test_top_k_of_many_matrices_equals_one_by_one():

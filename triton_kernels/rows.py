@@ -59,17 +59,28 @@ def runs_of_rows(tensor_lists: Sequence[Sequence[torch.Tensor]], can_join) -> li
 
 
 def _runs_one_by_one(tensor_lists, can_join, start: int, end: int) -> list[tuple[int, int]]:
+    origin = start
+    follows = [_follows_previous(tensors[origin:end]) for tensors in tensor_lists]
     runs = []
     for i in range(start + 1, end + 1):
-        if i == end or not (can_join(i) and all(_next_row(tensors[i - 1], tensors[i]) for tensors in tensor_lists)):
+        if i == end or not (can_join(i) and all(f[i - origin] for f in follows)):
             runs.append((start, i))
             start = i
     return runs
 
 
-def _next_row(previous: torch.Tensor, row: torch.Tensor) -> bool:
-    """Whether `row` is the row right after `previous` in one contiguous stack."""
-    base = previous._base
-    return (base is not None and row._base is base and base.is_contiguous() and row.shape == previous.shape
-            and previous.is_contiguous() and row.is_contiguous()
-            and row.storage_offset() == previous.storage_offset() + previous.numel() and previous.numel() > 0)
+def _follows_previous(tensors: Sequence[torch.Tensor]) -> list[bool]:
+    """For each position, whether its tensor is the row right after the previous one in one contiguous
+    stack (position 0: False). Builtins over the whole list, then one pass over plain values."""
+    bases = list(map(_BASE, tensors))
+    offsets = list(map(torch.Tensor.storage_offset, tensors))
+    sizes = list(map(torch.Tensor.numel, tensors))
+    shapes = list(map(_SHAPE, tensors))
+    contiguous = list(map(torch.Tensor.is_contiguous, tensors))
+    result = [False]
+    for i in range(1, len(tensors)):
+        base = bases[i]
+        result.append(base is not None and base is bases[i - 1] and shapes[i] == shapes[i - 1]
+                      and contiguous[i] and contiguous[i - 1] and sizes[i - 1] > 0
+                      and offsets[i] == offsets[i - 1] + sizes[i - 1] and base.is_contiguous())
+    return result
