@@ -179,6 +179,7 @@ class ZenFlowRuntime:
                 self.reducer.add(self.states.get(pid) or self._state(pid), grad)
             return
         if self._handoff_generation != self.layout_clock.generation:
+            self._stack_like_states()  # now, not at the step: the plans below are then built once
             self._handoff_plans.clear()
             self._handoff_generation = self.layout_clock.generation
         key = tuple(pids)
@@ -320,7 +321,9 @@ class ZenFlowRuntime:
 
     def _stack_like_states(self) -> None:
         """Like states share stacked device storage (`runtime/stacked_state.py`), redone after any layout
-        change (here, before the device update: the first selections of this step have been made)."""
+        change: at the next hand-off (before its plans are built) or at the step before the device update
+        (after this step's first selections), whichever comes first. Values are copied, so a bucket already
+        handed over in this backward keeps its gradients."""
         if self._stacked_generation != self.layout_clock.generation:
             stack_like_states(list(self.states.values()))
             self._stacked_generation = self.layout_clock.generation

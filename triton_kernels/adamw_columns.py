@@ -264,8 +264,7 @@ class ReferencePlan:
         on_cpu = masters[live[0]].device.type == "cpu"
         self.check_counts = on_cpu and count_heads is None
         if on_cpu and count_heads is not None:
-            parts = [(True, [i for i in live if count_heads[i] is not None]),
-                     (False, [i for i in live if count_heads[i] is None])]
+            parts = _fused_and_per_column(live, [grads, masters, exp_avgs, exp_avg_sqs, steps], count_heads)
         else:
             parts = [(False, live)]
         self.groups = [_PlanGroup(
@@ -300,8 +299,23 @@ class ReferencePlan:
                                     beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
                 group.write_columns()
             else:
-                _adamw_per_column(group.ws, gs, group.ms, group.vs, group.ns, **hyper)
+                _adamw_per_column(group.uws, gs, group.ums, group.uvs, group.uns, **hyper)
                 group.write_columns()
+
+
+def _fused_and_per_column(live: list[int], tensor_lists: list, count_heads: list) -> list[tuple[bool, list[int]]]:
+    """[(fused, positions), (per column, positions)]. Whole runs of stacked rows go one way: a run fuses
+    when every member's columns share one count and the members agree, else the whole run takes the
+    per-column update (exact for any counts), so neither group is left with gaps in a stack."""
+    order = sorted(live, key=lambda i: (id(tensor_lists[1][i]._base), tensor_lists[1][i].storage_offset()))
+    ordered = [[tensors[i] for i in order] for tensors in tensor_lists]
+    heads = [count_heads[i] for i in order]
+    counts = [None if head is None else float(head) for head in heads]  # (CPU: reading costs nothing)
+    fused, per_column = [], []
+    for a, b in runs_of_rows(ordered, can_join=lambda i: True):
+        uniform = all(c is not None for c in counts[a:b]) and counts[a:b].count(counts[a]) == b - a
+        (fused if uniform else per_column).extend(order[a:b])
+    return [(True, fused), (False, per_column)]
 
 
 class _PlanGroup:
@@ -318,21 +332,25 @@ class _PlanGroup:
         self.plain_grads = all(g.dtype == torch.float32 for g in grads) and all(c is None for c in grad_columns)
         self.write_columns = _ColumnWriter(params, columns, ws).write
         self.ugrads, self.uws, self.ums, self.uvs, self.uns, self.uheads = grads, ws, ms, vs, ns, heads
-        if fused and all(c is None for c in grad_columns):
+        if ws[0].device.type == "cpu" and all(c is None for c in grad_columns):
             self._join_stacked_runs()
 
     def _join_stacked_runs(self) -> None:
         # Rows of one stack next to each other, in row order (the update of each parameter is independent).
         order = sorted(range(len(self.ws)), key=lambda i: (id(self.ws[i]._base), self.ws[i].storage_offset()))
         lists = [[tensors[i] for i in order] for tensors in (self.grads, self.ws, self.ms, self.vs, self.ns)]
-        counts = [float(self.heads[i]) for i in order]  # (CPU: reading costs nothing)
-        runs = runs_of_rows(lists, can_join=lambda i: counts[i] == counts[i - 1])
+        if self.fused:
+            counts = [float(self.heads[i]) for i in order]  # (CPU: reading costs nothing)
+            runs = runs_of_rows(lists, can_join=lambda i: counts[i] == counts[i - 1])
+        else:  # per-column counts: any run joins
+            runs = runs_of_rows(lists, can_join=lambda i: True)
         if len(runs) == len(self.ws):
             return
         joined = [[rows_of_one_tensor(tensors[a:b]) if b - a > 1 else tensors[a] for a, b in runs]
                   for tensors in lists]
         self.ugrads, self.uws, self.ums, self.uvs, self.uns = joined
-        self.uheads = [n.view(-1)[:1] for n in self.uns]  # (each run's counts agree: its first is the count)
+        if self.fused:
+            self.uheads = [n.view(-1)[:1] for n in self.uns]  # (each run's counts agree: its first is the count)
 
     def grads_fp32(self) -> list:
         if self.plain_grads:
@@ -350,10 +368,12 @@ class _PlanGroup:
 def _adamw_per_column(ws, gs, ms, vs, ns, *, lr, beta1, beta2, eps, weight_decay) -> None:
     """AdamW with a per-column update count: the bias corrections of every column computed at once."""
     torch._foreach_add_(ns, 1)
-    n64 = torch.cat(ns).double()
+    n64 = torch.cat([n.reshape(-1) for n in ns]).double()
     sizes = [n.numel() for n in ns]
-    step_sizes = (lr / (1 - beta1 ** n64)).float().split(sizes)
-    bc2_sqrts = (1 - beta2 ** n64).sqrt().float().split(sizes)
+    # Each parameter's counts [..., k] broadcast over its rows [..., R, k] (a joined run of stacked rows
+    # [m, R, k] has counts [m, k]).
+    step_sizes = [c.view(n.shape).unsqueeze(-2) for c, n in zip((lr / (1 - beta1 ** n64)).float().split(sizes), ns)]
+    bc2_sqrts = [c.view(n.shape).unsqueeze(-2) for c, n in zip((1 - beta2 ** n64).sqrt().float().split(sizes), ns)]
     torch._foreach_mul_(ws, 1 - lr * weight_decay)
     torch._foreach_lerp_(ms, gs, 1 - beta1)
     torch._foreach_mul_(vs, beta2)
