@@ -57,13 +57,35 @@ def _in_row_order(states: list, positions: list[int], tensor_of) -> list[int]:
     return sorted(positions, key=lambda p: tensor_of(states[p]).storage_offset())
 
 
-class _MatrixGroup:
+class _Group:
+    """Like states of one bucket, in stack-row order; `positions`: where their gradients are in the bucket."""
+
+    def __init__(self, states: list, positions: list[int], tensor_of):
+        self.positions = _in_row_order(states, positions, tensor_of)
+        self.states = [states[p] for p in self.positions]
+
+    def _stacked_grads(self, grads: list, dtype: torch.dtype, row_numel: int) -> Optional[torch.Tensor]:
+        """The group's gradients stacked [n, ...], or None when the group must go one by one: a state's
+        later backward of the step, or gradients of another dtype or shape."""
+        if any(map(_NUM_GRADS, self.states)):
+            return None
+        try:
+            g = torch.stack([grads[p] for p in self.positions])
+        except RuntimeError:  # shapes differ
+            return None
+        return g if g.dtype == dtype and g.numel() == row_numel * len(self.positions) else None
+
+    def _received(self) -> None:
+        for state in self.states:
+            state.num_grads = 1
+
+
+class _MatrixGroup(_Group):
     """Matrices of one [R, C], dtype and selection size: one stacked gather per side."""
 
     def __init__(self, states: list, positions: list[int]):
-        positions = _in_row_order(states, positions, lambda s: s.scores)
-        states = [states[p] for p in positions]
-        self.states, self.positions = states, positions
+        super().__init__(states, positions, lambda s: s.scores)
+        states = self.states
         first = states[0]
         self.rows, self.cols, self.dtype = first.rows, first.cols, first.dev_grad.dtype
         self.shape = first.param.shape
@@ -87,15 +109,9 @@ class _MatrixGroup:
         self.transfers = first.transfers
 
     def receive(self, grads: list, scores: Optional[list], grad_slot: int) -> Optional[int]:
-        """None (nothing written) when the group must go one by one: a state's later backward of the step,
-        or gradients of another dtype or shape."""
-        if any(map(_NUM_GRADS, self.states)):
-            return None
-        try:
-            g = torch.stack([grads[p] for p in self.positions])
-        except RuntimeError:  # shapes differ
-            return None
-        if g.dtype != self.dtype or g.shape[1:] != self.shape:
+        """None (nothing written) when the group must go one by one (see `_stacked_grads`)."""
+        g = self._stacked_grads(grads, self.dtype, self.rows * self.cols)
+        if g is None or g.shape[1:] != self.shape:
             return None
         g = g.view(-1, self.rows, self.cols)
         if scores is not None and scores[self.positions[0]] is not None:
@@ -119,31 +135,24 @@ class _MatrixGroup:
                 state.offload_done[grad_slot] = [done]
                 state.extra_grads[grad_slot] = []
             sent = self.host_bytes
-        for state in self.states:
-            state.num_grads = 1
+        self._received()
         return sent
 
 
-class _VectorGroup:
+class _VectorGroup(_Group):
     """Vectors of one size and dtype: one stacked copy, one score reduction."""
 
     def __init__(self, states: list, positions: list[int]):
-        positions = _in_row_order(states, positions, lambda s: s.grad)
-        states = [states[p] for p in positions]
-        self.states, self.positions = states, positions
+        super().__init__(states, positions, lambda s: s.grad)
+        states = self.states
         first = states[0]
         self.numel, self.dtype = first.grad_flat.numel(), first.grad_flat.dtype
         self.grads = _writer([s.grad_flat for s in states])
         self.scores = _writer([s.score for s in states])
 
     def receive(self, grads: list, scores: Optional[list], grad_slot: int) -> Optional[int]:
-        if any(map(_NUM_GRADS, self.states)):
-            return None
-        try:
-            g = torch.stack([grads[p] for p in self.positions])
-        except RuntimeError:  # shapes differ
-            return None
-        if g.dtype != self.dtype or g.numel() != self.numel * len(self.positions):
+        g = self._stacked_grads(grads, self.dtype, self.numel)
+        if g is None:
             return None
         g = g.view(-1, self.numel)  # [n, N]
         _write(self.grads, g)
@@ -151,8 +160,7 @@ class _VectorGroup:
             _write(self.scores, torch.stack([scores[p] for p in self.positions]).view(-1, 1))  # ([1] or [] each)
         else:
             _write(self.scores, (g if g.dtype == torch.float32 else g.float()).square().sum(1, keepdim=True))
-        for state in self.states:
-            state.num_grads = 1
+        self._received()
         return 0
 
 
