@@ -325,7 +325,8 @@ class ZenFlowRuntime:
         (after this step's first selections), whichever comes first. Values are copied, so a bucket already
         handed over in this backward keeps its gradients."""
         if self._stacked_generation != self.layout_clock.generation:
-            stack_like_states(list(self.states.values()))
+            # (on CUDA, restacking the offload buffers first waits for the copies in flight: a counted wait)
+            stack_like_states(list(self.states.values()), waiting=self._counted_wait)
             self._stacked_generation = self.layout_clock.generation
 
     def _update_on_device(self, stepped: list, param_groups: list[dict], coef: float) -> None:

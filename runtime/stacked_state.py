@@ -16,6 +16,8 @@ tensors that no CPU worker reads, so nothing in flight is affected.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zenflow_compile.runtime.transfers import wait_events
@@ -54,10 +56,11 @@ def like_groups(states: list) -> list[list[int]]:
     return [positions for positions in groups.values() if len(positions) > 1]
 
 
-def stack_like_states(states: list) -> bool:
+def stack_like_states(states: list, waiting=contextlib.nullcontext) -> bool:
     """Give every group of like states one stack per tensor (rows in group order, values copied); returns
     whether any state's tensors were replaced (then their layout clock has moved on: every plan built on
-    the old tensors is rebuilt)."""
+    the old tensors is rebuilt). `waiting()`: the context a host wait for copies in flight runs in (the
+    runtime counts it)."""
     moved = set()
     for positions in like_groups(states):
         group = [states[p] for p in positions]
@@ -69,7 +72,7 @@ def stack_like_states(states: list) -> bool:
             for state, row in zip(group, torch.stack(tensors).unbind(0)):
                 setattr(state, name, row)
             moved.add(group[0].clock)
-        if group[0].is_matrix and _stack_host_grads(group):
+        if group[0].is_matrix and _stack_host_grads(group, waiting):
             moved.add(group[0].clock)
         for state in group:  # views derived from the replaced tensors
             if state.is_matrix:
@@ -82,7 +85,7 @@ def stack_like_states(states: list) -> bool:
     return bool(moved)
 
 
-def _stack_host_grads(group: list) -> bool:
+def _stack_host_grads(group: list, waiting) -> bool:
     """The offloaded gradients' pinned buffers (`host_grads[slot]`, [u, R] each) as rows of one pinned stack
     per slot, so the hand-off sends a group down in one copy. Only the training thread writes them (the
     hand-off) and their old values are read at most by the accumulate task already running, which keeps its
@@ -94,8 +97,10 @@ def _stack_host_grads(group: list) -> bool:
         buffers = [m.host_grads[slot] for m in group]
         if rows_of_one_tensor(buffers) is not None:
             continue
-        for m in group:
-            wait_events(m.offload_done[slot])
+        in_flight = [event for m in group for event in m.offload_done[slot] if event is not None]
+        if in_flight:
+            with waiting():
+                wait_events(in_flight)
         first = buffers[0]
         stack = torch.empty((len(group), *first.shape), dtype=first.dtype, pin_memory=first.is_pinned())
         torch.stack(buffers, out=stack)
