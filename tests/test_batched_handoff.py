@@ -353,3 +353,32 @@ def test_resume_with_stacked_state_is_exact(compiled):
     opt2.synchronize()
     for (name, p), q in zip(model.named_parameters(), model2.parameters()):
         torch.testing.assert_close(q, p, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_restacking_waits_for_copies_in_flight_inside_the_counted_wait():
+    """CUDA's offloads into the old pinned buffers may still be in flight when like matrices are restacked:
+    their events are waited for first, inside the caller's (counted) wait context; none, no wait."""
+    import contextlib
+    from zenflow_compile.runtime.stacked_state import stack_like_states
+
+    class Event:
+        synchronized = 0
+
+        def synchronize(self):
+            Event.synchronized += 1
+
+    entered = []
+
+    @contextlib.contextmanager
+    def waiting():
+        entered.append(True)
+        yield
+
+    states = _states(7)
+    matrices = [s for s in states if s.is_matrix][:3]  # (the three with one selection: one group)
+    for m in matrices:
+        m.offload_done[0] = [Event()]
+    assert stack_like_states(matrices, waiting=waiting)
+    assert Event.synchronized == 3 and len(entered) == 1
+    assert rows_of_one_tensor([m.host_grads[0] for m in matrices]) is not None
+    assert not stack_like_states(matrices, waiting=waiting) and len(entered) == 1  # already stacked
