@@ -321,7 +321,8 @@ def _free_port() -> int:
 
 
 def deepspeed_ops_status() -> dict:
-    """{op name: "installed" | "jit-built" | "missing" | "locked"} for the C++ ops a single-process ZeRO-Offload
+    """{op name: "installed" | "jit-built" | "missing" | "locked ..." | "built by another installation ..."} for
+    the C++ ops a single-process ZeRO-Offload
     run loads: cpu_adam (DeepSpeedCPUAdam, ZenFlow's CPU Adam) and, where the accelerator has it, shm_comm
     (built by deepspeed.init_distributed on the CPU accelerator)."""
     import deepspeed.ops
@@ -344,10 +345,23 @@ def deepspeed_ops_status() -> dict:
         if os.path.exists(os.path.join(build_dir, "lock")):
             status[builder.name] = f"locked ({build_dir}/lock: a build is running, or a killed one left it)"
         elif os.path.exists(os.path.join(build_dir, f"{builder.name}.so")):
-            status[builder.name] = "jit-built"
+            status[builder.name] = ("jit-built" if _built_from_here(build_dir) else
+                                    f"built by another installation ({build_dir}): loading JIT-rebuilds it")
         else:
             status[builder.name] = "missing"
     return status
+
+
+def _built_from_here(build_dir: str) -> bool:
+    """Whether the cached op was built from this DeepSpeed's sources (torch's extension cache is shared by
+    every environment of the user: an op built by another venv is rebuilt, for minutes, when loaded here)."""
+    import deepspeed
+
+    ninja = os.path.join(build_dir, "build.ninja")
+    if not os.path.exists(ninja):
+        return True  # nothing to compare with: as before
+    with open(ninja) as f:
+        return os.path.dirname(os.path.abspath(deepspeed.__file__)) in f.read()
 
 
 def build_deepspeed_ops() -> dict:
