@@ -1,17 +1,21 @@
-"""Like states share stacked device storage, so per-step work over them is a few calls, not a few per state.
+"""Like states share stacked storage, so per-step work over them is a few calls, not a few per state.
 
-On a model of many small tensors (LoRA adapters, biases, norms, a deep stack of equal layers) the device
-work per step is launch- and dispatch-bound: the hand-off writes each state's gradient and scores, the
-device AdamW reads and writes each state's master, moments and counts. When like states (matrices of one
-shape, dtype and selection size; vectors of one size and dtype) keep those tensors as consecutive rows of
-one stacked tensor, the hand-off writes the whole group in one call (`runtime/handoff.py`) and the torch
-twin of the device AdamW updates it as one tensor where the counts agree (`triton_kernels/rows.py`).
+On a model of many small tensors (LoRA adapters, biases, norms, a deep stack of equal layers) the work per
+step is launch- and dispatch-bound: the hand-off writes each state's gradient, scores and offloaded rows,
+the device AdamW reads and writes each state's master, moments and counts. When like states (matrices of
+one shape, dtype and selection size; vectors of one size and dtype; small: `STACK_MAX_NUMEL`) keep those
+tensors as consecutive rows of one stacked tensor, the hand-off writes the whole group in one call per
+tensor kind (`runtime/handoff.py`), the torch twin of the device AdamW updates a run as one tensor
+(`triton_kernels/rows.py`), and the CPU-updated columns of a group go into their parameters in one scatter
+(`StackedMerge`).
 
 `stack_like_states` moves the tensors of each group into stacks (values kept) and rebinds the states'
 attributes to the rows: the states stay the owners and everything else keeps reading `state.dev_master`
-etc. It runs at a step, before the device update, whenever the layout generation changed (new states, a
-selection, a checkpoint load: whatever made a state allocate new tensors). It touches only device-side
-tensors that no CPU worker reads, so nothing in flight is affected.
+etc. The runtime runs it after its layout clock moved (new states, a selection, a checkpoint load: whatever
+made a state allocate new tensors), at the first hand-off or step after that. Besides device tensors it
+restacks the offloaded gradients' pinned buffers, which only the training thread writes; an accumulate task
+still reading the old buffers keeps its own references, and on CUDA the copies in flight into them are
+waited for first.
 """
 
 from __future__ import annotations
