@@ -50,13 +50,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     Args: as torch.optim.AdamW (lr, betas, eps, weight_decay), plus `max_grad_norm` (global-norm clipping
     computed from the gradient-norm proxy; None = off) and either `config=ZenFlowConfig(...)` or the
-    ZenFlow keys themselves (topk_ratio, update_interval, overlap_step, ...).
+    ZenFlow keys themselves (topk_ratio, update_interval, overlap_step, ...). `reduce_bucket_size`
+    (elements, default 25M): gradients reach the runtime in buckets of this size (one call per bucket from a
+    compiled backward or from the eager hooks; a bucket's gradients live until it is handed over) and, under
+    data parallelism, are reduced in buckets of this size.
 
     Data parallel (SPEC §5): under torch.distributed with more than one rank in `process_group` (None = the
     default group, if initialised), gradients are averaged across ranks inside the backward, every rank
     makes the same selection, and each rank holds the host state of a share of the matrices. Do not wrap the
-    model in DDP. Parameters are broadcast from rank 0 at construction; `reduce_bucket_size` (elements) sets
-    the gradient buckets. `state_dict()` is this rank's share; `consolidated_state_dict()` gathers a full one.
+    model in DDP. Parameters are broadcast from rank 0 at construction. `state_dict()` is this rank's share;
+    `consolidated_state_dict()` gathers a full one.
 
     Follows torch.optim conventions: parameters that never get a gradient (frozen, unused, integer tensors)
     are never touched and cost nothing; one that starts requiring grad later trains from then on; values
