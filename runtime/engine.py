@@ -396,7 +396,8 @@ class ZenFlowRuntime:
         of ops: the scores concatenated, permuted so that every (matrix, side) is one contiguous segment, and
         segment means (deterministic on CUDA, unlike an index_add). The permutation is rebuilt only when the
         matrices or a layout change."""
-        order, lengths = self._zen_auto_plan.get(matrices)
+        # (a reselection may rewrite the selections in place, without a layout change)
+        order, lengths = self._zen_auto_plan.get(matrices, extra=self.counters["reselections"])
         scores = torch.cat([m.scores for m in matrices])
         return torch.segment_reduce(scores[order], "mean", lengths=lengths)
 

@@ -30,7 +30,7 @@ import operator
 import torch
 
 from zenflow_compile.runtime.stacked_state import like_groups
-from zenflow_compile.triton_kernels.rows import rows_of_one_tensor
+from zenflow_compile.triton_kernels.rows import rows_of_one_tensor, rows_or_stack
 
 
 _NUM_GRADS = operator.attrgetter("num_grads")
@@ -95,10 +95,10 @@ class _MatrixGroup(_Group):
         # takes matrix i's columns (index memory: n x columns, not n x columns x R).
         self.matrix_index = torch.arange(len(states), device=first.device).unsqueeze(1)
         if self.has_selected:
-            self.selected_columns = torch.stack([s.selected_on_device for s in states])
+            self.selected_columns = rows_or_stack([s.selected_on_device for s in states])
             self.dev_grads = _writer([s.dev_grad for s in states])
         if self.has_host:
-            self.host_columns = torch.stack([s.host_columns_on_device for s in states])
+            self.host_columns = rows_or_stack([s.host_columns_on_device for s in states])
             # (under data parallelism only the owner of a matrix holds its host part)
             self.owners = [i for i, s in enumerate(states) if s.owns_host]
             self.all_own = len(self.owners) == len(states)

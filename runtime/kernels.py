@@ -47,6 +47,7 @@ class DeviceAdamWArgs:
         self.params = [u.param for u in updates]
         self.columns = [u.columns for u in updates]
         self.count_heads = [u.count_head for u in updates]
+        self.counts_fixed = [u.counts_fixed for u in updates]
         self._reference_plan: Optional[ReferencePlan] = None
 
     def reference_plan(self) -> ReferencePlan:
@@ -54,7 +55,8 @@ class DeviceAdamWArgs:
         made at the first step that needs it."""
         if self._reference_plan is None:
             self._reference_plan = ReferencePlan(self.grads, self.masters, self.exp_avgs, self.exp_avg_sqs,
-                                                 self.steps, self.params, self.columns, count_heads=self.count_heads)
+                                                 self.steps, self.params, self.columns, count_heads=self.count_heads,
+                                                 counts_fixed=self.counts_fixed)
         return self._reference_plan
 
 

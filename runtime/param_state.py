@@ -59,10 +59,11 @@ class PerLayout:
         self._build, self._clock = build, clock
         self._generation, self._states, self._value = None, None, None
 
-    def get(self, states: list):
-        if self._generation != self._clock.generation or self._states != states:  # (states compare by identity)
-            generation = self._clock.generation
-            self._value, self._states, self._generation = self._build(states), list(states), generation
+    def get(self, states: list, extra=None):
+        """`extra`: anything else the value depends on (compared by equality)."""
+        key = (self._clock.generation, extra)
+        if self._generation != key or self._states != states:  # (states compare by identity)
+            self._value, self._states, self._generation = self._build(states), list(states), key
         return self._value
 
 
@@ -96,6 +97,9 @@ class DeviceUpdate:
     # parameters take torch's fused AdamW with no per-step count check. Every update adds 1 to every entry,
     # so this holds until the state is laid out again.
     count_head: Optional[torch.Tensor] = None
+    # False for a matrix: a reselection may rewrite its columns' counts in place (`MatrixState.select`), so a
+    # plan must not rely on `count_head` staying true for a stacked matrix.
+    counts_fixed: bool = True
 
 
 def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -488,8 +492,56 @@ class MatrixState:
             host_columns = self._host_order(selected, state).to(self.device)
             data_parallel.broadcast(host_columns, self.owner)
             host_columns = host_columns.cpu()
-        self._distribute(selected, state, step_grad, host_columns)
+        if self._can_relayout_in_place(selected, host_columns):
+            self._relayout_in_place(selected, state, step_grad, host_columns)
+        else:
+            self._distribute(selected, state, step_grad, host_columns)
         return moved
+
+    def _can_relayout_in_place(self, selected: torch.Tensor, host_columns: Optional[torch.Tensor]) -> bool:
+        """A reselection of a matrix whose state shares stacks (`stacked_state`) keeps its k selected and u
+        host columns, so the new layout can be written into the existing tensors: nothing is replaced, the
+        stacks and every plan built on them stay valid (their index rows are rewritten in place too)."""
+        return (selected.numel() == self.num_selected and self.num_selected > 0 and self.dev_master._base is not None
+                and self.selected_on_device._base is not None and self.host_columns_on_device._base is not None
+                and (host_columns is None or host_columns.numel() == self.num_host))
+
+    def _relayout_in_place(self, selected: torch.Tensor, state: CanonicalState, step_grad: Optional[torch.Tensor],
+                           host_columns: Optional[torch.Tensor]) -> None:
+        """`_distribute`'s result, written into the tensors this state already has (same shapes). Called at a
+        reselection boundary, after the boundary's CPU update was waited for and applied: no worker reads
+        these buffers now (the update ran after every accumulate task)."""
+        if host_columns is None:
+            host_columns = self._host_order(selected, state)
+        self.selected = selected
+        self.selected_on_device.copy_(selected)
+        self.dev_master.copy_(state.master[:, selected])
+        self.dev_exp_avg.copy_(state.exp_avg[:, selected])
+        self.dev_exp_avg_sq.copy_(state.exp_avg_sq[:, selected])
+        counts = state.step[selected]
+        self.dev_step.copy_(counts)
+        uniform = bool((counts == counts[0]).all())
+        self.dev_step_head = self.dev_step[:1] if uniform else None
+        self.dev_grad.zero_() if step_grad is None else self.dev_grad.copy_(step_grad[:, selected])
+        self.host_columns = host_columns
+        self.host_columns_on_device.copy_(host_columns)
+        self.offload_done = [[], []]
+        self.extra_grads = [[], []]
+        if not self.owns_host:
+            return
+        wait_events(self.upload_done)  # an upload may still read the host weights rewritten below
+        self.upload_done = [None, None]
+        self.host_master.copy_(state.master[:, host_columns].t())
+        self.host_exp_avg.copy_(state.exp_avg[:, host_columns].t())
+        self.host_exp_avg_sq.copy_(state.exp_avg_sq[:, host_columns].t())
+        self.host_runs = self._runs_of_equal_count(state.step[host_columns])
+        for buffer in self.accumulators + self.square_accumulators:
+            buffer.zero_()
+        for buffer in self.host_grads:
+            buffer.zero_() if step_grad is None else buffer.copy_(step_grad[:, host_columns].t())
+        for weights in self.host_weights:
+            weights.copy_(self.host_master)
+        self.weights_slot = 0
 
     def _broadcast_columns(self, data_parallel, columns: torch.Tensor, state: CanonicalState,
                            step_grad: Optional[torch.Tensor]) -> None:
@@ -620,7 +672,8 @@ class MatrixState:
         if not self.num_selected:
             return None
         return DeviceUpdate(self.dev_grad, self.dev_master, self.dev_exp_avg, self.dev_exp_avg_sq,
-                            self.dev_step, self.as_columns(), self.selected_on_device, count_head=self.dev_step_head)
+                            self.dev_step, self.as_columns(), self.selected_on_device, count_head=self.dev_step_head,
+                            counts_fixed=False)
 
     # -- host side (CPU worker threads) -------------------------------------------------------------------
     def host_adamw_batch(self, acc_slot: int):

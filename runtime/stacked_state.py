@@ -25,7 +25,7 @@ import contextlib
 import torch
 
 from zenflow_compile.runtime.transfers import wait_events
-from zenflow_compile.triton_kernels.rows import rows_of_one_tensor
+from zenflow_compile.triton_kernels.rows import rows_of_one_tensor, rows_or_stack
 
 # Largest parameter (elements) whose state is stacked with its group: stacking its gradient in the hand-off
 # copies it once more, which pays while a tensor costs more in per-call host time than in bandwidth (CPU:
@@ -46,7 +46,8 @@ def group_key(state):
                 state.device)
     return ("vector", state.grad.numel(), state.grad.dtype, state.param.device)
 
-MATRIX_TENSORS = ("scores", "dev_grad", "dev_master", "dev_exp_avg", "dev_exp_avg_sq", "dev_step")
+MATRIX_TENSORS = ("scores", "dev_grad", "dev_master", "dev_exp_avg", "dev_exp_avg_sq", "dev_step",
+                  "selected_on_device", "host_columns_on_device")  # (the index rows too: see MatrixState.select)
 VECTOR_TENSORS = ("grad", "master", "exp_avg", "exp_avg_sq", "step", "score")
 
 
@@ -126,7 +127,7 @@ class StackedMerge:
         self.params = [m.as_columns() for m in matrices]  # [R, C] views of the parameters
         self.buffer = torch.empty((len(matrices), first.rows, first.cols), dtype=first.param.dtype)
         self.buffer_rows = list(self.buffer.unbind(0))
-        self.columns = torch.stack([m.host_columns for m in matrices])  # [n, u]
+        self.columns = rows_or_stack([m.host_columns_on_device for m in matrices])  # [n, u] (CPU)
         self.which = torch.arange(len(matrices)).unsqueeze(1)
         self.bytes = sum(m.host_weights[0].numel() * m.host_weights[0].element_size() for m in matrices)
 

@@ -382,3 +382,22 @@ def test_restacking_waits_for_copies_in_flight_inside_the_counted_wait():
     assert Event.synchronized == 3 and len(entered) == 1
     assert rows_of_one_tensor([m.host_grads[0] for m in matrices]) is not None
     assert not stack_like_states(matrices, waiting=waiting) and len(entered) == 1  # already stacked
+
+
+def test_reselection_of_stacked_matrices_rewrites_them_in_place(monkeypatch):
+    """Stacked matrices keep their tensors (and so their stacks and every plan built on them) through a
+    reselection that moves columns: the layout is written in place; training still equals the reference."""
+    in_place = []
+    original = MatrixState._relayout_in_place
+
+    def recording(self, *args, **kwargs):
+        in_place.append((self.pid, self.dev_master.data_ptr(), self.selected_on_device.data_ptr()))
+        original(self, *args, **kwargs)
+        assert (self.dev_master.data_ptr(), self.selected_on_device.data_ptr()) == in_place[-1][1:]
+
+    monkeypatch.setattr(MatrixState, "_relayout_in_place", recording)
+    opt = train_beside_reference(KEYS["S2-reselect"], steps=10)
+    assert opt.stats()["reselections"] > 0 and in_place
+    params = [p for group in opt.param_groups for p in group["params"]]
+    block_ids = {opt.param_id(p) for p in params if tuple(p.shape) == (16, 16)}
+    assert {pid for pid, _, _ in in_place} <= block_ids  # (the unique-shape matrices are laid out anew)

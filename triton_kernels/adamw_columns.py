@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from ._triton import HAVE_TRITON, TORCH_TO_TL, DualKernel, constexpr, f32, split_f64, tl, triton_available
-from .rows import rows_of_one_tensor, runs_of_rows
+from .rows import rows_of_one_tensor, rows_or_stack, runs_of_rows
 
 __all__ = ["adamw_selected_columns_", "adamw_selected_columns_reference_", "ReferencePlan"]
 
@@ -253,7 +253,7 @@ class ReferencePlan:
     """
 
     def __init__(self, grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns, *, grad_columns=None,
-                 count_heads=None):
+                 count_heads=None, counts_fixed=None):
         live = [i for i in range(len(grads)) if columns[i].numel()]
         self.empty = not live
         if self.empty:
@@ -264,7 +264,8 @@ class ReferencePlan:
         on_cpu = masters[live[0]].device.type == "cpu"
         self.check_counts = on_cpu and count_heads is None
         if on_cpu and count_heads is not None:
-            parts = _fused_and_per_column(live, [grads, masters, exp_avgs, exp_avg_sqs, steps], count_heads)
+            fixed = [True] * len(grads) if counts_fixed is None else counts_fixed
+            parts = _fused_and_per_column(live, [grads, masters, exp_avgs, exp_avg_sqs, steps], count_heads, fixed)
         else:
             parts = [(False, live)]
         self.groups = [_PlanGroup(
@@ -303,17 +304,22 @@ class ReferencePlan:
                 group.write_columns()
 
 
-def _fused_and_per_column(live: list[int], tensor_lists: list, count_heads: list) -> list[tuple[bool, list[int]]]:
+def _fused_and_per_column(live: list[int], tensor_lists: list, count_heads: list,
+                          counts_fixed: list) -> list[tuple[bool, list[int]]]:
     """[(fused, positions), (per column, positions)]. Whole runs of stacked rows go one way: a run fuses
-    when every member's columns share one count and the members agree, else the whole run takes the
-    per-column update (exact for any counts), so neither group is left with gaps in a stack."""
+    when every member's columns share one count, the members agree and their counts stay as they are until
+    the next layout (`counts_fixed`: not a stacked matrix, whose reselection rewrites its counts in place),
+    else the whole run takes the per-column update (exact for any counts), so neither group is left with
+    gaps in a stack."""
     order = sorted(live, key=lambda i: (id(tensor_lists[1][i]._base), tensor_lists[1][i].storage_offset()))
     ordered = [[tensors[i] for i in order] for tensors in tensor_lists]
     heads = [count_heads[i] for i in order]
     counts = [None if head is None else float(head) for head in heads]  # (CPU: reading costs nothing)
     fused, per_column = [], []
+    fixed = [counts_fixed[i] for i in order]
     for a, b in runs_of_rows(ordered, can_join=lambda i: True):
-        uniform = all(c is not None for c in counts[a:b]) and counts[a:b].count(counts[a]) == b - a
+        uniform = (all(c is not None for c in counts[a:b]) and counts[a:b].count(counts[a]) == b - a
+                   and (b - a == 1 or all(fixed[a:b])))
         (fused if uniform else per_column).extend(order[a:b])
     return [(True, fused), (False, per_column)]
 
@@ -436,7 +442,7 @@ class _StackedColumnWriter:
         first = self.params[0]
         self.buffer = torch.empty((len(items), *first.shape), dtype=first.dtype, device=first.device)
         self.buffer_rows = list(self.buffer.unbind(0))
-        self.columns = torch.stack([cols for _, cols, _ in items])  # [n, k]
+        self.columns = rows_or_stack([cols for _, cols, _ in items])  # [n, k] (rows followed in place)
         self.which = torch.arange(len(items), device=first.device).unsqueeze(1)  # [n, 1]
         self.cast = self.masters.dtype != first.dtype
 

@@ -38,6 +38,12 @@ def rows_of_one_tensor(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor
     return base.view(-1, *shape)[start:start + n]
 
 
+def rows_or_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The stack whose rows are `tensors` (a view: it follows in-place rewrites of the rows), else a copy."""
+    rows = rows_of_one_tensor(tensors)
+    return rows if rows is not None else torch.stack(list(tensors))
+
+
 def runs_of_rows(tensor_lists: Sequence[Sequence[torch.Tensor]], can_join) -> list[tuple[int, int]]:
     """Split positions 0..n into maximal runs [start, end) over which every list in `tensor_lists` is
     consecutive rows of one tensor and `can_join(i)` holds for every position after the run's first (e.g.
