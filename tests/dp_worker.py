@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zenflow_compile  # noqa: E402
 import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
-from helpers import loss_fn, make_batches, tiny_model  # noqa: E402
+from helpers import loss_fn, make_batches, model_for, tiny_model  # noqa: E402
 
 
 def micro_batch(global_batch, rank: int, world_size: int):
@@ -34,7 +34,8 @@ def micro_batch(global_batch, rank: int, world_size: int):
 
 
 def build(scenario: dict, rank: int):
-    model = tiny_model(seed=scenario.get("seed", 0) + (rank if scenario.get("differ_init") else 0))
+    model = model_for(scenario.get("model", "tiny"),
+                      seed=scenario.get("seed", 0) + (rank if scenario.get("differ_init") else 0))
     keys = dict(scenario["keys"])
     if scenario.get("mismatch_rank") == rank:
         keys.update(scenario["mismatch"])

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ["Tiny", "tiny_model", "make_batches", "loss_fn", "train_steps", "TrainLog", "max_param_diff",
+__all__ = ["Tiny", "tiny_model", "TinyRepeated", "model_for", "make_batches", "loss_fn", "train_steps", "TrainLog", "max_param_diff",
            "snapshot", "bf16_ulp_distance"]
 
 
@@ -37,6 +37,29 @@ def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0, device: Union[
     """The same Tiny model (same initial weights) for the same seed, cast to `dtype`."""
     torch.manual_seed(seed)
     return Tiny().to(device=device, dtype=dtype)
+
+
+class TinyRepeated(nn.Module):
+    """Tiny's interface (tokens < 32 in, 16 features out) with layers of equal shapes, the case the runtime
+    stacks: Embedding(32, 16) -> three (Linear(16, 16), LayerNorm(16)) with residuals -> Linear(16, 16)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(3))
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = torch.tanh(block(h)) + h
+        return self.head(h)
+
+
+def model_for(kind: str = "tiny", seed: int = 0) -> nn.Module:
+    """"tiny" (`Tiny`) or "repeated" (`TinyRepeated`), same initial weights for the same seed."""
+    torch.manual_seed(seed)
+    return {"tiny": Tiny, "repeated": TinyRepeated}[kind]()
 
 
 def make_batches(n: int, dtype: torch.dtype = torch.float32, seed: int = 1000, batch: int = 8, seq: int = 6,

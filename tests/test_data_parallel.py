@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import zenflow_compile
-from helpers import loss_fn, make_batches, max_param_diff, tiny_model
+from helpers import loss_fn, make_batches, max_param_diff, model_for, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dp_worker.py"
@@ -42,6 +42,9 @@ PARITY = {
     "warm_up_auto_select": dict(steps=8, keys=dict(topk_ratio=0.25, update_interval=2, full_warm_up_rounds=2,
                                                    overlap_step=True, select_strategy="auto",
                                                    select_interval="auto")),
+    # Layers of equal shapes: stacked state (matrices of one group owned by different ranks), reselections
+    # written in place, the hand-off buckets of the reducer beside them.
+    "repeated_layers": dict(steps=8, model="repeated", keys=dict(BASE, overlap_step=True, select_interval=2)),
 }
 MODES = ("eager", "compiled")
 CHECKPOINT = dict(name="checkpoint", compiled=True, steps=5, resume_steps=4, keys=dict(BASE, overlap_step=True))
@@ -96,7 +99,7 @@ def runs(tmp_path_factory):
 def one_process(spec: dict, steps: int | None = None, state_dict=None, model_state=None, first_step: int = 0,
                 with_model: bool = False):
     """ZenFlowAdamW in this process on the concatenated batches (what the ranks must equal)."""
-    model = tiny_model(seed=0)
+    model = model_for(spec.get("model", "tiny"), seed=0)
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, max_grad_norm=spec.get("clip"), **spec["keys"])
     if model_state is not None:
         model.load_state_dict(model_state)
