@@ -30,25 +30,10 @@ import operator
 import torch
 
 from zenflow_compile.runtime.stacked_state import like_groups
-from zenflow_compile.triton_kernels.rows import rows_of_one_tensor, rows_or_stack
+from zenflow_compile.triton_kernels.rows import Rows, rows_of_one_tensor
 
 
 _NUM_GRADS = operator.attrgetter("num_grads")
-
-
-def _writer(targets: list):
-    """(the stack whose rows are `targets`, None) or (None, the list), for `_write`."""
-    stack = rows_of_one_tensor(targets)
-    return (stack, None) if stack is not None else (None, targets)
-
-
-def _write(writer, values: torch.Tensor) -> None:
-    """values [n, ...] into the targets: one copy into their stack, or one batched copy into the rows."""
-    stack, targets = writer
-    if stack is not None:
-        stack.view(values.shape).copy_(values)
-    else:
-        torch._foreach_copy_(targets, values.unbind(0))
 
 
 def _in_row_order(states: list, positions: list[int], tensor_of) -> list[int]:
@@ -90,15 +75,15 @@ class _MatrixGroup(_Group):
         self.rows, self.cols, self.dtype = first.rows, first.cols, first.dev_grad.dtype
         self.shape = first.param.shape
         self.has_selected, self.has_host = first.has_selected, first.has_host
-        self.scores = _writer([s.scores for s in states])
+        self.scores = Rows([s.scores for s in states])
         # Advanced-indexing gathers over the stacked, transposed gradients [n, C, R]: row i of the result
         # takes matrix i's columns (index memory: n x columns, not n x columns x R).
         self.matrix_index = torch.arange(len(states), device=first.device).unsqueeze(1)
         if self.has_selected:
-            self.selected_columns = rows_or_stack([s.selected_on_device for s in states])
-            self.dev_grads = _writer([s.dev_grad for s in states])
+            self.selected_columns = Rows([s.selected_on_device for s in states])
+            self.dev_grads = Rows([s.dev_grad for s in states])
         if self.has_host:
-            self.host_columns = rows_or_stack([s.host_columns_on_device for s in states])
+            self.host_columns = Rows([s.host_columns_on_device for s in states])
             # (under data parallelism only the owner of a matrix holds its host part)
             self.owners = [i for i, s in enumerate(states) if s.owns_host]
             self.all_own = len(self.owners) == len(states)
@@ -115,15 +100,15 @@ class _MatrixGroup(_Group):
             return None
         g = g.view(-1, self.rows, self.cols)
         if scores is not None and scores[self.positions[0]] is not None:
-            _write(self.scores, torch.stack([scores[p] for p in self.positions]))
+            self.scores.write(torch.stack([scores[p] for p in self.positions]))
         else:
-            _write(self.scores, (g if g.dtype == torch.float32 else g.float()).square().sum(1))
+            self.scores.write((g if g.dtype == torch.float32 else g.float()).square().sum(1))
         columns = g.transpose(1, 2)  # [n, C, R]
         if self.has_selected:
-            _write(self.dev_grads, columns[self.matrix_index, self.selected_columns].transpose(1, 2))
+            self.dev_grads.write(columns[self.matrix_index, self.selected_columns.read()].transpose(1, 2))
         sent = 0
         if self.has_host and self.owners:
-            rest = columns[self.matrix_index, self.host_columns]  # [n, u, R]: the host layout
+            rest = columns[self.matrix_index, self.host_columns.read()]  # [n, u, R]: the host layout
             stack = self.host_stacks[grad_slot]
             if stack is not None:
                 done = self.transfers.to_host(rest, stack)
@@ -147,19 +132,19 @@ class _VectorGroup(_Group):
         states = self.states
         first = states[0]
         self.numel, self.dtype = first.grad_flat.numel(), first.grad_flat.dtype
-        self.grads = _writer([s.grad_flat for s in states])
-        self.scores = _writer([s.score for s in states])
+        self.grads = Rows([s.grad_flat for s in states])
+        self.scores = Rows([s.score for s in states])
 
     def receive(self, grads: list, scores: Optional[list], grad_slot: int) -> Optional[int]:
         g = self._stacked_grads(grads, self.dtype, self.numel)
         if g is None:
             return None
         g = g.view(-1, self.numel)  # [n, N]
-        _write(self.grads, g)
+        self.grads.write(g)
         if scores is not None and scores[self.positions[0]] is not None:
-            _write(self.scores, torch.stack([scores[p] for p in self.positions]).view(-1, 1))  # ([1] or [] each)
+            self.scores.write(torch.stack([scores[p] for p in self.positions]).view(-1, 1))  # ([1] or [] each)
         else:
-            _write(self.scores, (g if g.dtype == torch.float32 else g.float()).square().sum(1, keepdim=True))
+            self.scores.write((g if g.dtype == torch.float32 else g.float()).square().sum(1, keepdim=True))
         self._received()
         return 0
 

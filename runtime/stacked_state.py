@@ -25,7 +25,7 @@ import contextlib
 import torch
 
 from zenflow_compile.runtime.transfers import wait_events
-from zenflow_compile.triton_kernels.rows import rows_of_one_tensor, rows_or_stack
+from zenflow_compile.triton_kernels.rows import Rows, rows_of_one_tensor
 
 # Largest parameter (elements) whose state is stacked with its group: stacking its gradient in the hand-off
 # copies it once more, which pays while a tensor costs more in per-call host time than in bandwidth (CPU:
@@ -127,7 +127,7 @@ class StackedMerge:
         self.params = [m.as_columns() for m in matrices]  # [R, C] views of the parameters
         self.buffer = torch.empty((len(matrices), first.rows, first.cols), dtype=first.param.dtype)
         self.buffer_rows = list(self.buffer.unbind(0))
-        self.columns = rows_or_stack([m.host_columns_on_device for m in matrices])  # [n, u] (CPU)
+        self.columns = Rows([m.host_columns_on_device for m in matrices])  # [n, u] (CPU)
         self.which = torch.arange(len(matrices)).unsqueeze(1)
         self.bytes = sum(m.host_weights[0].numel() * m.host_weights[0].element_size() for m in matrices)
 
@@ -140,7 +140,7 @@ class StackedMerge:
         """Returns the bytes "uploaded" (the host weights read, as `apply_host_columns` counts them)."""
         values = torch.stack([m.host_weights[m.weights_slot] for m in self.matrices])  # [n, u, R]
         torch.stack(self.params, out=self.buffer)
-        self.buffer.transpose(1, 2).index_put_((self.which, self.columns), values)
+        self.buffer.transpose(1, 2).index_put_((self.which, self.columns.read()), values)
         torch._foreach_copy_(self.params, self.buffer_rows)
         for m in self.matrices:
             m.unapplied = False

@@ -401,3 +401,26 @@ def test_reselection_of_stacked_matrices_rewrites_them_in_place(monkeypatch):
     params = [p for group in opt.param_groups for p in group["params"]]
     block_ids = {opt.param_id(p) for p in params if tuple(p.shape) == (16, 16)}
     assert {pid for pid, _, _ in in_place} <= block_ids  # (the unique-shape matrices are laid out anew)
+
+
+@pytest.mark.parametrize("frozen", [("blocks.0", "blocks.2"), ("blocks.1",)], ids=["one-row-steps", "gap-in-stack"])
+def test_in_place_reselection_when_part_of_a_stack_is_frozen(frozen):
+    """Some rows of a stack frozen for ten steps, and the unique-shape matrices too (their new layouts would
+    otherwise rebuild every plan at each reselection): the stepping rows' reselections, written in place,
+    must reach every plan built on them: a lone stacked matrix never takes the fused update on a count that
+    may change in place, and index rows are read from the states, never kept as a copy."""
+    keys = KEYS["S2-reselect"]
+    a, b = repeated_model(), repeated_model()
+    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
+    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
+    for step in range(16):
+        for model in (a, b):
+            for name in frozen + ("emb", "head"):
+                model.get_submodule(name).requires_grad_(not 2 <= step < 12)
+        for model, o in ((a, opt), (b, ref)):
+            loss_of(model, step).backward()
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+    assert opt.stats()["reselections"] > 0

@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from ._triton import HAVE_TRITON, TORCH_TO_TL, DualKernel, constexpr, f32, split_f64, tl, triton_available
-from .rows import rows_of_one_tensor, rows_or_stack, runs_of_rows
+from .rows import Rows, rows_of_one_tensor, runs_of_rows
 
 __all__ = ["adamw_selected_columns_", "adamw_selected_columns_reference_", "ReferencePlan"]
 
@@ -308,18 +308,20 @@ def _fused_and_per_column(live: list[int], tensor_lists: list, count_heads: list
                           counts_fixed: list) -> list[tuple[bool, list[int]]]:
     """[(fused, positions), (per column, positions)]. Whole runs of stacked rows go one way: a run fuses
     when every member's columns share one count, the members agree and their counts stay as they are until
-    the next layout (`counts_fixed`: not a stacked matrix, whose reselection rewrites its counts in place),
-    else the whole run takes the per-column update (exact for any counts), so neither group is left with
-    gaps in a stack."""
+    the next layout (`counts_fixed`, or not a row of a stack: a stacked matrix's reselection rewrites its
+    counts in place), else the whole run takes the per-column update (exact for any counts), so neither
+    group is left with gaps in a stack."""
     order = sorted(live, key=lambda i: (id(tensor_lists[1][i]._base), tensor_lists[1][i].storage_offset()))
     ordered = [[tensors[i] for i in order] for tensors in tensor_lists]
     heads = [count_heads[i] for i in order]
     counts = [None if head is None else float(head) for head in heads]  # (CPU: reading costs nothing)
     fused, per_column = [], []
-    fixed = [counts_fixed[i] for i in order]
+    # A stacked row whose counts are not fixed (a stacked matrix) never fuses, even alone in its run: its
+    # reselection rewrites the counts in place, without a layout change that would rebuild this plan.
+    fixed = [counts_fixed[i] or ordered[1][j]._base is None for j, i in enumerate(order)]
     for a, b in runs_of_rows(ordered, can_join=lambda i: True):
         uniform = (all(c is not None for c in counts[a:b]) and counts[a:b].count(counts[a]) == b - a
-                   and (b - a == 1 or all(fixed[a:b])))
+                   and all(fixed[a:b]))
         (fused if uniform else per_column).extend(order[a:b])
     return [(True, fused), (False, per_column)]
 
@@ -442,14 +444,14 @@ class _StackedColumnWriter:
         first = self.params[0]
         self.buffer = torch.empty((len(items), *first.shape), dtype=first.dtype, device=first.device)
         self.buffer_rows = list(self.buffer.unbind(0))
-        self.columns = rows_or_stack([cols for _, cols, _ in items])  # [n, k] (rows followed in place)
+        self.columns = Rows([cols for _, cols, _ in items])  # [n, k]
         self.which = torch.arange(len(items), device=first.device).unsqueeze(1)  # [n, 1]
         self.cast = self.masters.dtype != first.dtype
 
     def write(self) -> None:
         torch.stack(self.params, out=self.buffer)
         values = self.masters.to(self.buffer.dtype) if self.cast else self.masters
-        self.buffer.transpose(1, 2).index_put_((self.which, self.columns), values.transpose(1, 2))
+        self.buffer.transpose(1, 2).index_put_((self.which, self.columns.read()), values.transpose(1, 2))
         torch._foreach_copy_(self.params, self.buffer_rows)
 
 

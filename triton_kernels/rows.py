@@ -38,10 +38,26 @@ def rows_of_one_tensor(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor
     return base.view(-1, *shape)[start:start + n]
 
 
-def rows_or_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The stack whose rows are `tensors` (a view: it follows in-place rewrites of the rows), else a copy."""
-    rows = rows_of_one_tensor(tensors)
-    return rows if rows is not None else torch.stack(list(tensors))
+class Rows:
+    """Tensors of one shape handled as one [n, ...] tensor: the view of their stack when they are its
+    consecutive rows (`rows_of_one_tensor`), else through batched calls over the list. Either way it reads
+    and writes the tensors themselves, so it stays right when they are rewritten in place (a plan holding a
+    `Rows` never holds a stale copy of them)."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self.tensors = list(tensors)
+        self.stacked = rows_of_one_tensor(self.tensors)
+
+    def read(self) -> torch.Tensor:
+        return self.stacked if self.stacked is not None else torch.stack(self.tensors)
+
+    def write(self, values: torch.Tensor) -> None:
+        """values [n, ...] into the tensors (row i of `values` has tensor i's shape, or its element count when
+        the rows are one stack)."""
+        if self.stacked is not None:
+            self.stacked.view(values.shape).copy_(values)
+        else:
+            torch._foreach_copy_(self.tensors, values.unbind(0))
 
 
 def runs_of_rows(tensor_lists: Sequence[Sequence[torch.Tensor]], can_join) -> list[tuple[int, int]]:
