@@ -23,9 +23,8 @@ The result is the same as each state's `receive_grad` (same buffers written, sam
 
 from __future__ import annotations
 
-from typing import Optional
-
 import operator
+from typing import Optional
 
 import torch
 

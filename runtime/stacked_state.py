@@ -43,8 +43,9 @@ def group_key(state):
         return None
     if state.is_matrix:
         return ("matrix", tuple(state.param.shape), state.dev_grad.dtype, state.num_selected, state.num_host,
-                state.device)
+                state.param.device)
     return ("vector", state.grad.numel(), state.grad.dtype, state.param.device)
+
 
 MATRIX_TENSORS = ("scores", "dev_grad", "dev_master", "dev_exp_avg", "dev_exp_avg_sq", "dev_step",
                   "selected_on_device", "host_columns_on_device")  # (the index rows too: see MatrixState.select)

@@ -40,14 +40,15 @@ def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0, device: Union[
 
 
 class TinyRepeated(nn.Module):
-    """Tiny's interface (tokens < 32 in, 16 features out) with layers of equal shapes, the case the runtime
-    stacks: Embedding(32, 16) -> three (Linear(16, 16), LayerNorm(16)) with residuals -> Linear(16, 16)."""
+    """Tiny's interface (tokens < 32 in, 16 features out by default) with layers of equal shapes, the case
+    the runtime stacks: Embedding(32, 16) -> three (Linear(16, 16), LayerNorm(16)) with residuals ->
+    Linear(16, out_features)."""
 
-    def __init__(self):
+    def __init__(self, out_features: int = 16):
         super().__init__()
         self.emb = nn.Embedding(32, 16)
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(3))
-        self.head = nn.Linear(16, 16)
+        self.head = nn.Linear(16, out_features)
 
     def forward(self, x):
         h = self.emb(x)

@@ -17,30 +17,16 @@ from zenflow_compile.runtime.handoff import HandoffPlan
 from zenflow_compile.runtime.param_state import MatrixState, VectorState, top_k_columns, top_k_columns_many
 from zenflow_compile.runtime.transfers import Transfers
 from zenflow_compile.triton_kernels.rows import rows_of_one_tensor, runs_of_rows
+from helpers import TinyRepeated
 
 LR, WD = 1e-2, 0.01
 
 
-class Repeated(nn.Module):
+def repeated_model(dtype=torch.float32, seed=0) -> nn.Module:
     """Layers of equal shapes (the case the hand-off stacks) beside unique ones: Embedding(32, 16), three
-    Linear(16, 16) + LayerNorm(16), Linear(16, 8)."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(3))
-        self.head = nn.Linear(16, 8)
-
-    def forward(self, x):
-        h = self.emb(x)
-        for block in self.blocks:
-            h = torch.tanh(block(h)) + h
-        return self.head(h)
-
-
-def repeated_model(dtype=torch.float32, seed=0) -> Repeated:
+    Linear(16, 16) + LayerNorm(16), and a Linear(16, 8) head (a shape of its own)."""
     torch.manual_seed(seed)
-    return Repeated().to(dtype)
+    return TinyRepeated(out_features=8).to(dtype)
 
 
 def batch(i: int, dtype=torch.float32):
@@ -223,22 +209,30 @@ def test_like_states_share_stacks_and_the_update_joins_them():
     assert len(fused[0].uws) < len(fused[0].ws)  # runs of stacked rows joined
 
 
-def test_frozen_then_unfrozen_block_with_stacks():
-    """A block frozen after two steps (its state stays in the stacks, unstepped) and unfrozen two steps
-    later: the others and then it train as under the reference."""
+def train_with_frozen(frozen: tuple, first: int, last: int, steps: int):
+    """ZenFlowAdamW beside the reference with the submodules `frozen` not requiring grad for steps
+    [first, last), parameters compared after every step; returns the optimizer."""
     keys = KEYS["S2-reselect"]
     a, b = repeated_model(), repeated_model()
     opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
     ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
-    for step in range(8):
+    for step in range(steps):
         for model in (a, b):
-            model.blocks[1].requires_grad_(not 2 <= step < 4)
+            for name in frozen:
+                model.get_submodule(name).requires_grad_(not first <= step < last)
         for model, o in ((a, opt), (b, ref)):
             loss_of(model, step).backward()
             o.step()
             o.zero_grad()
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+    return opt
+
+
+def test_frozen_then_unfrozen_block_with_stacks():
+    """A block frozen after two steps (its state stays in the stacks, unstepped) and unfrozen two steps
+    later: the others and then it train as under the reference."""
+    train_with_frozen(("blocks.1",), 2, 4, steps=8)
 
 
 def test_rows_of_one_tensor():
@@ -409,18 +403,5 @@ def test_in_place_reselection_when_part_of_a_stack_is_frozen(frozen):
     otherwise rebuild every plan at each reselection): the stepping rows' reselections, written in place,
     must reach every plan built on them: a lone stacked matrix never takes the fused update on a count that
     may change in place, and index rows are read from the states, never kept as a copy."""
-    keys = KEYS["S2-reselect"]
-    a, b = repeated_model(), repeated_model()
-    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
-    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
-    for step in range(16):
-        for model in (a, b):
-            for name in frozen + ("emb", "head"):
-                model.get_submodule(name).requires_grad_(not 2 <= step < 12)
-        for model, o in ((a, opt), (b, ref)):
-            loss_of(model, step).backward()
-            o.step()
-            o.zero_grad()
-        for (name, p), q in zip(a.named_parameters(), b.parameters()):
-            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {step} {name}: {m}")
+    opt = train_with_frozen(frozen + ("emb", "head"), 2, 12, steps=16)
     assert opt.stats()["reselections"] > 0
