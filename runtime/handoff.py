@@ -97,7 +97,8 @@ class _MatrixGroup(_Group):
         g = self._stacked_grads(grads, self.dtype, self.rows * self.cols)
         if g is None or g.shape[1:] != self.shape:
             return None
-        g = g.view(-1, self.rows, self.cols)
+        g = g.reshape(-1, self.rows, self.cols)  # (a copy only where the gradients are not contiguous:
+        # a compiled conv backward gives channels-last weight gradients, and stack keeps their layout)
         if scores is not None and scores[self.positions[0]] is not None:
             self.scores.write(torch.stack([scores[p] for p in self.positions]))
         else:
@@ -138,7 +139,7 @@ class _VectorGroup(_Group):
         g = self._stacked_grads(grads, self.dtype, self.numel)
         if g is None:
             return None
-        g = g.view(-1, self.numel)  # [n, N]
+        g = g.reshape(-1, self.numel)  # [n, N]
         self.grads.write(g)
         if scores is not None and scores[self.positions[0]] is not None:
             self.scores.write(torch.stack([scores[p] for p in self.positions]).view(-1, 1))  # ([1] or [] each)

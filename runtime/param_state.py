@@ -195,12 +195,12 @@ class VectorState:
     def adopt_param_values(self) -> None:
         self.clock.bump()  # the parameter's storage (its view in device_update) or the grad buffer may be new
         current = self.param.detach().reshape(-1, 1)
-        if current.dtype != self.grad.dtype:  # the parameter was cast (model.to(dtype)): all of it is new
-            self.grad = torch.zeros(self.master.shape, dtype=current.dtype, device=current.device)
+        left = self.master.to(self.grad.dtype)  # what the optimizer left in the parameter (its dtype until now)
+        if current.dtype != self.grad.dtype:  # the parameter was cast (model.to(dtype)): a buffer of its dtype
+            # (the cast is adopted at the step, after its backward: the gradient already here is kept)
+            self.grad = self.grad.to(current.dtype, memory_format=torch.contiguous_format)
             self.grad_flat = self.grad.view(-1)
-            self.master.copy_(current.float())
-        else:
-            _adopt(current, self.master.to(current.dtype), self.master)
+        _adopt(current, left, self.master)  # (an upcast changes no value: every master bit is kept)
         self.watch.remember()
 
     def receive_grad(self, grad: torch.Tensor, score: Optional[torch.Tensor], grad_slot: int) -> int:
@@ -423,15 +423,8 @@ class MatrixState:
         its values become the master (call with no CPU work in flight)."""
         self.clock.bump()  # its storage (the view in device_update) may be new
         current = self.as_columns().detach()
-        if current.dtype != self.dev_grad.dtype:  # cast (model.to(dtype)): every value is new
-            state = self.canonical()
-            state.master.copy_(current.float().cpu())
-            accumulators = [acc.clone() for acc in self.accumulators + self.square_accumulators]  # (none on a non-owner)
-            self._distribute(self.selected, state, host_columns=self.host_columns)
-            for mine, saved in zip(self.accumulators + self.square_accumulators, accumulators):
-                mine.copy_(saved)
-            self.unapplied = False
-            self.watch.remember()
+        if current.dtype != self.dev_grad.dtype:  # cast (model.to(dtype)): buffers anew in its dtype
+            self._adopt_cast(current)
             return
         if self.num_selected:
             _adopt(current.index_select(1, self.selected_on_device), self.dev_master.to(current.dtype),
@@ -444,6 +437,38 @@ class MatrixState:
             applied.copy_(host_now)
             if self.unapplied:  # the pending update now carries the written values where they changed
                 self.host_weights[self.weights_slot].copy_(self.host_master)
+        self.watch.remember()
+
+    def _adopt_cast(self, current: torch.Tensor) -> None:
+        """The parameter was cast: the state is laid out again in buffers of its new dtype. As with any write,
+        its values become the master elementwise where they differ from what the optimizer left in it (in the
+        old dtype): an upcast keeps every master bit, a downcast adopts the values it rounded. What the old
+        buffers hold moves over: the accumulators, a pending CPU update (still applied at the next apply),
+        and the gradient this step's backward already handed over (the cast is adopted at the step, after
+        that backward: its copies down land first; later backwards' extras stay as they are)."""
+        old_dtype = self.dev_grad.dtype
+        wait_events(self.upload_done)  # an upload may still be reading the host weights
+        for slot in (0, 1):
+            wait_events(self.offload_done[slot])
+        state = self.canonical()
+        left = torch.zeros(self.rows, self.cols, dtype=old_dtype)  # what the optimizer left in the parameter
+        left[:, self.selected] = self.dev_master.cpu().to(old_dtype)
+        if self.owns_host:
+            left[:, self.host_columns] = self._applied_weights().t()
+        current = current.cpu()
+        _adopt(current, left, state.master)
+        kept = [t.clone() for t in self.accumulators + self.square_accumulators]  # (none on a non-owner)
+        dev_grad, host_grads, extra_grads, unapplied = self.dev_grad, self.host_grads, self.extra_grads, self.unapplied
+        self._distribute(self.selected, state, host_columns=self.host_columns)
+        for mine, saved in zip(self.accumulators + self.square_accumulators, kept):
+            mine.copy_(saved)
+        self.dev_grad.copy_(dev_grad)
+        for mine, received in zip(self.host_grads, host_grads):
+            mine.copy_(received)
+        self.extra_grads = extra_grads
+        self.unapplied = unapplied  # (host_weights[weights_slot] holds the masters: the pending update)
+        if self.owns_host and self.num_host:
+            self._applied_weights().copy_(current.t()[self.host_columns])  # what the device holds
         self.watch.remember()
 
     def device_columns(self) -> torch.Tensor:

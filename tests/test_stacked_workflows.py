@@ -1,0 +1,183 @@
+"""Everyday workflows on models whose like parameters share stacked state (`runtime/stacked_state.py`, the
+batched hand-off of `runtime/handoff.py`): many equal-shaped small layers (repeated blocks, conv stacks,
+per-block gates), reselection every other step, each workflow compared with the reference after every step.
+
+Found by running these workflows: a compiled conv stack hands over channels-last weight gradients (the
+stacked hand-off viewed them as if contiguous), and a model cast to another dtype between steps lost the
+gradient its next backward had already handed over (adopting the cast replaced the gradient buffers).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import zenflow_compile
+from zenflow_compile.reference import ZenFlowReference
+from zenflow_compile.runtime.handoff import HandoffPlan
+from zenflow_compile.runtime.param_state import MatrixState
+from zenflow_compile.runtime.transfers import Transfers
+
+LR, WD = 1e-2, 0.01
+ATOL, RTOL = 1e-6, 1e-5
+# Reselection at every other step (a boundary every two), one warm-up step: stacks are built, relayouted in
+# place and restacked many times in a few steps.
+KEYS = dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=2, overlap_step=True,
+            full_warm_up_rounds=1)
+
+
+class Blocks(nn.Module):
+    """Embedding(32, 16) -> n x (Linear(16, 16), LayerNorm(16)) with residuals -> Linear(16, 8); a block in
+    `skip` is left out of the forward (a conditional branch: its parameters get no gradient)."""
+
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16)) for _ in range(n))
+        self.head = nn.Linear(16, 8)
+        self.skip: set[int] = set()
+
+    def forward(self, x):
+        h = self.emb(x)
+        for i, block in enumerate(self.blocks):
+            if i not in self.skip:
+                h = torch.tanh(block(h)) + h
+        return self.head(h)
+
+
+class ConvStack(nn.Module):
+    """Equal Conv2d(8, 8, 3) layers with ReZero-style scalar gates (0-d parameters): stacked 4-D matrices
+    and stacked scalars."""
+
+    def __init__(self, n: int = 3):
+        super().__init__()
+        self.inp = nn.Conv2d(3, 8, 3, padding=1)
+        self.convs = nn.ModuleList(nn.Conv2d(8, 8, 3, padding=1) for _ in range(n))
+        self.gates = nn.ParameterList(nn.Parameter(torch.full((), 0.5)) for _ in range(n))
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for conv, gate in zip(self.convs, self.gates):
+            h = h + gate * torch.tanh(conv(h))
+        return self.out(h.mean((2, 3)))
+
+
+def blocks_batch(i: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randint(0, 32, (4, 5), generator=g), torch.randn(4, 5, 8, generator=g).to(dtype)
+
+
+def conv_batch(i: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(200 + i)
+    return torch.randn(4, 3, 6, 6, generator=g).to(dtype), torch.randn(4, 4, generator=g)
+
+
+def loss_of(model, batch):
+    x, y = batch
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+def assert_close(a: nn.Module, b: nn.Module, what: str, atol=ATOL, rtol=RTOL):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")
+
+
+def models(make, seed=0):
+    torch.manual_seed(seed)
+    a = make()
+    b = copy.deepcopy(a)
+    return a, b
+
+
+def run_pair(a, b, opt, ref, steps, batch_of, *, compiled=False, before_step=None):
+    """ZenFlowAdamW on `a` beside the reference on `b`, one backward each per step, compared after every
+    step; `before_step(step)` runs before each step's forward."""
+    run_a = torch.compile(a, backend="zenflow") if compiled else a
+    run_b = torch.compile(b, backend="inductor") if compiled else b
+    for step in steps:
+        if before_step is not None:
+            before_step(step)
+        for model, o in ((run_a, opt), (run_b, ref)):
+            loss_of(model, batch_of(step)).backward()
+            o.step()
+            o.zero_grad()
+        assert_close(a, b, f"step {step}")
+    opt.synchronize()
+    ref.synchronize()
+    assert_close(a, b, "synchronized")
+
+
+# -- found bugs ---------------------------------------------------------------------------------------------
+
+
+def test_stacked_handoff_takes_channels_last_gradients():
+    """A compiled conv backward produces channels-last weight gradients; the stacked hand-off must leave what
+    each state's own receive_grad leaves (it used to view the stacked gradients as if contiguous: error)."""
+    torch.manual_seed(0)
+    transfers = Transfers(torch.device("cpu"))
+    params = [nn.Parameter(torch.randn(8, 8, 3, 3)) for _ in range(3)]
+
+    def states():
+        made = [MatrixState(p, i, 0, transfers) for i, p in enumerate(params)]
+        for m in made:
+            m.select(torch.tensor([3, 9, 40, 71]))
+        return made
+
+    one_by_one, batched = states(), states()
+    grads = [torch.randn(8, 8, 3, 3).contiguous(memory_format=torch.channels_last) for _ in params]
+    assert not grads[0].is_contiguous()
+    sent = sum(s.receive_grad(g, None, 0) for s, g in zip(one_by_one, grads))
+    assert HandoffPlan(batched).receive(grads, None, 0) == sent
+    for a, b in zip(one_by_one, batched):
+        torch.testing.assert_close(b.scores, a.scores, rtol=0, atol=0)
+        torch.testing.assert_close(b.dev_grad, a.dev_grad, rtol=0, atol=0)
+        torch.testing.assert_close(b.host_grads[0], a.host_grads[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_conv_stack_with_scalar_gates_equals_reference(compiled):
+    a, b = models(ConvStack)
+    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **KEYS)
+    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **KEYS)
+    run_pair(a, b, opt, ref, range(7), conv_batch, compiled=compiled)
+    assert opt.stats()["reselections"] > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+@pytest.mark.parametrize("first, then", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+                         ids=["fp32-to-bf16", "bf16-to-fp32"])
+def test_model_cast_between_steps_equals_reference(first, then, overlap):
+    """model.to(dtype) mid-run (after stacking, a CPU update pending with overlap). The cast is adopted at the
+    next step(), after that step's backward handed its gradient over, which the step must still use (it was
+    zeroed with the replaced buffers: masters off by about one update, 0.013); and like any write it is
+    adopted elementwise where it differs from what the optimizer left (an upcast changes nothing: the fp32
+    masters were overwritten with their bf16 roundings and a pending update was dropped, 0.008)."""
+    keys = dict(KEYS, overlap_step=overlap)
+    # An upcast's step still takes its gradient as the buffers of the old dtype received it (rounded to bf16
+    # at the hand-off, before the step sees the cast): 2e-5 from the reference on that step's update.
+    master_atol = ATOL if then == torch.bfloat16 else 1e-4
+    a, b = models(lambda: Blocks().to(first))
+    opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
+    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
+    dtype = first
+    for step in range(7):
+        if step == 4:
+            a.to(then)
+            b.to(then)
+            dtype = then
+        for model, o in ((a, opt), (b, ref)):
+            loss_of(model, blocks_batch(step, dtype)).backward()
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(opt.master(p), ref.master(q), atol=master_atol, rtol=RTOL,
+                                       msg=lambda m: f"step {step} master of {name}: {m}")
+            tolerance = dict(atol=master_atol, rtol=RTOL) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(p, q, **tolerance, msg=lambda m: f"step {step} {name}: {m}")
+    opt.synchronize()
+    ref.synchronize()
+    assert_close(a, b, "synchronized", atol=1e-2 if then == torch.bfloat16 else master_atol)
