@@ -10,6 +10,7 @@ gradient its next backward had already handed over (adopting the cast replaced t
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -23,9 +24,10 @@ from zenflow_compile.runtime.transfers import Transfers
 
 LR, WD = 1e-2, 0.01
 ATOL, RTOL = 1e-6, 1e-5
-# Reselection at every other step (a boundary every two), one warm-up step: stacks are built, relayouted in
-# place and restacked many times in a few steps.
-KEYS = dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=2, overlap_step=True,
+# A boundary every two steps after one warm-up step (t = 2, 4, 6, ...), alternately overlapped (its CPU update
+# pending until the next boundary) and reselecting (stacked matrices relayouted in place): stacks are built,
+# rewritten and restacked many times in a few steps.
+KEYS = dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=4, overlap_step=True,
             full_warm_up_rounds=1)
 
 
@@ -181,3 +183,116 @@ def test_model_cast_between_steps_equals_reference(first, then, overlap):
     opt.synchronize()
     ref.synchronize()
     assert_close(a, b, "synchronized", atol=1e-2 if then == torch.bfloat16 else master_atol)
+
+
+# -- workflows that hold (kept so they keep holding) -----------------------------------------------------
+
+
+def blocks_pair(keys=KEYS, groups=None, **opt_kwargs):
+    a, b = models(Blocks)
+    opt = zenflow_compile.ZenFlowAdamW(groups(a) if groups else a.parameters(), lr=LR, weight_decay=WD,
+                                       **opt_kwargs, **keys)
+    ref = ZenFlowReference(groups(b) if groups else b.parameters(), lr=LR, weight_decay=WD,
+                           max_grad_norm=opt_kwargs.get("max_grad_norm"), **keys)
+    return a, b, opt, ref
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_resume_into_an_optimizer_that_already_stacked_and_rolling_back_are_exact(compiled):
+    """A checkpoint taken mid-run (stacks built, a CPU update pending) loaded into (1) an optimizer that has
+    trained on other data (its own stacks built and relayouted) and (2) the optimizer it came from, rolled
+    back after more steps: both continue bitwise as the uninterrupted run."""
+
+    def train(run, opt, steps):
+        for step in steps:
+            loss_of(run, blocks_batch(step)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def make():
+        model = Blocks()
+        opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, weight_decay=WD, **KEYS)
+        return model, opt, (torch.compile(model, backend="zenflow") if compiled else model)
+
+    torch.manual_seed(0)
+    model, opt, run = make()
+    train(run, opt, range(4))
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())
+    train(run, opt, range(4, 9))
+    opt.synchronize()
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    other, other_opt, other_run = make()
+    train(other_run, other_opt, range(50, 55))
+    model.load_state_dict(saved_model)  # (2) rolled back
+    opt.load_state_dict(saved_opt)
+    other.load_state_dict(saved_model)  # (1)
+    other_opt.load_state_dict(saved_opt)
+    for m, o, r in ((model, opt, run), (other, other_opt, other_run)):
+        train(r, o, range(4, 9))
+        o.synchronize()
+        for (name, p), q in zip(m.named_parameters(), expected):
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=lambda msg: f"{name}: {msg}")
+
+
+def interleaved_groups(model):
+    """Even blocks, odd blocks (like parameters split across groups) and the rest, each its own lr and wd."""
+    even = [p for i, block in enumerate(model.blocks) if i % 2 == 0 for p in block.parameters()]
+    odd = [p for i, block in enumerate(model.blocks) if i % 2 == 1 for p in block.parameters()]
+    rest = list(model.emb.parameters()) + list(model.head.parameters())
+    return [dict(params=even), dict(params=odd, lr=3e-2, weight_decay=0.1), dict(params=rest, lr=5e-3, weight_decay=0.0)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_param_groups_splitting_stacks_with_an_lr_schedule_equal_reference(compiled):
+    """Like parameters in different param groups share stacks; each group's update takes its own lr and
+    weight decay, which a LambdaLR changes at every step."""
+    a, b, opt, ref = blocks_pair(groups=interleaved_groups)
+
+    def schedule(o):
+        return torch.optim.lr_scheduler.LambdaLR(o, [lambda s, i=i: 1.0 / (1 + s * (i + 1)) for i in range(3)])
+
+    schedulers = [schedule(opt), schedule(ref)]
+    run_pair(a, b, opt, ref, range(7), blocks_batch, compiled=compiled,
+             before_step=lambda step: step and [s.step() for s in schedulers])
+    assert opt.param_groups[1]["lr"] == ref.param_groups[1]["lr"] < 3e-2
+    assert opt.stats()["reselections"] > 0
+
+
+def test_grad_scaler_skipped_step_and_accumulation_with_part_of_a_stack_unused():
+    """torch.amp.GradScaler on CPU with an inf gradient at step 3 (skipped; the scale halves), gradient
+    accumulation over two micro-batches of which the first leaves blocks 1 and 3 out (only part of a
+    stack's gradients in a bucket, then all of them), and one block's weight written at step 5: equal to
+    the reference fed the unscaled gradients."""
+    a, b, opt, ref = blocks_pair()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    micro = 0
+    for step in range(8):
+        if step == 5:
+            for model in (a, b):
+                with torch.no_grad():
+                    model.blocks[2][0].weight.mul_(0.5)
+        for model in (a, b):
+            for j in range(2):
+                model.skip = {1, 3} if j == 0 else set()
+                x, y = blocks_batch(micro + j)
+                if step == 3 and j == 1:
+                    y = y.clone()
+                    y[0, 0, 0] = float("inf")
+                loss = ((model(x) - y) ** 2).mean()
+                (scaler.scale(loss) if model is a else loss).backward()
+        micro += 2
+        with warnings.catch_warnings():  # (torch's FutureWarning about GradScaler passing itself)
+            warnings.simplefilter("ignore", FutureWarning)
+            scaler.step(opt)
+        scaler.update()
+        ref.step()
+        for o in (opt, ref):
+            o.zero_grad()
+        assert_close(a, b, f"step {step}")
+    assert opt.stats()["skipped_steps"] == ref.stats()["skipped_steps"] == 1
+    assert scaler.get_scale() == 2.0 ** 9
+    opt.synchronize()
+    ref.synchronize()
+    assert_close(a, b, "synchronized")
