@@ -4,7 +4,8 @@ per-block gates), reselection every other step, each workflow compared with the 
 
 Found by running these workflows: a compiled conv stack hands over channels-last weight gradients (the
 stacked hand-off viewed them as if contiguous), and a model cast to another dtype between steps lost the
-gradient its next backward had already handed over (adopting the cast replaced the gradient buffers).
+gradient its next backward had already handed over (adopting the cast replaced the gradient buffers) and,
+cast up, overwrote its fp32 masters with their bf16 roundings (a cast is adopted elementwise, as any write).
 """
 
 from __future__ import annotations
