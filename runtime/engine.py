@@ -227,6 +227,11 @@ class ZenFlowRuntime:
         for t, reduced in zip(scores, packed.split([t.numel() for t in scores])):
             t.copy_(reduced)
 
+    @property
+    def holds_step_grads(self) -> bool:
+        """Gradients of this step have been handed over (a backward ran since the last step / zero_grad)."""
+        return self._step_open
+
     def discard_step_grads(self) -> None:
         if self.reducer is not None:
             self.reducer.finish_all()  # every rank runs the same collectives, used or not

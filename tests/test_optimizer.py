@@ -661,3 +661,27 @@ def test_backward_with_create_graph_equals_reference():
         opt.synchronize()
     for p, q in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_load_between_backward_and_step_is_refused_and_loses_nothing():
+    """The gradients of a finished backward already live in the optimizer's states, which loading re-creates:
+    refused with the fix named; the step then applies them as if nothing had been tried."""
+    model, ref_model = tiny_model(), tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2)
+    ref = ZenFlowAdamW(ref_model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2)
+    batches = make_batches(4)
+    train_steps(model, opt, batches[:2])
+    train_steps(ref_model, ref, batches[:2])
+    saved = opt.state_dict()
+    for m in (model, ref_model):
+        loss_fn(m, batches[2]).backward()
+    with pytest.raises(RuntimeError, match=r"between a backward and step\(\).*zero_grad"):
+        opt.load_state_dict(saved)
+    opt.step()
+    ref.step()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    opt.zero_grad()
+    loss_fn(model, batches[3]).backward()
+    opt.zero_grad()
+    opt.load_state_dict(saved)  # after zero_grad: allowed

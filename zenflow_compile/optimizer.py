@@ -267,6 +267,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if "zenflow" not in state_dict:
             raise ValueError("not a ZenFlowAdamW state_dict (no 'zenflow' entry); a torch.optim.AdamW "
                              "checkpoint cannot be resumed exactly by ZenFlow")
+        if self._runtime.holds_step_grads:
+            # torch.optim would keep `.grad` for the next step; here the gradients already live in the states
+            # that loading re-creates, so they would be lost without a word.
+            raise RuntimeError(
+                "ZenFlowAdamW.load_state_dict() was called between a backward and step(): that backward's "
+                "gradients were already handed to the optimizer and loading would discard them. Load the "
+                "checkpoint before the backward, or after step() (or call zero_grad() first to drop them)")
         owners = self._share_owners(state_dict["zenflow"].get("data_parallel"))
         self._runtime.quiesce()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
