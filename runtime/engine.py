@@ -100,7 +100,8 @@ class ZenFlowRuntime:
         self._stacked_merges = param_state.PerLayout(stacked_merges, self.layout_clock)
         # (every ParamWatch.remember() comes with a layout change: what each watch saw is fixed per layout)
         self._watched_params = param_state.PerLayout(
-            lambda states: ([s.watch.param for s in states], [s.watch.seen for s in states]), self.layout_clock)
+            lambda states: ([s.watch.param for s in states], [s.watch.seen for s in states],
+                            [s.watch.seen[2] for s in states]), self.layout_clock)
         self._handoff_plans: dict[tuple, HandoffPlan] = {}  # bucket's pids -> plan, for one layout generation
         self._handoff_generation = None
         self._stacked_generation = None  # the layout generation stack_like_states last saw
@@ -209,6 +210,7 @@ class ZenFlowRuntime:
             pending = self._accumulate_done[self.grad_slot]
             if pending is not None:
                 self._wait(pending)
+            self._adopt_casts()
             self._step_open = True
 
     def _receive_reduced(self, state, replicated: Optional[torch.Tensor], host: Optional[torch.Tensor]) -> None:
@@ -314,7 +316,7 @@ class ZenFlowRuntime:
         """SPEC §3 "Values": the parameter is the source of truth. Values written into it by anyone else
         since the optimizer's last write (its version counter or storage changed) become the master."""
         states = list(self.states.values())
-        params, seen = self._watched_params.get(states)
+        params, seen, _ = self._watched_params.get(states)
         # (one pass of builtins over every parameter: the common case, nothing written, costs ~0.1 us each)
         if list(zip(map(_VERSION, params), map(torch.Tensor.data_ptr, params), map(_DTYPE, params))) == seen:
             return
@@ -323,6 +325,15 @@ class ZenFlowRuntime:
             self._drain()  # CPU work in flight reads and writes the host masters
             for state in written:
                 state.adopt_param_values()
+
+    def _adopt_casts(self) -> None:
+        """A parameter cast since the last step (model.to(dtype)) gets its state's buffers in the new dtype
+        before the step's first gradient lands in them (else an upcast's gradient is rounded to the old dtype
+        on the way in); any other write is adopted at the step, as usual."""
+        states = list(self.states.values())
+        params, _, dtypes = self._watched_params.get(states)
+        if list(map(_DTYPE, params)) != dtypes:
+            self._adopt_external_writes()
 
     def _stack_like_states(self) -> None:
         """Like states share stacked device storage (`runtime/stacked_state.py`), redone after any layout
