@@ -47,6 +47,7 @@ class _Group:
     def __init__(self, states: list, positions: list[int], tensor_of):
         self.positions = _in_row_order(states, positions, tensor_of)
         self.states = [states[p] for p in self.positions]
+        self._of_group = operator.itemgetter(*self.positions)  # (a group has two or more: always a tuple)
 
     def _stacked_grads(self, grads: list, dtype: torch.dtype, row_numel: int) -> Optional[torch.Tensor]:
         """The group's gradients stacked [n, ...], or None when the group must go one by one: a state's
@@ -54,7 +55,7 @@ class _Group:
         if any(map(_NUM_GRADS, self.states)):
             return None
         try:
-            g = torch.stack([grads[p] for p in self.positions])
+            g = torch.stack(self._of_group(grads))
         except RuntimeError:  # shapes differ
             return None
         return g if g.dtype == dtype and g.numel() == row_numel * len(self.positions) else None
@@ -100,7 +101,7 @@ class _MatrixGroup(_Group):
         g = g.reshape(-1, self.rows, self.cols)  # (a copy only where the gradients are not contiguous:
         # a compiled conv backward gives channels-last weight gradients, and stack keeps their layout)
         if scores is not None and scores[self.positions[0]] is not None:
-            self.scores.write(torch.stack([scores[p] for p in self.positions]))
+            self.scores.write(torch.stack(self._of_group(scores)))
         else:
             self.scores.write((g if g.dtype == torch.float32 else g.float()).square().sum(1))
         columns = g.transpose(1, 2)  # [n, C, R]
@@ -115,10 +116,12 @@ class _MatrixGroup(_Group):
             else:
                 sources = rest.unbind(0) if self.all_own else [rest[i] for i in self.owners]
                 done = self.transfers.to_host_many(sources, self.host_grads[grad_slot])
+            done = [done]  # (one list for the group: no state appends to it in place)
             for i in self.owners:
                 state = self.states[i]
-                state.offload_done[grad_slot] = [done]
-                state.extra_grads[grad_slot] = []
+                state.offload_done[grad_slot] = done
+                if state.extra_grads[grad_slot]:  # (a discarded step's extras)
+                    state.extra_grads[grad_slot] = []
             sent = self.host_bytes
         self._received()
         return sent
@@ -142,7 +145,7 @@ class _VectorGroup(_Group):
         g = g.reshape(-1, self.numel)  # [n, N]
         self.grads.write(g)
         if scores is not None and scores[self.positions[0]] is not None:
-            self.scores.write(torch.stack([scores[p] for p in self.positions]).view(-1, 1))  # ([1] or [] each)
+            self.scores.write(torch.stack(self._of_group(scores)).view(-1, 1))  # ([1] or [] each)
         else:
             self.scores.write((g if g.dtype == torch.float32 else g.float()).square().sum(1, keepdim=True))
         self._received()

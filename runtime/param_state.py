@@ -659,7 +659,8 @@ class MatrixState:
             pool.append(_host_buffer(self.host_grads[grad_slot].shape, rest.dtype, self.pin))
         target = pool[index]
         self.extra_grads[grad_slot].append(target)
-        self.offload_done[grad_slot].append(self.transfers.to_host(rest, target, rows=rows))
+        # (a new list, never an append: a batched hand-off gives like states one shared list)
+        self.offload_done[grad_slot] = [*self.offload_done[grad_slot], self.transfers.to_host(rest, target, rows=rows)]
         return target.numel() * target.element_size()
 
     def fold_extra_grads(self, grad_slot: int) -> None:
