@@ -16,7 +16,11 @@
 How the user's config is read. The whole JSON is first validated by DeepSpeed's own `DeepSpeedConfig`
 (`zero_optimization.zenflow` by DeepSpeed's `ZenFlowConfig`), so a bad key gets DeepSpeed's error. Then:
 - `optimizer` (type AdamW, or Adam in adam_w_mode) -> ZenFlowAdamW's lr/betas/eps/weight_decay, with the
-  defaults of DeepSpeed's Adam optimizers (weight_decay 0, not torch's 0.01);
+  defaults of DeepSpeed's Adam optimizers (weight_decay 0, not torch's 0.01; with `"torch_adam": true` torch's,
+  since DeepSpeed then builds torch.optim.AdamW);
+- "auto" (Hugging Face's placeholder, filled by its Trainer) in the batch sizes, `gradient_clipping` or the
+  optimizer / scheduler params is an error naming the key; DeepSpeed's config classes read it elsewhere as
+  their default (for `zero_optimization.reduce_bucket_size`: ZenFlow's default bucket);
 - `gradient_clipping` -> `max_grad_norm` (ZenFlow clips from its norm proxy; parameters have no `.grad`);
 - `zero_optimization.zenflow` -> `ZenFlowConfig`; `steps_per_epoch` is the number of optimizer steps in one
   pass over `training_data` (DeepSpeed's dataloader length // gradient_accumulation_steps). This project's
@@ -64,6 +68,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import os
 from typing import Any, Callable, Mapping, Optional
 
@@ -75,7 +80,8 @@ from zenflow_compile.optimizer import ZenFlowAdamW
 __all__ = ["initialize", "ZenFlowDeepSpeedPlan", "plan_from_config", "engine_class"]
 
 # DeepSpeed's Adam-family defaults (deepspeed.ops.adam: DeepSpeedCPUAdam / FusedAdam), which a DeepSpeed
-# user's `optimizer.params` falls back to.
+# user's `optimizer.params` falls back to. With `"torch_adam": true` DeepSpeed builds torch.optim.AdamW instead,
+# whose own defaults apply (weight_decay 0.01): see `_adamw_from`.
 _DS_ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 # optimizer.params keys of DeepSpeed's Adam that only pick DeepSpeed's implementation (ZenFlow uses its own
 # kernels): accepted and ignored.
@@ -141,6 +147,10 @@ def _adamw_from(ds_config, user_config: Mapping[str, Any]) -> dict:
             raise _config_error(f"optimizer.params.{key}", not required,
                                 f"ZenFlowAdamW is AdamW with fp32 state and bias correction; set it to "
                                 f"{str(required).lower()} or remove it")
+    defaults = dict(_DS_ADAM_DEFAULTS)
+    if params.get("torch_adam"):  # DeepSpeed then builds torch.optim.AdamW with torch's defaults
+        signature = inspect.signature(torch.optim.AdamW).parameters
+        defaults.update({k: signature[k].default for k in defaults})
     for key in _IMPLEMENTATION_KEYS:
         params.pop(key, None)
     unknown = sorted(set(params) - set(_DS_ADAM_DEFAULTS))
@@ -148,7 +158,7 @@ def _adamw_from(ds_config, user_config: Mapping[str, Any]) -> dict:
         raise _config_error(f"optimizer.params.{unknown[0]}", params[unknown[0]],
                             f"ZenFlowAdamW takes {sorted(_DS_ADAM_DEFAULTS)} (plus DeepSpeed's implementation "
                             f"switches {list(_IMPLEMENTATION_KEYS)}, ignored)")
-    adamw = {**_DS_ADAM_DEFAULTS, **params}
+    adamw = {**defaults, **params}
     adamw["betas"] = tuple(adamw["betas"])
     return adamw
 
@@ -219,6 +229,27 @@ def _fp16_grad_scaler(fp16_config, device_name: str):
                                 growth_interval=fp16_config.loss_scale_window)
 
 
+# Keys Hugging Face's Trainer fills in when they hold "auto" (transformers.integrations.deepspeed) that DeepSpeed
+# reads as plain values: "auto" there would reach DeepSpeed's batch arithmetic or the optimizer as a string.
+# (DeepSpeed's pydantic config blocks, zero_optimization included, read "auto" as their default.)
+_HF_AUTO_TOP_LEVEL = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                      "gradient_clipping")
+
+
+def _check_no_hf_auto(user_config: Mapping[str, Any]) -> None:
+    places = [(key, user_config.get(key)) for key in _HF_AUTO_TOP_LEVEL]
+    for block in ("optimizer", "scheduler"):
+        section = user_config.get(block)
+        params = section.get("params") if isinstance(section, Mapping) else None
+        if isinstance(params, Mapping):
+            places += [(f"{block}.params.{key}", value) for key, value in params.items()]
+    for key, value in places:
+        if isinstance(value, str) and value == "auto":
+            raise _config_error(key, value, "\"auto\" is a placeholder that Hugging Face's Trainer replaces with its "
+                                "TrainingArguments before DeepSpeed reads the config; zenflow_compile.deepspeed."
+                                "initialize reads it as deepspeed.initialize does, so set a value")
+
+
 def _pop_project_zenflow_keys(user_config: dict) -> dict:
     """Take this project's ZenFlow keys (those DeepSpeed's ZenFlowConfig does not know) out of
     `zero_optimization.zenflow`, so DeepSpeed's validation sees only its own keys."""
@@ -241,6 +272,7 @@ def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPla
     from deepspeed.runtime.config import DeepSpeedConfig
 
     user_config = copy.deepcopy(dict(config))
+    _check_no_hf_auto(user_config)
     project_keys = _pop_project_zenflow_keys(user_config)
     ds_config = DeepSpeedConfig(copy.deepcopy(user_config), mpu)  # DeepSpeed's validation and errors
     if ds_config.hybrid_engine.enabled:
@@ -395,6 +427,8 @@ def _build_optimizer(engine, plan: ZenFlowDeepSpeedPlan, model_parameters) -> Ze
         steps_per_epoch = max(1, len(engine.training_dataloader) // engine.gradient_accumulation_steps())
     config = plan.zenflow_config(steps_per_epoch)
     bucket = plan.user_config.get("zero_optimization", {}).get("reduce_bucket_size")
+    if bucket == "auto":  # DeepSpeed reads "auto" as "its default"; ZenFlow's default bucket size then applies
+        bucket = None
     return ZenFlowAdamW(_param_groups(model_parameters), **plan.adamw, max_grad_norm=plan.max_grad_norm,
                         config=config, process_group=engine.data_parallel_group,
                         **({"reduce_bucket_size": int(bucket)} if bucket is not None else {}))
