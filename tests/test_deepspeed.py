@@ -90,7 +90,8 @@ def direct_optimizer(model, config: dict, **overrides):
     """ZenFlowAdamW written by hand from the same DeepSpeed config (the oracle's optimizer)."""
     params = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **config["optimizer"]["params"]}
     zenflow = dict(config["zero_optimization"]["zenflow"])
-    clip = config.get("gradient_clipping", 0.0) or None
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT  # (1.0: DeepSpeed clips unless told not to)
+    clip = config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT) or None
     return zenflow_compile.ZenFlowAdamW(model.parameters(), **params, max_grad_norm=clip,
                                         **{**zenflow, **overrides})
 
