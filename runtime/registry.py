@@ -75,15 +75,25 @@ def runtime_of(pid: int) -> Optional["ZenFlowRuntime"]:
 
 
 _GRAPH_IDS_KEY = "zenflow_param_ids"
+_GRAPH_EDGES_KEY = "zenflow_param_edges"
 _COMPILED_NODE_NAME = "CompiledFunctionBackward"  # AOTAutograd's autograd.Function for a compiled graph
 
 
-def bind_param_ids(outputs, param_ids: tuple[Optional[int], ...]) -> None:
+def bind_param_ids(outputs, param_ids: tuple[Optional[int], ...],
+                   edges: Optional[tuple[Optional[int], ...]] = None, names: tuple = ()) -> None:
     """Attach the parameter ids of one call of a compiled graph (one per forward input, None for
-    non-parameters) to the autograd node that the call created."""
+    non-parameters) to the autograd node that the call created.
+
+    `edges`: per forward input, the index of its edge in the node's `next_functions` (only tensor inputs
+    have one: SymInts do not), which tells the hand-off whether this backward accumulates the parameter's
+    gradient (`_not_accumulated`); None: always hand every gradient over. `names`: per forward input, a
+    readable name for error messages.
+    """
     node = _compiled_node(outputs)
     if node is not None:
         node.metadata[_GRAPH_IDS_KEY] = param_ids
+        if edges is not None:
+            node.metadata[_GRAPH_EDGES_KEY] = (edges, names)
 
 
 def _compiled_node(outputs):
@@ -120,13 +130,67 @@ _resolved_buckets: dict[tuple[int, ...], tuple] = {}
 
 def _resolve_bucket(slots: list[int], op: str) -> tuple[list[int], list[list[int]]]:
     """The ids of the parameters in `slots` of the compiled call being differentiated, and their positions
-    grouped by owning runtime (in order of first appearance; positions ascending)."""
+    grouped by owning runtime (in order of first appearance; positions ascending), leaving out the
+    gradients this backward does not accumulate (`_not_accumulated`)."""
     node = torch._C._current_autograd_node()
     param_ids = None if node is None else node.metadata.get(_GRAPH_IDS_KEY)
     if param_ids is None:
         raise RuntimeError(
             f"zenflow::{op} ran outside the backward of a graph compiled with backend='zenflow' "
             "(or under compiled autograd, which ZenFlow does not support): no parameters are bound to it")
+    pids, groups = _resolve_slots(slots, param_ids)
+    bound = node.metadata.get(_GRAPH_EDGES_KEY)
+    skipped = _not_accumulated(node, slots, *bound) if bound is not None else None
+    if skipped:
+        groups = [kept for kept in ([i for i in positions if i not in skipped] for positions in groups) if kept]
+    return pids, groups
+
+
+def _not_accumulated(node, slots: list[int], edges: tuple, names: tuple) -> Optional[set[int]]:
+    """Positions in the bucket whose gradient this backward does not accumulate into the parameter (None:
+    it accumulates them all, the usual `loss.backward()`).
+
+    The graph computes every parameter gradient whenever it runs, but the user may have asked for other
+    gradients only: `torch.autograd.grad(loss, x)` or `loss.backward(inputs=[x])` (adversarial inputs,
+    input-gradient penalties). Eagerly, the parameters' AccumulateGrad nodes then do not run, so neither
+    `.grad` nor the optimizer's hooks see a gradient; the compiled hand-off must skip them the same way.
+    Autograd tells, per parameter, whether its AccumulateGrad node (the next function on the parameter's
+    edge, `edges[slot]`) runs in this backward.
+    """
+    next_functions = node.next_functions
+    accumulators = [next_functions[edges[slot]][0] for slot in slots]
+    try:
+        if all(map(_will_run, accumulators)):  # (one C call per parameter: this runs every backward)
+            return None
+    except (RuntimeError, TypeError):
+        pass  # a captured parameter (raised below with the fix) or one that did not require grad
+    skipped = set()
+    for i, (slot, accumulate) in enumerate(zip(slots, accumulators)):
+        if accumulate is None:  # (the parameter did not require grad when the graph ran)
+            skipped.add(i)
+            continue
+        try:
+            runs = _will_run(accumulate)
+        except RuntimeError as error:
+            if "autograd.grad" not in str(error):
+                raise
+            # The parameter's gradient is captured for torch.autograd.grad, which this graph cannot return.
+            name = names[slot] if slot < len(names) and names[slot] else f"forward input {slot}"
+            raise RuntimeError(
+                f"torch.autograd.grad(..., inputs=[..., {name}, ...]) through a graph compiled with "
+                "backend='zenflow': the rewritten backward hands parameter gradients to ZenFlowAdamW instead "
+                "of returning them, so it has none to give. Fix: use loss.backward() and let the optimizer "
+                "take the gradients, or compile this model with backend='inductor' (ZenFlowAdamW then takes "
+                "its gradients through hooks, and torch.autograd.grad works as usual)") from error
+        if not runs:
+            skipped.add(i)
+    return skipped
+
+
+_will_run = torch._C._will_engine_execute_node
+
+
+def _resolve_slots(slots: list[int], param_ids: tuple) -> tuple[list[int], list[list[int]]]:
     key = tuple(slots)
     hit = _resolved_buckets.get(key)
     if hit is not None and hit[0] is param_ids and hit[1] == _generation:
@@ -148,7 +212,7 @@ def accumulate_grads_from_graph(slots: list[int], grads: list[torch.Tensor],
     """The compiled backward's hand-off of one bucket: resolve each slot through the call that is being
     differentiated; each owner gets its gradients (in bucket order) in one `accumulate_grads` call."""
     pids, groups = _resolve_bucket(slots, "accumulate_grads")
-    if len(groups) == 1:  # the common case: one optimizer owns the whole bucket
+    if len(groups) == 1 and len(groups[0]) == len(pids):  # the common case: one optimizer takes the whole bucket
         _live_runtime(pids[0]).accumulate_grads(pids, grads, column_scores)
         return
     for positions in groups:

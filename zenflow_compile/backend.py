@@ -137,7 +137,8 @@ def zenflow_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     log.debug("ZenFlow: compiling a graph with %d ZenFlow parameter input(s)",
               sum(shape is not None for shape in ctx.param_shapes))
     compiled = compile_fx(gm, example_inputs, config_patches=patches)
-    return GraphOwnerBinding(compiled, gm, ctx)
+    tensor_inputs = tuple(isinstance(value, torch.Tensor) for value, _ in _forward_inputs(gm, example_inputs))
+    return GraphOwnerBinding(compiled, gm, ctx, tensor_inputs)
 
 
 class GraphOwnerBinding:
@@ -148,9 +149,14 @@ class GraphOwnerBinding:
     generation, so a training loop pays one identity check per parameter per call.
     """
 
-    def __init__(self, compiled, gm: torch.fx.GraphModule, ctx: ZenFlowPassContext):
+    def __init__(self, compiled, gm: torch.fx.GraphModule, ctx: ZenFlowPassContext,
+                 tensor_inputs: Optional[Sequence[bool]] = None):
         self.compiled = compiled
         self.ctx = ctx
+        # The autograd node of a call has one edge per tensor forward input (none for SymInts): the edge of
+        # each parameter slot tells its backward whether the parameter's gradient is wanted
+        # (`registry.bind_param_ids`).
+        self._edges = None if tensor_inputs is None else _edge_indices(tensor_inputs)
         # AOTAutograd's forward inputs: the module's own parameters and buffers (when not inlined), then
         # the graph's inputs (see _forward_inputs).
         attrs = [t for _, t in gm.named_parameters(remove_duplicate=False)]
@@ -166,7 +172,7 @@ class GraphOwnerBinding:
     def __call__(self, *args):
         param_ids = self._param_ids(args)
         outputs = self.compiled(*args)
-        registry.bind_param_ids(outputs, param_ids)
+        registry.bind_param_ids(outputs, param_ids, self._edges, self.ctx.param_names)
         return outputs
 
     def _param_ids(self, inputs) -> tuple:
@@ -182,6 +188,15 @@ class GraphOwnerBinding:
         self._cached_ids, self._cached_generation = tuple(ids), registry.generation()
         self._cached_for = [weakref.ref(t) for t in tensors]
         return self._cached_ids
+
+
+def _edge_indices(tensor_inputs: Sequence[bool]) -> tuple[Optional[int], ...]:
+    """Per forward input, its edge in the call's autograd node (tensors only, in order), None for others."""
+    edges, count = [], 0
+    for is_tensor in tensor_inputs:
+        edges.append(count if is_tensor else None)
+        count += bool(is_tensor)
+    return tuple(edges)
 
 
 def _split_options(opts: Mapping[str, Any]) -> tuple[dict, dict, dict]:
