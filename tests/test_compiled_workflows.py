@@ -232,3 +232,48 @@ def test_eval_and_no_grad_forwards_between_steps_equal_reference():
     for compiled_outputs, reference_outputs in evaluations.values():
         for a, b in zip(compiled_outputs, reference_outputs):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------------------------------------- debug files
+def test_debug_dir_writes_the_graphs_even_when_the_caches_are_warm(tmp_path):
+    """options={"debug_dir": d} asks for the backward graphs as files; the rewrite happens only when a graph
+    is compiled, so a graph served by a warm FX-graph / AOTAutograd cache left d empty without a word."""
+    from torch._inductor.utils import fresh_cache
+
+    def train_once(**options):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MLP()
+        opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)
+        x, y = regression_batch(0)
+        compiled = torch.compile(model, backend="zenflow", options=options or None)
+        ((compiled(x) - y) ** 2).mean().backward()
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    with fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True):
+        plain = train_once()  # warms both caches
+        debugged = train_once(debug_dir=str(tmp_path / "graphs"))
+    written = sorted(path.name for path in (tmp_path / "graphs").glob("*.py"))
+    assert len(written) == 2 and written[0].endswith("_after.py") and written[1].endswith("_before.py"), written
+    assert "zenflow.accumulate_grads" in (tmp_path / "graphs" / written[0]).read_text()
+    for p, q in zip(plain, debugged):
+        assert torch.equal(p, q)
+    with pytest.raises(Exception, match=r"debug_dir=5 is invalid: expected a directory path"):
+        train_once(debug_dir=5)
+
+
+def test_inductor_options_are_checked_as_torch_compile_checks_them():
+    """backend="inductor" refuses a wrongly typed Inductor option and accepts "-" for "_"; so does zenflow."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)
+    x, y = regression_batch(0)
+    with pytest.raises(Exception, match=r"Inductor option max_autotune=3 is invalid: expected a bool"):
+        torch.compile(model, backend="zenflow", options={"max_autotune": 3})(x)
+    torch._dynamo.reset()
+    ((torch.compile(model, backend="zenflow", options={"epilogue-fusion": False})(x) - y) ** 2).mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    opt.step()
+    assert opt.stats()["steps"] == 1

@@ -28,6 +28,7 @@ Logs: `TORCH_LOGS="+zenflow_compile"` (human logs), `TORCH_LOGS="post_grad_graph
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -127,16 +128,26 @@ def zenflow_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     zenflow_keys, backend_opts, inductor_patches = _split_options({**(options or {}), **keys})
     debug_dir = backend_opts.get("debug_dir") or os.environ.get(DEBUG_DIR_ENV) or None
     ctx = make_pass_context(gm, example_inputs, zenflow_keys)
-    graph_pass = ZenFlowGraphPass(ctx, debug_dir=debug_dir)
+    graph_pass = ZenFlowGraphPass(ctx, debug_dir=None if debug_dir is None else os.fspath(debug_dir))
     patches: dict[str, Any] = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     patches.update(inductor_patches)
+    caches = contextlib.nullcontext()
+    if debug_dir is not None:
+        # The rewrite, and so its dump, happens only when a backward is compiled: a graph served by the
+        # FX-graph or AOTAutograd cache would leave the directory empty without a word. (The FX-graph cache
+        # is patched for the lazily compiled backward too: compile_fx re-applies its patches there.)
+        patches["fx_graph_cache"] = False
+        import torch._functorch.config as functorch_config
+
+        caches = functorch_config.patch(enable_autograd_cache=False)
     # Keep any post-grad pass the user installed; ours runs last.
     user_passes = get_custom_graph_passes(patches.get("post_grad_custom_post_pass",
                                                       inductor_config.post_grad_custom_post_pass))
     patches["post_grad_custom_post_pass"] = [*user_passes, graph_pass] if user_passes else graph_pass
     log.debug("ZenFlow: compiling a graph with %d ZenFlow parameter input(s)",
               sum(shape is not None for shape in ctx.param_shapes))
-    compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    with caches:
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
     tensor_inputs = tuple(isinstance(value, torch.Tensor) for value, _ in _forward_inputs(gm, example_inputs))
     return GraphOwnerBinding(compiled, gm, ctx, tensor_inputs)
 
@@ -208,13 +219,29 @@ def _split_options(opts: Mapping[str, Any]) -> tuple[dict, dict, dict]:
         if key in ZENFLOW_KEYS:
             zenflow[key] = value
         elif key in _BACKEND_OPTIONS:
+            if key == "debug_dir" and value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"backend='zenflow' option debug_dir={value!r} is invalid: expected a directory "
+                                 "path (str or os.PathLike) to write the backward graphs to, or None")
             backend[key] = value
-        elif key in inductor_keys:
+        elif key.replace("-", "_") in inductor_keys:  # (torch.compile's own spelling rule for Inductor keys)
+            key = key.replace("-", "_")
+            _check_inductor_option(inductor_config, key, value)
             inductor[key] = value
         else:
             raise ValueError(f"unknown option {key!r} for backend='zenflow': expected a ZenFlowConfig key "
                              f"{list(ZENFLOW_KEYS)}, one of {list(_BACKEND_OPTIONS)}, or an Inductor config key")
     return zenflow, backend, inductor
+
+
+def _check_inductor_option(inductor_config, key: str, value: Any) -> None:
+    """The type check `torch.compile(backend="inductor", options=...)` makes: Inductor's config patch would
+    take any value, so `{"max_autotune": 3}` would otherwise be accepted here and refused there."""
+    import typing
+
+    expected = inductor_config.get_type(key)
+    if typing.get_origin(expected) is None and isinstance(expected, type) and not isinstance(value, expected):
+        raise ValueError(f"backend='zenflow' Inductor option {key}={value!r} is invalid: expected a "
+                         f"{expected.__name__} (Inductor's config type), got {type(value).__name__}")
 
 
 def _forward_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> list[tuple[Any, str]]:
