@@ -18,7 +18,8 @@ Elsewhere:
 - `options={"debug_dir": d}` or `ZENFLOW_DEBUG_DIR=d`: readable `<name>_before.py` / `<name>_after.py` in d.
 
 Rewrites only happen on a compile: a graph loaded from Inductor's or AOTAutograd's cache (already rewritten)
-is not captured or emitted again.
+is not emitted again to `TORCH_TRACE` / `TORCH_LOGS`. `capture()` and `debug_dir` turn both caches off for
+their compiles, so they always see the rewrite.
 """
 
 from __future__ import annotations
