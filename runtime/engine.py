@@ -91,7 +91,7 @@ class ZenFlowRuntime:
         self._last_accumulate: Optional[Future] = None
         self._update_future: Optional[Future] = None
         self._step_open = False
-        self._failure: Optional[BaseException] = None
+        self._failure: Optional[tuple[str, str]] = None  # (what failed, its cause), see _fail
         # Built once per layout (param_state.PerLayout), used every step:
         self.layout_clock = param_state.LayoutClock()  # this optimizer's states' layout changes
         self._device_args = param_state.PerLayout(self._device_adamw_args, self.layout_clock)
@@ -270,7 +270,23 @@ class ZenFlowRuntime:
             return False
         coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (readout.norm + 1e-6))
         coef /= readout.scale  # the clip coefficient of the unscaled gradient, applied to the scaled one
+        # From here on the step changes state (device columns, host work, selections, counters) in several
+        # places: an exception part-way (KeyboardInterrupt, out of memory, a worker failure) leaves them
+        # out of step with each other, so the optimizer refuses to go on until a checkpoint is loaded.
+        try:
+            self._apply_step(t, param_groups, stepped, stepped_matrices, selecting, readout, coef, warmed_up)
+        except BaseException as error:
+            if self._failure is None:
+                self._failure = (f"ZenFlowAdamW.step() was interrupted part-way through step {t}",
+                                 f"{type(error).__name__}: {error}")
+                self._forget_failed_tasks()
+            raise
+        return True
 
+    def _apply_step(self, t: int, param_groups: list[dict], stepped: list, stepped_matrices: list[MatrixState],
+                    selecting: list[MatrixState], readout: "_StepReadout", coef: float, warmed_up: bool) -> None:
+        """Everything a finite step changes, in order (see the module docstring)."""
+        cfg = self.config
         if t == cfg.full_warm_up_rounds:
             self.selection_start = t
         for m in selecting:
@@ -301,7 +317,6 @@ class ZenFlowRuntime:
         self.counters["steps"] += 1
         self.grad_slot ^= 1
         self.discard_step_grads()
-        return True
 
     def _check_hyperparameters(self, param_groups: list[dict]) -> None:
         """Before anything changes: values the config cannot work with (param groups change at any time)."""
@@ -588,14 +603,45 @@ class ZenFlowRuntime:
             self.stall_clock.after_wait(marker, time.perf_counter() - start)
 
     def _fail(self, error: BaseException):
-        self._failure = error
-        raise RuntimeError(
-            "ZenFlow CPU worker failed; the optimizer state is no longer consistent. Restore from the last "
-            f"checkpoint. Cause: {type(error).__name__}: {error}") from error
+        """Record a CPU worker's failure and raise it in the training thread (and at every later call)."""
+        if self._failure is None:
+            self._failure = ("ZenFlow CPU worker failed", f"{type(error).__name__}: {error}")
+            self._forget_failed_tasks()
+        raise RuntimeError(self._failure_message()) from error
+
+    def _failure_message(self) -> str:
+        what, cause = self._failure
+        return (f"{what}; the optimizer state is no longer consistent. Restore from the last checkpoint "
+                "(model.load_state_dict(...) and opt.load_state_dict(...), after opt.zero_grad()), or build a "
+                f"new optimizer. Cause: {cause}")
+
+    def _forget_failed_tasks(self) -> None:
+        """The failure is kept as text: a stored exception (or a future holding it) keeps its traceback's
+        frames alive, and with them the training loop's locals and this optimizer, for as long as the
+        parameters' hooks hold this runtime (the optimizer could then never be freed or replaced)."""
+        self._accumulate_done = [None, None]
+        self._last_accumulate = self._update_future = None
+        for worker in (self.accumulate_worker, self.update_worker):
+            worker.forget_failures()
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def settle_after_failure(self) -> None:
+        """Before a checkpoint load clears a failure: let the tasks still queued on the old states finish
+        (their errors were already reported)."""
+        for worker in (self.accumulate_worker, self.update_worker):
+            worker.wait_all()
+            worker.forget_failures()
+
+    def clear_failure(self) -> None:
+        """A checkpoint load replaced every state: the optimizer is consistent again."""
+        self._failure = None
 
     def _check_failure(self) -> None:
         if self._failure is not None:
-            self._fail(self._failure)
+            raise RuntimeError(self._failure_message())
         for worker in (self.accumulate_worker, self.update_worker):
             try:
                 worker.raise_if_failed()

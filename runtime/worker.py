@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Optional
 
 from zenflow_compile.runtime import cpu_affinity
@@ -70,6 +71,14 @@ class CpuWorker:
             elif future.exception() is not None:
                 raise future.exception()
         self._futures = still_running
+
+    def forget_failures(self) -> None:
+        """Drop the finished tasks that failed (the runtime has recorded their errors)."""
+        self._futures = [f for f in self._futures if not (f.done() and f.exception() is not None)]
+
+    def wait_all(self) -> None:
+        """Wait for every submitted task, failed or not (errors stay in their futures)."""
+        futures_wait(self._futures)
 
     def drain(self) -> None:
         """Wait for every submitted task; re-raise the first error."""

@@ -275,12 +275,16 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "gradients were already handed to the optimizer and loading would discard them. Load the "
                 "checkpoint before the backward, or after step() (or call zero_grad() first to drop them)")
         owners = self._share_owners(state_dict["zenflow"].get("data_parallel"))
-        self._runtime.quiesce()
+        if self._runtime.failed:  # a worker failure or an interrupted step: loading replaces every state
+            self._runtime.settle_after_failure()
+        else:
+            self._runtime.quiesce()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self._runtime.import_globals(state_dict["zenflow"], owners)
         for i, param in enumerate(self._params_in_order()):
             if i in state_dict["state"]:
                 self._runtime.import_state(self.param_id(param), state_dict["state"][i])
+        self._runtime.clear_failure()
 
     def _share_owners(self, saved: Optional[dict]) -> Optional[dict[int, int]]:
         """pid -> owner of a data-parallel share saved by this rank at this world size (None for a full
