@@ -36,8 +36,8 @@ class TinyLM(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
     parser.add_argument("--batch", type=int, default=16, help="global batch, split across ranks")
     parser.add_argument("--eager", action="store_true", help="skip torch.compile")
     parser.add_argument("--checkpoint", default=None, help="where rank 0 saves the consolidated optimizer state")

@@ -29,6 +29,7 @@ Logs: `TORCH_LOGS="+zenflow_compile"` (human logs), `TORCH_LOGS="post_grad_graph
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import logging
 import os
@@ -42,7 +43,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get_custom_graph_passes
 
 from zenflow_compile import inspect as zf_inspect
-from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
+from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig, unknown_key_hints
 from zenflow_compile.passes.context import DEFAULT_BUCKET_NUMEL, ZenFlowPassContext
 from zenflow_compile.passes.find_param_grads import graph_outputs, is_backward_graph
 from zenflow_compile.passes.pipeline import rewrite_backward
@@ -146,10 +147,33 @@ def zenflow_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
     patches["post_grad_custom_post_pass"] = [*user_passes, graph_pass] if user_passes else graph_pass
     log.debug("ZenFlow: compiling a graph with %d ZenFlow parameter input(s)",
               sum(shape is not None for shape in ctx.param_shapes))
+    cache_hits = _aot_cache_hits()
     with caches:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    if _aot_cache_hits() > cache_hits:
+        _note_cached_rewrite()
     tensor_inputs = tuple(isinstance(value, torch.Tensor) for value, _ in _forward_inputs(gm, example_inputs))
     return GraphOwnerBinding(compiled, gm, ctx, tensor_inputs)
+
+
+def _aot_cache_hits() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["aot_autograd"]["autograd_cache_hit"]
+
+
+def _note_cached_rewrite() -> None:
+    """A graph served by AOTAutograd's cache comes with its backward already rewritten: the pass does not run,
+    so nothing reaches TORCH_LOGS / TORCH_TRACE. Say so, loudly when the user asked to see the graphs."""
+    from torch._logging._internal import log_state, trace_log
+
+    wants_graphs = (bool(trace_log.handlers) or log_state.is_artifact_enabled("post_grad_graphs")
+                    or zf_inspect.graph_log.isEnabledFor(logging.DEBUG))
+    (log.warning if wants_graphs else log.info)(
+        "ZenFlow: this graph's forward and backward were loaded from AOTAutograd's cache, already rewritten "
+        "when first compiled, so the rewrite is not logged or traced again (TORCH_LOGS=post_grad_graphs, "
+        "TORCH_TRACE). To see it: TORCHINDUCTOR_FORCE_DISABLE_CACHES=1, options={'debug_dir': d}, or "
+        "zenflow_compile.inspect.capture()")
 
 
 class GraphOwnerBinding:
@@ -218,7 +242,8 @@ def _split_options(opts: Mapping[str, Any]) -> tuple[dict, dict, dict]:
     for key, value in opts.items():
         if key in ZENFLOW_KEYS:
             zenflow[key] = value
-        elif key in _BACKEND_OPTIONS:
+        elif key.replace("-", "_") in _BACKEND_OPTIONS:
+            key = key.replace("-", "_")
             if key == "debug_dir" and value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"backend='zenflow' option debug_dir={value!r} is invalid: expected a directory "
                                  "path (str or os.PathLike) to write the backward graphs to, or None")
@@ -228,9 +253,16 @@ def _split_options(opts: Mapping[str, Any]) -> tuple[dict, dict, dict]:
             _check_inductor_option(inductor_config, key, value)
             inductor[key] = value
         else:
-            raise ValueError(f"unknown option {key!r} for backend='zenflow': expected a ZenFlowConfig key "
-                             f"{list(ZENFLOW_KEYS)}, one of {list(_BACKEND_OPTIONS)}, or an Inductor config key")
+            hints = unknown_key_hints([key]) or _close_option(key, inductor_keys)
+            raise ValueError(f"unknown option {key!r} for backend='zenflow'" + (f" ({hints})" if hints else "")
+                             + f": expected a ZenFlowConfig key {list(ZENFLOW_KEYS)}, one of "
+                             f"{list(_BACKEND_OPTIONS)}, or an Inductor config key")
     return zenflow, backend, inductor
+
+
+def _close_option(key: str, inductor_keys) -> str:
+    close = difflib.get_close_matches(key.replace("-", "_"), [*_BACKEND_OPTIONS, *inductor_keys], n=1, cutoff=0.8)
+    return f"{key!r}: did you mean {close[0]!r}?" if close else ""
 
 
 def _check_inductor_option(inductor_config, key: str, value: Any) -> None:

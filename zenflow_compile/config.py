@@ -6,6 +6,7 @@ Plain dataclass: importing this module never imports DeepSpeed (an optional extr
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import json
 import math
@@ -22,6 +23,48 @@ _STRATEGIES = ("auto", "step", "epoch")
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"ZenFlowConfig.{key}={value!r} is invalid: expected {allowed}")
+
+
+# Arguments of ZenFlowAdamW itself and of torch.optim.AdamW, which users put among the ZenFlow keys by mistake:
+# an unknown key close to one of them gets that hint instead of only the list of ZenFlow keys.
+_OPTIMIZER_ARGS = ("lr", "betas", "eps", "weight_decay", "max_grad_norm", "config", "process_group",
+                   "reduce_bucket_size")
+_UNSUPPORTED_ADAMW_ARGS = {
+    "amsgrad": "ZenFlowAdamW implements AdamW without amsgrad",
+    "maximize": "ZenFlowAdamW minimizes; negate the loss instead",
+    "foreach": "ZenFlowAdamW picks its own kernels (there is no foreach/fused switch)",
+    "fused": "ZenFlowAdamW picks its own kernels (there is no foreach/fused switch)",
+    "capturable": "ZenFlowAdamW does not run under CUDA graphs",
+    "differentiable": "ZenFlowAdamW's step is not differentiable",
+}
+
+
+def unknown_key_hints(keys: Any) -> str:
+    """For unknown config keys: what each probably meant (a ZenFlow key, a ZenFlowAdamW argument, or a
+    torch.optim.AdamW argument ZenFlowAdamW does not take), as one sentence; "" when nothing is close."""
+    hints = []
+    for key in keys:
+        key = str(key)
+        if key in _UNSUPPORTED_ADAMW_ARGS:
+            hints.append(f"{key!r} is a torch.optim.AdamW argument: {_UNSUPPORTED_ADAMW_ARGS[key]}")
+            continue
+        if key in _OPTIMIZER_ARGS:
+            hints.append(f"{key!r} is an argument of ZenFlowAdamW(...), not a ZenFlow config key")
+            continue
+        close = difflib.get_close_matches(key, (*ZENFLOW_KEYS, *_OPTIMIZER_ARGS), n=1, cutoff=0.75)
+        close = close or [k for k in ZENFLOW_KEYS if len(key) >= 4 and k.startswith(key)][:1]  # "topk"
+        if close and close[0] in ZENFLOW_KEYS:
+            hints.append(f"{key!r}: did you mean {close[0]!r}?")
+        elif close:
+            hints.append(f"{key!r}: did you mean {close[0]!r} (an argument of ZenFlowAdamW(...), not a ZenFlow "
+                         "config key)?")
+    return "; ".join(hints)
+
+
+def _unknown_keys_message(unknown: list) -> str:
+    hints = unknown_key_hints(unknown)
+    return (f"unknown ZenFlowConfig key(s) {unknown}" + (f" ({hints})" if hints else "")
+            + f": valid keys are {list(ZENFLOW_KEYS)}")
 
 
 def _is_int(v: Any) -> bool:
@@ -73,6 +116,13 @@ class ZenFlowConfig:
     max_update_interval: int = 16
     interval_aware_update: bool = False
     interval_second_moment: bool = False
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # The dataclass __init__ would say only "unexpected keyword argument"; name the fix too.
+        unknown = sorted(k for k in kwargs if k not in ZENFLOW_KEYS)
+        if unknown:
+            raise TypeError(_unknown_keys_message(unknown))
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         def put(key: str, value: Any) -> None:
@@ -134,7 +184,7 @@ class ZenFlowConfig:
             raise TypeError(f"ZenFlowConfig.from_dict expects a mapping, got {type(d).__name__}")
         unknown = sorted(str(k) for k in d if k not in ZENFLOW_KEYS)
         if unknown:
-            raise ValueError(f"unknown ZenFlowConfig key(s) {unknown}: valid keys are {list(ZENFLOW_KEYS)}")
+            raise ValueError(_unknown_keys_message(unknown))
         return cls(**dict(d))
 
     @classmethod

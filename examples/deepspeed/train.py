@@ -30,7 +30,9 @@ def parse_args():
     parser.add_argument("--deepspeed_config", default=str(HERE / "ds_config.json"), help="DeepSpeed JSON config")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps")
-    parser.add_argument("--lr", type=float, default=3e-3, help="overrides optimizer.params.lr (None: keep JSON's)")
+    parser.add_argument("--lr", type=float, default=3e-3,
+                        help="overrides optimizer.params.lr (default 3e-3: this example trains from scratch; the "
+                             "JSON's 2e-5 is a fine-tuning rate)")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--save_dir", default=None, help="engine.save_checkpoint here at the end")
     parser.add_argument("--eager", action="store_true", help="skip engine.compile() (ZenFlow runs eagerly)")

@@ -1,0 +1,233 @@
+"""The front door as documented: README's code runs as written, the names the docs give exist, and the mistakes
+a new user makes (a misspelt key, an optimizer argument among the ZenFlow keys, a warm cache hiding the
+rewrite) get a message that names the problem and the fix."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import zenflow_compile
+from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+ARCHITECTURE = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+
+# What `pip install torch==2.13.0 -e .` does not install (the test and deepspeed extras, and numpy, which
+# torch does not require). Marking them absent in sys.modules makes any import of them fail as on a base
+# install.
+NOT_IN_BASE_INSTALL = ("triton", "transformers", "deepspeed", "accelerate", "expecttest", "tlparse", "pytest",
+                       "matplotlib", "numpy")
+
+
+def _readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+# ----------------------------------------------------------------------------------------------- README
+def test_readme_first_snippet_runs_as_written_on_a_base_install():
+    """README's first Python block, verbatim, with an HF-style model (`model(**batch).loss`) and a loader defined
+    around it, in a process where the extras are not importable; the trained weights equal ZenFlowReference's."""
+    snippet = _readme_blocks("python")[0]
+    assert 'torch.compile(model, backend="zenflow")' in snippet and "opt.synchronize()" in snippet
+    program = f"""
+import copy, json, sys, types
+for name in {NOT_IN_BASE_INSTALL!r}:
+    sys.modules[name] = None
+import torch
+import torch.nn.functional as F
+from torch import nn
+from zenflow_compile.reference import ZenFlowReference
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(32, 64)
+        self.fc2 = nn.Linear(64, 4)
+    def forward(self, x, labels):
+        return types.SimpleNamespace(loss=F.cross_entropy(self.fc2(torch.tanh(self.fc1(x))), labels))
+
+torch.manual_seed(0)
+model = Classifier()
+reference_model = copy.deepcopy(model)
+initial = [p.detach().clone() for p in model.parameters()]
+loader = [dict(x=torch.randn(8, 32), labels=torch.randint(0, 4, (8,))) for _ in range(9)]
+# ---- README.md, first python block, as written
+{snippet}
+# ----
+reference = ZenFlowReference(reference_model.parameters(), lr=2e-5, weight_decay=0.01,
+                             topk_ratio=0.05, update_interval=4, overlap_step=True)
+for batch in loader:
+    reference_model(**batch).loss.backward()
+    reference.step()
+    reference.zero_grad()
+reference.synchronize()
+params = list(model.parameters())
+print(json.dumps(dict(
+    diff=max((p - r).abs().max().item() for p, r in zip(params, reference_model.parameters())),
+    moved=min((p - p0).abs().max().item() for p, p0 in zip(params, initial)),
+    grads_none=all(p.grad is None for p in params),
+    stats=sorted(opt.stats()),
+    steps=opt.stats()["steps"])))
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["steps"] == 9 and result["grads_none"]
+    assert result["moved"] > 1e-5  # every parameter trained
+    assert result["diff"] < 1e-6, result  # and exactly as the oracle of SPEC §3 says
+
+    # README's stats bullet names keys that exist
+    bullet = re.search(r"- `opt\.stats\(\)`:(.*?)\n- ", README, flags=re.S).group(1)
+    documented = {k for k in re.findall(r"`([a-z_]+)`", bullet) if not k.startswith("_")}
+    assert documented and documented <= set(result["stats"]), documented - set(result["stats"])
+
+
+def test_readme_first_command_pins_and_extras_exist():
+    """Line 2 is the base-install quick start CI runs; line 3 installs extras that pyproject.toml defines."""
+    lines = README.splitlines()
+    assert lines[1].startswith("pip install torch==2.13.0 -e . && python examples/quickstart.py")
+    extras = re.search(r'-e "\.\[([\w,]+)\]"', lines[2]).group(1).split(",")
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    for extra in extras:
+        assert re.search(rf"^{extra} = \[", pyproject, flags=re.M), f"README installs unknown extra {extra!r}"
+    # the quick start imports nothing beyond the base install
+    imports = re.findall(r"^(?:import|from) (\w+)", (ROOT / "examples/quickstart.py").read_text(), flags=re.M)
+    assert set(imports) <= {"argparse", "torch", "zenflow_compile"}, imports
+
+
+def test_paths_named_in_the_docs_exist():
+    named = set(re.findall(r"(?<![\w/])((?:examples|benchmarks|tests|zenflow_compile|runtime|passes|triton_kernels)"
+                           r"/[\w/.-]+\.(?:py|json|png))", README + ARCHITECTURE))
+    assert len(named) > 20
+    missing = sorted(p for p in named if not (ROOT / p).exists() and "*" not in p)
+    assert not missing, f"README/ARCHITECTURE name files that do not exist: {missing}"
+
+
+# ------------------------------------------------------------------------------------------ ARCHITECTURE
+def _definitions(path: Path, name: str) -> bool:
+    text = path.read_text(encoding="utf-8")
+    return re.search(rf"(?:def|class)\s+{re.escape(name)}\b|self\.{re.escape(name)}\b|^\s+{re.escape(name)}\s*[:=]"
+                     rf"|^{re.escape(name)}\s*=", text, flags=re.M) is not None
+
+
+def test_architecture_names_exist_where_it_says():
+    sources = [p for d in ("zenflow_compile", "passes", "runtime", "triton_kernels") for p in (ROOT / d).rglob("*.py")]
+    classes = {m: p for p in sources for m in re.findall(r"^class (\w+)", p.read_text(encoding="utf-8"), flags=re.M)}
+    # `engine.x` in the docs is DeepSpeed's engine object, not runtime/engine.py
+    modules = {p.stem: p for p in sources if p.stem not in ("engine", "__init__")}
+    ops = (ROOT / "runtime/ops.py").read_text(encoding="utf-8")
+    checked, stale = 0, []
+    for token in sorted(set(re.findall(r"`([^`\s]+)`", ARCHITECTURE))):
+        token = token.removesuffix("()")
+        if token.startswith("zenflow::"):  # a custom op: `zenflow::accumulate_grads`
+            checked += 1
+            if not re.search(rf"\b{token.split('::')[1]}\b", ops):
+                stale.append(token)
+        elif "::" in token:  # `runtime/kernels.py::cpu_adamw_`
+            path, name = token.split("::")
+            checked += 1
+            if not ((ROOT / path).exists() and _definitions(ROOT / path, name.split(".")[-1])):
+                stale.append(token)
+        elif token.endswith(".py"):
+            continue  # file names: test_paths_named_in_the_docs_exist
+        elif re.fullmatch(r"[A-Za-z_]\w*\.[A-Za-z_]\w*", token):  # `MatrixState.receive_grad`, `kernels.cpu_adamw_`
+            owner, name = token.split(".")
+            path = classes.get(owner) or modules.get(owner)
+            if path is None:
+                continue  # torch / deepspeed / user names (`opt.step`, `deepspeed.initialize`)
+            checked += 1
+            if not _definitions(path, name):
+                stale.append(token)
+        elif re.fullmatch(r"[A-Z]\w+", token) and token not in ("None", "SPEC"):  # a class name
+            checked += 1
+            if token not in classes and not any(re.search(rf"\b{token}\b", p.read_text(encoding="utf-8"))
+                                                for p in sources):
+                stale.append(token)
+    assert checked > 40
+    assert not stale, f"ARCHITECTURE.md names what the code does not define: {stale}"
+
+
+# ------------------------------------------------------------------------------------- errors that help
+def test_misspelt_config_keys_suggest_the_right_one():
+    with pytest.raises(TypeError, match=r"'topk_ration': did you mean 'topk_ratio'\?"):
+        ZenFlowConfig(topk_ration=0.1)
+    with pytest.raises(ValueError, match=r"'update_intervall': did you mean 'update_interval'\?"):
+        ZenFlowConfig.from_dict({"update_intervall": 4})
+    with pytest.raises(ValueError, match=r"'overlap': did you mean 'overlap_step'\?"):
+        ZenFlowConfig.from_dict({"overlap": True})
+    model = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r"'weight_decy': did you mean 'weight_decay' \(an argument of ZenFlowAdamW"):
+        ZenFlowAdamW(model.parameters(), lr=1e-3, weight_decy=0.1)
+    with pytest.raises(ValueError, match=r"'amsgrad' is a torch\.optim\.AdamW argument: ZenFlowAdamW implements "
+                                         r"AdamW without amsgrad"):
+        ZenFlowAdamW(model.parameters(), lr=1e-3, amsgrad=True)
+    with pytest.raises(ValueError, match=r"'lr' is an argument of ZenFlowAdamW\(\.\.\.\), not a ZenFlow config key"):
+        ZenFlowConfig.from_dict({"lr": 1e-3})
+    # still valid keys only, nothing else changed
+    assert ZenFlowConfig(topk_ratio=0.2).topk_ratio == 0.2
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"topk_ration": 0.1}, r"unknown option 'topk_ration' for backend='zenflow' \('topk_ration': did you mean "
+                           r"'topk_ratio'\?\)"),
+    ({"max_grad_norm": 1.0}, r"'max_grad_norm' is an argument of ZenFlowAdamW\(\.\.\.\), not a ZenFlow config key"),
+    ({"max_autotun": True}, r"'max_autotun': did you mean 'max_autotune'\?"),
+])
+def test_misspelt_backend_options_suggest_the_right_one(options, message):
+    torch._dynamo.reset()
+    model = nn.Linear(4, 4)
+    ZenFlowAdamW(model.parameters(), lr=1e-3)
+    compiled = torch.compile(model, backend="zenflow", options=options)
+    with pytest.raises(Exception, match=message):
+        compiled(torch.randn(2, 4))
+
+
+class _Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.fc(x).square().mean()
+
+
+def _train_once(model, **compile_kwargs):
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.5, update_interval=2)
+    torch.compile(model, backend="zenflow", **compile_kwargs)(torch.randn(3, 12)).backward()
+    opt.step()
+    return opt
+
+
+def test_debug_dir_takes_the_dash_spelling(tmp_path):
+    torch._dynamo.reset()
+    _train_once(_Probe(), options={"debug-dir": str(tmp_path)})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert any(n.endswith("_before.py") for n in names) and any(n.endswith("_after.py") for n in names), names
+    assert "torch.ops.zenflow.accumulate_grads" in next(tmp_path.glob("*_after.py")).read_text()
+
+
+def test_a_graph_from_the_cache_says_why_its_rewrite_is_not_logged(caplog):
+    """A warm AOTAutograd cache serves the backward already rewritten: TORCH_LOGS / TORCH_TRACE stay silent,
+    and the zenflow_compile log says so and how to see the rewrite."""
+    torch._dynamo.reset()
+    _train_once(_Probe())  # compiles (or hits a cache an earlier run filled): the cache now holds the graph
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="zenflow_compile.backend"):
+        opt = _train_once(_Probe())
+    notes = [r.getMessage() for r in caplog.records if "loaded from AOTAutograd's cache" in r.getMessage()]
+    assert notes, [r.getMessage() for r in caplog.records]
+    assert "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in notes[0] and "debug_dir" in notes[0]
+    assert opt.stats()["steps"] == 1  # and the cached graph still hands its gradients over
