@@ -40,8 +40,11 @@ def register_param(param: torch.Tensor, runtime: "ZenFlowRuntime") -> int:
         other = runtime_of(_id_of_param[param])
         if other is not None and other is not runtime:
             raise ValueError(
-                "a parameter of shape {} is already owned by another ZenFlowAdamW; each parameter must "
-                "belong to exactly one ZenFlow optimizer".format(tuple(param.shape)))
+                "a parameter of shape {} is already owned by another ZenFlowAdamW, which is still alive: "
+                "each parameter belongs to exactly one ZenFlow optimizer (it takes the parameter's "
+                "gradients and holds its state). Fix: drop the old optimizer before creating the new one "
+                "(`del opt`, e.g. before re-running a notebook cell that creates it), or give this parameter "
+                "to one of them only".format(tuple(param.shape)))
     global _generation
     pid = next(_next_id)
     _id_of_param[param] = pid

@@ -685,3 +685,38 @@ def test_load_between_backward_and_step_is_refused_and_loses_nothing():
     loss_fn(model, batches[3]).backward()
     opt.zero_grad()
     opt.load_state_dict(saved)  # after zero_grad: allowed
+
+
+def test_config_as_a_dict_of_zenflow_keys_and_a_clear_error_for_a_path():
+    a, b = tiny_model(), tiny_model()
+    from_dict = ZenFlowAdamW(a.parameters(), lr=LR, config={"topk_ratio": 0.25, "update_interval": 2})
+    from_keys = ZenFlowAdamW(b.parameters(), lr=LR, topk_ratio=0.25, update_interval=2)
+    assert from_dict.config == from_keys.config
+    batches = make_batches(4)
+    train_steps(a, from_dict, batches)
+    train_steps(b, from_keys, batches)
+    assert max_param_diff(a, b) == 0.0
+    with pytest.raises(TypeError, match=r"config= expects a ZenFlowConfig or a dict.*from_deepspeed\(path\)"):
+        ZenFlowAdamW(tiny_model().parameters(), lr=LR, config="ds_config.json")
+    with pytest.raises(ValueError, match="topk_ration"):
+        ZenFlowAdamW(tiny_model().parameters(), lr=LR, config={"topk_ration": 0.1})
+
+
+def test_zenflow_keys_in_a_param_group_are_refused_not_ignored():
+    model = tiny_model()
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match=r"param group 1 sets ZenFlow key\(s\) \['topk_ratio'\].*whole optimizer"):
+        ZenFlowAdamW([{"params": params[:2]}, {"params": params[2:], "topk_ratio": 0.5}], lr=LR)
+    opt = ZenFlowAdamW(params[:2], lr=LR)
+    with pytest.raises(ValueError, match=r"\['update_interval'\]"):
+        opt.add_param_group({"params": params[2:], "update_interval": 2})
+    opt.add_param_group({"params": params[2:], "lr": LR / 2, "name": "rest"})  # torch's own keys stay allowed
+
+
+def test_recreating_an_optimizer_while_the_old_one_lives_names_the_fix():
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match=r"already owned by another ZenFlowAdamW.*`del opt`"):
+        ZenFlowAdamW(model.parameters(), lr=LR)  # a notebook cell run twice
+    del opt
+    ZenFlowAdamW(model.parameters(), lr=LR)  # the fix the message names

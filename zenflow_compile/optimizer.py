@@ -10,11 +10,12 @@ from __future__ import annotations
 import math
 import numbers
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from zenflow_compile.config import ZenFlowConfig
+from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
 from zenflow_compile.grad_hooks import GradBucket
 from zenflow_compile.runtime import collectives, registry
 from zenflow_compile.runtime.engine import ZenFlowRuntime
@@ -95,6 +96,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if config is not None and zenflow_keys:
             raise ValueError("pass either config=ZenFlowConfig(...) or ZenFlow keys, not both "
                              f"(got config and {sorted(zenflow_keys)})")
+        if isinstance(config, Mapping):  # (the ZenFlow keys as a dict)
+            config = ZenFlowConfig.from_dict(config)
+        elif config is not None and not isinstance(config, ZenFlowConfig):
+            raise TypeError(
+                f"ZenFlowAdamW config= expects a ZenFlowConfig or a dict of ZenFlow keys, got "
+                f"{type(config).__name__}; for a DeepSpeed JSON pass config=ZenFlowConfig.from_deepspeed(path)")
         config = config if config is not None else ZenFlowConfig.from_dict(zenflow_keys)
         if config.offload:
             raise NotImplementedError(
@@ -132,6 +139,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_params(params, group_index, self._param_ids, self._runtime)
+        per_group = sorted(key for key in param_group if key in ZENFLOW_KEYS)
+        if per_group:  # (torch.optim would keep them in the group, where nothing reads them)
+            raise ValueError(
+                f"param group {group_index} sets ZenFlow key(s) {per_group}: ZenFlow keys apply to the whole "
+                "optimizer, not per param group. Pass them to ZenFlowAdamW(...) (or config=), or use one "
+                "ZenFlowAdamW per setting")
         merged = {**self.defaults, **param_group}
         _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], None)
         super().add_param_group({**param_group, "params": params})
