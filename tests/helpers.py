@@ -6,8 +6,10 @@ ZenFlowAdamW eager or compiled), so every test file can reuse them.
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -192,3 +194,58 @@ def run_bound(body: Callable, param_ids: Sequence) -> object:
 def slot_ids(ctx, pid_of_name: dict) -> tuple:
     """The per-slot parameter ids of a ZenFlowPassContext, from parameter names."""
     return tuple(pid_of_name.get(ctx.name(i)) if ctx.is_param(i) else None for i in range(ctx.num_inputs))
+
+
+# -- DeepSpeed in the test process -----------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _forget_deepspeed_groups() -> None:
+    """deepspeed.utils.groups caches process groups module-wide; after a destroy_process_group they are dead."""
+    from deepspeed.utils import groups
+
+    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
+                 "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
+        if hasattr(groups, name):
+            setattr(groups, name, None)
+    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+        if isinstance(getattr(groups, name, None), dict):
+            getattr(groups, name).clear()
+
+
+def deepspeed_on_cpu() -> Iterator:
+    """For a module-scoped fixture (`yield from`): deepspeed on its CPU accelerator with a one-rank gloo group,
+    its shm_comm op never built in the test process; afterwards the group is destroyed, DeepSpeed's cached
+    groups and communication backend are forgotten and the environment is restored."""
+    import pytest
+
+    env = dict(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+               LOCAL_RANK="0", WORLD_SIZE="1")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        deepspeed = pytest.importorskip("deepspeed")
+        import deepspeed.comm.comm as ds_comm
+        import deepspeed.ops
+        from deepspeed.accelerator import get_accelerator
+
+        if get_accelerator().device_name() != "cpu":
+            pytest.skip(f"DeepSpeed's accelerator was already chosen in this process: "
+                        f"{get_accelerator().device_name()}")
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        _forget_deepspeed_groups()  # an earlier module's destroyed group must not be reused
+        yield deepspeed
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        ds_comm.cdb = None  # so a later in-process user starts DeepSpeed's communication from scratch
+        _forget_deepspeed_groups()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

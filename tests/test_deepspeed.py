@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,44 +23,17 @@ import pytest
 import torch
 
 import zenflow_compile
-from helpers import loss_fn, make_batches, max_param_diff, snapshot, tiny_model
+from helpers import deepspeed_on_cpu, free_port, loss_fn, make_batches, max_param_diff, snapshot, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TUTORIAL_CONFIG = REPO / "examples" / "deepspeed" / "ds_config.json"
 MICRO_BATCH = 8
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ds():
-    """deepspeed on its CPU accelerator with a one-rank gloo group; the group is destroyed afterwards."""
-    env = dict(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-               LOCAL_RANK="0", WORLD_SIZE="1")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    deepspeed = pytest.importorskip("deepspeed")
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        pytest.skip(f"DeepSpeed's accelerator was already chosen in this process: {get_accelerator().device_name()}")
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # test process only (see module docstring)
-    import deepspeed.comm.comm as ds_comm
-
-    yield deepspeed
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    ds_comm.cdb = None  # so a later in-process user starts DeepSpeed's communication from scratch
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    """deepspeed on its CPU accelerator with a one-rank gloo group (helpers.deepspeed_on_cpu)."""
+    yield from deepspeed_on_cpu()
 
 
 @pytest.fixture(autouse=True)
@@ -556,7 +528,7 @@ def test_two_ranks_tutorial_config_equals_direct_data_parallel_and_resumes(ds, t
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", str(_free_port()), str(script)],
+                           "--master_port", str(free_port()), str(script)],
                           env=env, capture_output=True, text=True, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]

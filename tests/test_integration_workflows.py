@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,59 +26,17 @@ import pytest
 import torch
 
 import zenflow_compile
-from helpers import loss_fn, make_batches, snapshot, tiny_model
+from helpers import deepspeed_on_cpu, free_port, loss_fn, make_batches, snapshot, tiny_model
 from zenflow_compile.reference import ZenFlowReference
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _forget_deepspeed_groups() -> None:
-    """deepspeed.utils.groups caches process groups module-wide; after a destroy_process_group they are dead."""
-    from deepspeed.utils import groups
-
-    for name in ("_WORLD_GROUP", "_DATA_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_TENSOR_MODEL_PARALLEL_GROUP",
-                 "_ZERO_PARAM_INTRA_PARALLEL_GROUP"):
-        if hasattr(groups, name):
-            setattr(groups, name, None)
-    for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
-                 "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
-        if isinstance(getattr(groups, name, None), dict):
-            getattr(groups, name).clear()
-
-
 @pytest.fixture(scope="module")
 def ds():
-    """deepspeed on its CPU accelerator, one gloo rank (destroyed at the end of the module), shm_comm not built.
+    """deepspeed on its CPU accelerator with a one-rank gloo group (helpers.deepspeed_on_cpu).
     The Trainer tests come first in this file: under an initialized process group Trainer runs distributed."""
-    env = dict(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
-               LOCAL_RANK="0", WORLD_SIZE="1")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    deepspeed = pytest.importorskip("deepspeed")
-    import deepspeed.comm.comm as ds_comm
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        pytest.skip(f"DeepSpeed's accelerator was already chosen in this process: {get_accelerator().device_name()}")
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    _forget_deepspeed_groups()  # an earlier module's destroyed group must not be reused
-    yield deepspeed
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    ds_comm.cdb = None
-    _forget_deepspeed_groups()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    yield from deepspeed_on_cpu()
 
 
 @pytest.fixture(autouse=True)
@@ -255,7 +212,7 @@ def test_zenflow_callback_refuses_trainer_deepspeed_and_ddp(tmp_path, case, refu
     script = tmp_path / "trainer_refusals.py"
     script.write_text(_TRAINER_REFUSALS)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
+    env.update(DS_ACCELERATOR="cpu", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                LOCAL_RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, str(script), case], env=env, capture_output=True, text=True,
                           timeout=300)
