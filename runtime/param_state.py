@@ -197,7 +197,8 @@ class VectorState:
         current = self.param.detach().reshape(-1, 1)
         left = self.master.to(self.grad.dtype)  # what the optimizer left in the parameter (its dtype until now)
         if current.dtype != self.grad.dtype:  # the parameter was cast (model.to(dtype)): a buffer of its dtype
-            # (the cast is adopted at the step, after its backward: the gradient already here is kept)
+            # (usually adopted at the step's first gradient, with nothing received yet; a cast between a
+            # backward and the step keeps the gradient that backward handed over)
             self.grad = self.grad.to(current.dtype, memory_format=torch.contiguous_format)
             self.grad_flat = self.grad.view(-1)
         _adopt(current, left, self.master)  # (an upcast changes no value: every master bit is kept)
@@ -444,8 +445,9 @@ class MatrixState:
         its values become the master elementwise where they differ from what the optimizer left in it (in the
         old dtype): an upcast keeps every master bit, a downcast adopts the values it rounded. What the old
         buffers hold moves over: the accumulators, a pending CPU update (still applied at the next apply),
-        and the gradient this step's backward already handed over (the cast is adopted at the step, after
-        that backward: its copies down land first; later backwards' extras stay as they are)."""
+        and any gradient this step's backwards already handed over (the runtime adopts a cast at the step's
+        first gradient, before any arrives; a cast between a backward and the step is adopted at the step:
+        that backward's copies down land first; later backwards' extras stay as they are)."""
         old_dtype = self.dev_grad.dtype
         wait_events(self.upload_done)  # an upload may still be reading the host weights
         for slot in (0, 1):

@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import re
+import typing
 import weakref
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
@@ -240,18 +241,17 @@ def _split_options(opts: Mapping[str, Any]) -> tuple[dict, dict, dict]:
     inductor_keys = inductor_config.get_config_copy().keys()
     zenflow, backend, inductor = {}, {}, {}
     for key, value in opts.items():
+        name = key.replace("-", "_")  # (torch.compile's own spelling rule for option keys)
         if key in ZENFLOW_KEYS:
             zenflow[key] = value
-        elif key.replace("-", "_") in _BACKEND_OPTIONS:
-            key = key.replace("-", "_")
-            if key == "debug_dir" and value is not None and not isinstance(value, (str, os.PathLike)):
+        elif name in _BACKEND_OPTIONS:
+            if name == "debug_dir" and value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"backend='zenflow' option debug_dir={value!r} is invalid: expected a directory "
                                  "path (str or os.PathLike) to write the backward graphs to, or None")
-            backend[key] = value
-        elif key.replace("-", "_") in inductor_keys:  # (torch.compile's own spelling rule for Inductor keys)
-            key = key.replace("-", "_")
-            _check_inductor_option(inductor_config, key, value)
-            inductor[key] = value
+            backend[name] = value
+        elif name in inductor_keys:
+            _check_inductor_option(inductor_config, name, value)
+            inductor[name] = value
         else:
             hints = unknown_key_hints([key]) or _close_option(key, inductor_keys)
             raise ValueError(f"unknown option {key!r} for backend='zenflow'" + (f" ({hints})" if hints else "")
@@ -268,8 +268,6 @@ def _close_option(key: str, inductor_keys) -> str:
 def _check_inductor_option(inductor_config, key: str, value: Any) -> None:
     """The type check `torch.compile(backend="inductor", options=...)` makes: Inductor's config patch would
     take any value, so `{"max_autotune": 3}` would otherwise be accepted here and refused there."""
-    import typing
-
     expected = inductor_config.get_type(key)
     if typing.get_origin(expected) is None and isinstance(expected, type) and not isinstance(value, expected):
         raise ValueError(f"backend='zenflow' Inductor option {key}={value!r} is invalid: expected a "
