@@ -22,11 +22,7 @@ ATOL, RTOL = 1e-5, 1e-4
 LR = 1e-2
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class MLP(nn.Module):

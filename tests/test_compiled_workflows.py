@@ -32,11 +32,7 @@ ATOL, RTOL = 1e-5, 1e-4
 STEPS = 8
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def train_against_reference(model, loss_of, *, steps=STEPS, compile_kwargs=None, keys=KEYS):

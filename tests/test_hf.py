@@ -30,11 +30,7 @@ def tiny_llama():
     return transformers.LlamaForCausalLM(config)
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_llama_trains_under_zenflow_and_matches_reference():

@@ -39,11 +39,7 @@ def ds():
     yield from deepspeed_on_cpu()
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def examples_config(**top) -> dict:

@@ -23,11 +23,7 @@ LR, WD, STEPS = 1e-2, 0.1, 7
 ATOL, RTOL = 1e-6, 1e-5
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def batch(i):
