@@ -8,6 +8,7 @@ non-finite steps, worker failures, torch.optim conventions and stats().
 
 from __future__ import annotations
 
+import copy
 import io
 import threading
 
@@ -661,6 +662,33 @@ def test_backward_with_create_graph_equals_reference():
         opt.synchronize()
     for p, q in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+def test_input_gradient_penalty_equals_reference():
+    """A gradient penalty on the input (`torch.autograd.grad(loss, x, create_graph=True)`, then the penalised
+    loss's backward): the first call hands nothing to the optimizer, the second its whole gradient, as the
+    reference sees it through `.grad`."""
+    keys = dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=4, overlap_step=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    ref_model = copy.deepcopy(model)
+    opt, ref = ZenFlowAdamW(model.parameters(), lr=LR, **keys), ZenFlowReference(ref_model.parameters(), lr=LR, **keys)
+    for step in range(8):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (ref_model, ref)):
+            inputs = x.clone().requires_grad_()
+            loss = m(inputs).pow(2).mean()
+            (grad_x,) = torch.autograd.grad(loss, inputs, create_graph=True)
+            if o is opt:
+                assert not opt._runtime.holds_step_grads  # the input gradient reached no parameter
+            (loss + 0.5 * grad_x.pow(2).sum()).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    ref.synchronize()
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+    assert opt.stats()["reselections"] == ref.stats()["reselections"] > 0
 
 
 def test_load_between_backward_and_step_is_refused_and_loses_nothing():
