@@ -142,7 +142,7 @@ class HostWork:
 
     def accumulate(self) -> None:
         """One step's host accumulation (the accumulate worker's task)."""
-        self.accumulate_batches[self.step % 2].run(1.0)
+        self.accumulate_batches[self.step % 2].run(1.0, copies=[])  # (the device is the host: no copies)
         self.step += 1
 
     def adamw(self) -> None:

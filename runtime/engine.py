@@ -40,7 +40,7 @@ from zenflow_compile.runtime.stacked_state import stack_like_states, stacked_mer
 from zenflow_compile.runtime.param_state import (CanonicalState, MatrixState, VectorState, top_k_columns,
                                                  top_k_columns_many)
 from zenflow_compile.runtime.transfers import StallClock, Transfers
-from zenflow_compile.runtime.worker import CpuWorker
+from zenflow_compile.runtime.worker import CpuWorker, joined, wait_for
 
 
 _VERSION = operator.attrgetter("_version")
@@ -119,7 +119,10 @@ class ZenFlowRuntime:
     def add_param(self, param: torch.Tensor, group_index: int) -> int:
         self.check_device(param)
         if self.transfers is None:
-            self.transfers, self.stall_clock = Transfers(param.device), StallClock(param.device)
+            self.transfers = Transfers(param.device)
+            self.stall_clock = StallClock(self.transfers)
+            for worker in (self.accumulate_worker, self.update_worker):
+                worker.ordering = self.transfers.ordering
         pid = registry.register_param(param, self)
         self.params[pid] = (param, group_index)
         return pid
@@ -383,7 +386,8 @@ class ZenFlowRuntime:
         batch = batches.get((grad_slot, acc_slot))
         if batch is None:
             batch = batches[grad_slot, acc_slot] = param_state.AccumulateBatch(matrices, grad_slot, acc_slot)
-        future = self.accumulate_worker.submit(lambda: batch.run(coef))
+        copies = batch.copies_in_flight()  # this step's copies down, taken now: the lists are replaced next step
+        future = self.accumulate_worker.submit(lambda: batch.run(coef, copies))
         self._accumulate_done[grad_slot] = future
         self._last_accumulate = future
 
@@ -447,7 +451,7 @@ class ZenFlowRuntime:
         """A blocking device -> host read (on CUDA, a synchronisation): every one the step makes goes
         through here and is counted."""
         self.counters["host_reads"] += 1
-        return tensor.cpu()
+        return self.transfers.read_to_host(tensor)
 
     def _host_scores(self, matrices: list[MatrixState]) -> dict[int, torch.Tensor]:
         """Every matrix's step scores on the host, in one transfer."""
@@ -582,12 +586,13 @@ class ZenFlowRuntime:
     def _wait(self, future: Future) -> None:
         """The training thread waits for CPU work: the documented stall, measured."""
         if future.done():
+            joined(future)
             if future.exception() is not None:
                 self._fail(future.exception())
             return
         with self._counted_wait():
             try:
-                future.result()
+                wait_for(future)
             except BaseException as error:
                 self._fail(error)
 
@@ -676,10 +681,11 @@ class ZenFlowRuntime:
         stats["bytes_device_to_host_per_step"] = self.counters["bytes_device_to_host"] / steps
         stats["bytes_host_to_device_per_step"] = self.counters["bytes_host_to_device"] / steps
         host_wait = self.stall_clock.host_seconds if self.stall_clock else 0.0
-        gpu_idle = self.stall_clock.gpu_idle_seconds() if self.stall_clock else None
+        device_idle = self.stall_clock.device_idle_seconds() if self.stall_clock else None
         stats["host_wait_seconds"] = host_wait
-        # GPU idle caused by waiting for the CPU (CUDA events); on a CPU-only machine, the host wait.
-        stats["stall_seconds"] = host_wait if gpu_idle is None else gpu_idle
+        # Device idle caused by waiting for the CPU (events on the compute stream); where the device is the
+        # host, the host wait.
+        stats["stall_seconds"] = host_wait if device_idle is None else device_idle
         stats["cpu_update_seconds"] = self.update_worker.busy_seconds
         stats["accumulate_seconds"] = self.accumulate_worker.busy_seconds
         # CPU time of the worker threads (with torch's intra-op threads at 1, all of the work; on a shared

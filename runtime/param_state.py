@@ -122,10 +122,6 @@ def top_k_columns_many(scores: list[torch.Tensor], ks: list[int]) -> list[torch.
     return result
 
 
-def _host_buffer(shape, dtype, pin: bool) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-
-
 def _plain(grad: torch.Tensor, shape: tuple) -> torch.Tensor:
     """`grad` detached and viewed as `shape`, without the calls when it already is (per gradient: the eager
     hook's and the graph's gradients carry no autograd history unless the backward built a graph)."""
@@ -258,12 +254,18 @@ class AccumulateBatch:
         self.accs = [m.accumulators[acc_slot] for m in matrices]
         self.grads = [m.host_grads[grad_slot] for m in matrices]
         self.squares = [m.square_accumulators[acc_slot] for m in matrices if m.accumulate_squares] or None
-        self.copies_have_events = any(m.transfers.is_cuda for m in matrices)  # (CPU copies are done on return)
+        self.transfers = matrices[0].transfers  # (one device per optimizer)
 
-    def run(self, coef: float) -> None:
-        if self.copies_have_events:
-            for m in self.matrices:
-                wait_events(m.offload_done[self.grad_slot])
+    def copies_in_flight(self) -> list:
+        """The events of this step's copies into the gradient buffers (none where the device is the host:
+        its copies are done on return). Taken when the task is submitted: the next step replaces them."""
+        if self.transfers.device_is_host:
+            return []
+        return [event for m in self.matrices for event in m.offload_done[self.grad_slot]]
+
+    def run(self, coef: float, copies: list) -> None:
+        wait_events(copies)
+        self.transfers.host_access(reads=self.grads)
         kernels.accumulate_scaled_many_(self.accs, self.grads, coef, square_accs=self.squares)
 
 
@@ -288,7 +290,6 @@ class MatrixState:
         self.cols = param.numel() // self.rows
         self.shape2d = (self.rows, self.cols)
         self.device = param.device
-        self.pin = transfers.is_cuda
         self.scores = torch.zeros(self.cols, device=self.device)
         self.num_grads = 0
         self.steps_accumulated = 0  # steps whose gradient went into the accumulator since the last update
@@ -322,7 +323,7 @@ class MatrixState:
             host_columns = self._host_order(selected, state)
 
         self.clock.bump()
-        dev, dtype, pin = self.device, self.param.dtype, self.pin
+        dev, dtype, host_zeros = self.device, self.param.dtype, self.transfers.host_zeros
         self.selected, self.selected_on_device = selected, selected.to(dev)
         self.dev_master = state.master[:, selected].to(dev)
         self.dev_exp_avg = state.exp_avg[:, selected].to(dev)
@@ -351,23 +352,23 @@ class MatrixState:
             self.square_accumulators = []
             return
         shape = (host_columns.numel(), self.rows)
-        self.host_master = _host_buffer(shape, torch.float32, pin)
+        self.host_master = torch.zeros(shape)  # (host-only: never copied, so not pinned)
         self.host_master.copy_(state.master[:, host_columns].t())
-        self.host_exp_avg = _host_buffer(shape, torch.float32, pin)
+        self.host_exp_avg = torch.zeros(shape)  # (host-only: never copied, so not pinned)
         self.host_exp_avg.copy_(state.exp_avg[:, host_columns].t())
-        self.host_exp_avg_sq = _host_buffer(shape, torch.float32, pin)
+        self.host_exp_avg_sq = torch.zeros(shape)  # (host-only: never copied, so not pinned)
         self.host_exp_avg_sq.copy_(state.exp_avg_sq[:, host_columns].t())
         self.host_runs = self._runs_of_equal_count(state.step[host_columns])
-        self.host_grads = [_host_buffer(shape, dtype, pin) for _ in range(2)]
+        self.host_grads = [host_zeros(shape, dtype) for _ in range(2)]
         self.host_grad_bytes = self.host_grads[0].numel() * self.host_grads[0].element_size()
-        self.accumulators = [_host_buffer(shape, torch.float32, pin) for _ in range(2)]
-        self.square_accumulators = ([_host_buffer(shape, torch.float32, pin) for _ in range(2)]
+        self.accumulators = [torch.zeros(shape) for _ in range(2)]
+        self.square_accumulators = ([torch.zeros(shape) for _ in range(2)]
                                     if self.accumulate_squares else [])
-        self.host_weights = [_host_buffer(shape, dtype, pin) for _ in range(2)]
+        self.host_weights = [host_zeros(shape, dtype) for _ in range(2)]
         for weights in self.host_weights:
             weights.copy_(self.host_master)
         self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
-        self.host_scores = _host_buffer((host_columns.numel(),), torch.float32, pin)  # see host_step_scores
+        self.host_scores = host_zeros((host_columns.numel(),), torch.float32)  # see host_step_scores
         if step_grad is not None:
             for buffer in self.host_grads:
                 buffer.copy_(step_grad[:, host_columns].t())
@@ -432,6 +433,7 @@ class MatrixState:
                    self.dev_master)
         if self.num_host and self.owns_host:
             wait_events(self.upload_done)  # an upload may still be reading the host weights
+            self.transfers.host_access(writes=self.host_weights)
             host_now = current.t().index_select(0, self.host_columns_on_device).cpu()
             applied = self._applied_weights()
             _adopt(host_now, applied, self.host_master)
@@ -452,6 +454,7 @@ class MatrixState:
         wait_events(self.upload_done)  # an upload may still be reading the host weights
         for slot in (0, 1):
             wait_events(self.offload_done[slot])
+        self.transfers.host_access(reads=[*self.host_grads, *self.host_weights])
         state = self.canonical()
         left = torch.zeros(self.rows, self.cols, dtype=old_dtype)  # what the optimizer left in the parameter
         left[:, self.selected] = self.dev_master.cpu().to(old_dtype)
@@ -476,12 +479,16 @@ class MatrixState:
     def device_columns(self) -> torch.Tensor:
         """[R, C] in the parameter's dtype: the host columns as the device holds them (checkpoints)."""
         view = torch.zeros(self.rows, self.cols, dtype=self.param.dtype)
+        wait_events(self.upload_done)
+        self.transfers.host_access(reads=self.host_weights)
         view[:, self.host_columns] = self._applied_weights().t()
         return view
 
     def load_device_columns(self, view: torch.Tensor) -> None:
         """Restore a checkpoint taken while this matrix's CPU update was pending (after load_canonical)."""
         self.unapplied = True
+        wait_events(self.upload_done)
+        self.transfers.host_access(writes=self.host_weights)
         self._applied_weights().copy_(view[:, self.host_columns].t())
 
     def _step_grad(self, grad_slot: int) -> torch.Tensor:
@@ -491,6 +498,7 @@ class MatrixState:
         step_grad = torch.zeros(self.rows, self.cols, dtype=self.param.dtype)
         step_grad[:, self.selected] = self.dev_grad.cpu()
         if self.owns_host:
+            self.transfers.host_access(reads=[self.host_grads[grad_slot]])
             step_grad[:, self.host_columns] = self.host_grads[grad_slot].t()
         return step_grad
 
@@ -558,6 +566,7 @@ class MatrixState:
             return
         wait_events(self.upload_done)  # an upload may still read the host weights rewritten below
         self.upload_done = [None, None]
+        self.transfers.host_access(writes=[*self.host_grads, *self.host_weights])
         self.host_master.copy_(state.master[:, host_columns].t())
         self.host_exp_avg.copy_(state.exp_avg[:, host_columns].t())
         self.host_exp_avg_sq.copy_(state.exp_avg_sq[:, host_columns].t())
@@ -658,7 +667,7 @@ class MatrixState:
         # after step.
         pool, index = self.extra_pool[grad_slot], len(self.extra_grads[grad_slot])
         if index == len(pool):
-            pool.append(_host_buffer(self.host_grads[grad_slot].shape, rest.dtype, self.pin))
+            pool.append(self.transfers.host_zeros(self.host_grads[grad_slot].shape, rest.dtype))
         target = pool[index]
         self.extra_grads[grad_slot].append(target)
         # (a new list, never an append: a batched hand-off gives like states one shared list)
@@ -670,6 +679,7 @@ class MatrixState:
         Runs on the accumulate worker (`host_step_scores`); a no-op once done."""
         if self.extra_grads[grad_slot]:
             wait_events(self.offload_done[grad_slot])
+            self.transfers.host_access(reads=self.extra_grads[grad_slot], writes=[self.host_grads[grad_slot]])
             for extra in self.extra_grads[grad_slot]:
                 self.host_grads[grad_slot].add_(extra)
             self.extra_grads[grad_slot] = []
@@ -680,6 +690,7 @@ class MatrixState:
         summed gradient's host columns, into a pinned buffer (uploaded without blocking by `step_scores`;
         the step's host read orders that upload before the buffer's next use)."""
         self.fold_extra_grads(grad_slot)
+        self.transfers.host_access(reads=[self.host_grads[grad_slot]], writes=[self.host_scores])
         torch.sum(self.host_grads[grad_slot].float().pow(2), dim=1, out=self.host_scores)
         return self.host_scores
 
@@ -690,7 +701,7 @@ class MatrixState:
             exact = torch.empty(self.cols, device=self.device)
             exact[self.selected_on_device] = self.dev_grad.float().pow(2).sum(0)
             if self.owns_host:
-                exact[self.host_columns_on_device] = self.host_scores.to(self.device, non_blocking=True)
+                exact[self.host_columns_on_device] = self.transfers.to_device(self.host_scores)[0]
             else:  # the owner reports them
                 exact[self.host_columns_on_device] = 0.0
             self.scores.copy_(exact)
@@ -740,6 +751,7 @@ class MatrixState:
         upload (one batched copy)."""
         for m in matrices:
             wait_events([m.upload_done[m.weights_slot ^ 1]])
+        matrices[0].transfers.host_access(writes=[m.host_weights[m.weights_slot ^ 1] for m in matrices])
         torch._foreach_copy_([m.host_weights[m.weights_slot ^ 1] for m in matrices], [m.host_master for m in matrices])
         for m in matrices:
             m.weights_slot ^= 1

@@ -14,8 +14,8 @@ attributes to the rows: the states stay the owners and everything else keeps rea
 etc. The runtime runs it after its layout clock moved (new states, a selection, a checkpoint load: whatever
 made a state allocate new tensors), at the first hand-off or step after that. Besides device tensors it
 restacks the offloaded gradients' pinned buffers, which only the training thread writes; an accumulate task
-still reading the old buffers keeps its own references, and on CUDA the copies in flight into them are
-waited for first.
+still reading the old buffers keeps its own references, and the copies in flight into them are waited for
+first.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _stack_host_grads(group: list, waiting) -> bool:
     """The offloaded gradients' pinned buffers (`host_grads[slot]`, [u, R] each) as rows of one pinned stack
     per slot, so the hand-off sends a group down in one copy. Only the training thread writes them (the
     hand-off) and their old values are read at most by the accumulate task already running, which keeps its
-    own references; on CUDA the copies still in flight into the old buffers are waited for first."""
+    own references; the copies still in flight into the old buffers are waited for first."""
     if not all(m.owns_host and m.num_host for m in group):
         return False
     moved = False
@@ -107,8 +107,9 @@ def _stack_host_grads(group: list, waiting) -> bool:
         if in_flight:
             with waiting():
                 wait_events(in_flight)
-        first = buffers[0]
-        stack = torch.empty((len(group), *first.shape), dtype=first.dtype, pin_memory=first.is_pinned())
+        first, transfers = buffers[0], group[0].transfers
+        transfers.host_access(reads=buffers)
+        stack = transfers.host_zeros((len(group), *first.shape), first.dtype)
         torch.stack(buffers, out=stack)
         for m, row in zip(group, stack.unbind(0)):
             m.host_grads[slot] = row
@@ -134,8 +135,8 @@ class StackedMerge:
 
     @staticmethod
     def applies_to(m) -> bool:
-        """Matrices this merge can take: host-resident columns on a CPU device, this rank's own."""
-        return m.device.type == "cpu" and m.owns_host and m.num_host > 0 and stackable(m)
+        """Matrices this merge can take: host-resident columns where the device is the host, this rank's own."""
+        return m.transfers.device_is_host and m.owns_host and m.num_host > 0 and stackable(m)
 
     def apply(self) -> int:
         """Returns the bytes "uploaded" (the host weights read, as `apply_host_columns` counts them)."""

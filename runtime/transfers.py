@@ -1,35 +1,143 @@
-"""Device <-> host copies: dedicated CUDA streams and events, or plain copies on a CPU-only machine.
+"""Device <-> host copies on dedicated streams, ordered by events: one code path for every accelerator.
 
-On CUDA, gradients go down on a device-to-host stream and updated weights come up on a host-to-device
-stream, both into/out of pinned buffers, so neither blocks the compute stream. Ordering is by events:
-- a copy's stream first waits for the compute stream (the source has been produced);
-- the source/destination device tensor is `record_stream`-ed on the copy stream, so the caching allocator
+Two separate questions:
+- Is the device the host (a model on the CPU)? Then nothing is copied: the "offload" is a plain copy into
+  host memory and an "upload" hands the host tensor itself back (`Transfers.device_is_host`).
+- Which stream API serves a device that is not the host? `torch.accelerator` with `torch.Stream`,
+  `torch.Event` and pinned host memory (`AcceleratorStreams`: CUDA, ROCm, XPU, ... alike), or, in tests, an
+  emulated asynchronous device over CPU tensors that implements the same calls (`emulate_async_device`).
+  A device that is not the host always gets real copies.
+
+Ordering, on a device that is not the host:
+- a copy's stream first waits for the compute stream (its source, or its target's memory, comes from
+  compute work);
+- a copy's device source is kept alive for its stream (`Tensor.record_stream`), so the caching allocator
   does not hand its memory to another kernel while the copy is in flight;
-- the returned event tells a host reader (a CPU worker) when the pinned buffer is complete, and an upload's
-  event is waited on by the compute stream before any kernel reads the uploaded tensor.
-On CPU every copy is synchronous and no events exist.
+- a copy down returns an event that a host reader (a CPU worker) waits for before reading the pinned
+  buffer; an upload's event is waited for by the compute stream before any kernel reads the uploaded
+  tensor, and by the host before it overwrites the pinned source.
+
+The stream API also receives the runtime's declarations of which pinned buffers a host thread reads or
+writes (`host_access`) and of each host read of a device value (`read_to_host`): real hardware needs none
+(they cost one attribute check), the emulated device checks every such access against its happens-before
+graph of streams, events and host threads.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Optional, Sequence
 
 import torch
 
 
-class Transfers:
+class AcceleratorStreams:
+    """The stream API of a real accelerator: `torch.accelerator`, `torch.Stream`, `torch.Event`."""
+
+    traced = False  # no access declarations: the hardware orders what the events order
+
     def __init__(self, device: torch.device):
         self.device = device
-        self.is_cuda = device.type == "cuda"
-        if self.is_cuda:
-            self.device_to_host = torch.cuda.Stream(device)
-            self.host_to_device = torch.cuda.Stream(device)
 
-    def to_host(self, source: torch.Tensor, pinned: torch.Tensor,
-                rows: Optional[torch.Tensor] = None) -> Optional["torch.cuda.Event"]:
+    def stream(self) -> torch.Stream:
+        return torch.Stream(self.device)
+
+    def current_stream(self) -> torch.Stream:
+        return torch.accelerator.current_stream(self.device)
+
+    def event(self, timing: bool = False) -> torch.Event:
+        return torch.Event(self.device, enable_timing=timing)
+
+    @contextlib.contextmanager
+    def _on(self, stream: torch.Stream):
+        previous = torch.accelerator.current_stream(self.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
+
+    def copy_(self, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], stream: torch.Stream) -> None:
+        """`target.copy_(source)` for each pair, queued on `stream` without blocking the host."""
+        with self._on(stream):
+            if len(targets) == 1:
+                targets[0].copy_(sources[0], non_blocking=True)
+            else:
+                torch._foreach_copy_(list(targets), list(sources), non_blocking=True)
+
+    @staticmethod
+    def keep_alive(tensors: Sequence[torch.Tensor], stream: torch.Stream) -> None:
+        for tensor in tensors:
+            tensor.record_stream(stream)
+
+    def host_zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+
+    def device_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+
+# The stream API that serves CPU tensors as a device that is not the host: set only by tests
+# (`emulate_async_device`), None otherwise (the CPU is the host).
+_emulated_cpu_streams = None
+
+
+@contextlib.contextmanager
+def emulate_async_device(streams):
+    """Within this block, optimizers built over CPU tensors treat them as living on an asynchronous device
+    served by `streams` (the test suite's emulated device): copies, events and pinned double buffers, as
+    on a GPU."""
+    global _emulated_cpu_streams
+    previous, _emulated_cpu_streams = _emulated_cpu_streams, streams
+    try:
+        yield streams
+    finally:
+        _emulated_cpu_streams = previous
+
+
+def streams_for(device: torch.device):
+    """The stream API serving `device`, or None where the device is the host."""
+    if device.type == "cpu":
+        return _emulated_cpu_streams
+    return AcceleratorStreams(device)
+
+
+class Transfers:
+    """One optimizer's copies between its device and host memory."""
+
+    def __init__(self, device: torch.device, streams=None):
+        self.device = device
+        self.streams = streams if streams is not None else streams_for(device)
+        self.device_is_host = self.streams is None
+        self.traced = not self.device_is_host and self.streams.traced
+        if not self.device_is_host:
+            self.device_to_host = self.streams.stream()
+            self.host_to_device = self.streams.stream()
+
+    # -- host memory ----------------------------------------------------------------------------------------
+    def host_zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer that copies read or write: pinned where the device is not the host."""
+        if self.device_is_host:
+            return torch.zeros(shape, dtype=dtype)
+        return self.streams.host_zeros(shape, dtype)
+
+    def host_access(self, reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = ()) -> None:
+        """The calling host thread is about to read / write these host buffers (after waiting for the copies
+        that touch them)."""
+        if self.traced:
+            self.streams.note_host_access(reads, writes)
+
+    @property
+    def ordering(self):
+        """What orders host threads in the emulated device's record (None elsewhere): the CPU workers report
+        their task starts and ends to it."""
+        return self.streams if self.traced else None
+
+    # -- copies ---------------------------------------------------------------------------------------------
+    def to_host(self, source: torch.Tensor, pinned: torch.Tensor, rows: Optional[torch.Tensor] = None):
         """Copy device `source` (or its rows `rows`, gathered on the device) into host `pinned`; returns the
-        event a host reader must wait for."""
-        if not self.is_cuda:
+        event a host reader must wait for (None where the device is the host: the copy is done)."""
+        if self.device_is_host:
             if rows is None:
                 pinned.copy_(source)
             elif source.dtype == pinned.dtype:
@@ -38,99 +146,105 @@ class Transfers:
                 pinned.copy_(source.index_select(0, rows))
             return None
         if rows is not None:
-            source = source.index_select(0, rows)
-        stream = self.device_to_host
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            pinned.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        source.record_stream(stream)
-        return done
+            source = source.index_select(0, rows)  # on the compute stream
+        return self._copy_down([source], [pinned])
 
-    def to_host_many(self, sources: list, pinned: list) -> Optional["torch.cuda.Event"]:
+    def to_host_many(self, sources: Sequence[torch.Tensor], pinned: Sequence[torch.Tensor]):
         """Copy each device tensor of `sources` into the host buffer at the same position, in one batched
         copy; returns the one event a host reader must wait for."""
-        if not self.is_cuda:
-            torch._foreach_copy_(pinned, sources)
+        if self.device_is_host:
+            torch._foreach_copy_(list(pinned), list(sources))
             return None
-        stream = self.device_to_host
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            torch._foreach_copy_(pinned, sources, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        for source in sources:
-            source.record_stream(stream)
+        return self._copy_down(sources, pinned)
+
+    def _copy_down(self, sources: Sequence[torch.Tensor], pinned: Sequence[torch.Tensor]):
+        streams, stream = self.streams, self.device_to_host
+        if self.traced:
+            streams.note_compute_access(writes=sources)  # the sources were produced by compute work
+        stream.wait_stream(streams.current_stream())
+        streams.copy_(pinned, sources, stream)
+        done = streams.event()
+        done.record(stream)
+        streams.keep_alive(sources, stream)
         return done
 
-    def to_device(self, pinned: torch.Tensor) -> tuple[torch.Tensor, Optional["torch.cuda.Event"]]:
+    def to_device(self, pinned: torch.Tensor):
         """Upload host `pinned`; the compute stream waits for it. Returns the device tensor and the event
-        after which `pinned` may be overwritten."""
-        if not self.is_cuda:
+        after which `pinned` may be overwritten (None where the device is the host: `pinned` itself)."""
+        if self.device_is_host:
             return pinned, None
-        compute = torch.cuda.current_stream(self.device)
-        target = torch.empty(pinned.shape, dtype=pinned.dtype, device=self.device)
-        stream = self.host_to_device
-        stream.wait_stream(compute)  # `target`'s memory may still be read by earlier compute work
-        with torch.cuda.stream(stream):
-            target.copy_(pinned, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        target.record_stream(stream)
+        streams, stream = self.streams, self.host_to_device
+        compute = streams.current_stream()
+        target = streams.device_empty(pinned.shape, pinned.dtype)
+        if self.traced:
+            streams.note_compute_access(writes=[target])  # its memory may have served earlier compute work
+        stream.wait_stream(compute)
+        streams.copy_([target], [pinned], stream)
+        done = streams.event()
+        done.record(stream)
+        # (no keep_alive: the compute stream waits for this copy before it reads or frees `target`)
         compute.wait_event(done)
+        if self.traced:
+            streams.note_compute_access(reads=[target])  # the caller's kernels read it next
         return target, done
+
+    def read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A blocking read of a device value (on an accelerator, a synchronisation with the compute stream)."""
+        if self.traced:
+            self.streams.note_compute_synchronized()
+        return tensor.cpu()
 
 
 def wait_events(events: list) -> None:
-    """Block the calling (worker) thread until the given copy events have completed."""
+    """Block the calling host thread until the given copy events have completed."""
     for event in events:
         if event is not None:
             event.synchronize()
 
 
 class StallClock:
-    """Time the training thread waits for the CPU: wall time on the host, GPU idle time via events.
+    """Time the training thread waits for the CPU: wall time on the host, device idle time via events.
 
-    On CUDA an event is recorded on the compute stream before and after the host wait; the time between them
-    is how long the GPU had nothing to do because of the wait (zero if enough work was queued). Elapsed
-    times are read lazily (in `stats()`) so measuring never adds a synchronisation.
+    Where the device is not the host, a timing event is recorded on the compute stream before and after the
+    host wait; the time between them is how long the device had nothing to do because of the wait (zero if
+    enough work was queued). Elapsed times are read lazily (in `stats()`) so measuring never adds a
+    synchronisation.
     """
 
-    def __init__(self, device: torch.device):
-        self.is_cuda = device.type == "cuda"
-        self.device = device
+    def __init__(self, transfers: Transfers):
+        self.streams = None if transfers.device_is_host else transfers.streams
         self.host_seconds = 0.0
-        self._resolved_gpu_seconds = 0.0
+        self._resolved_device_seconds = 0.0
         self._pending: list = []
 
     def before_wait(self):
-        if not self.is_cuda:
+        if self.streams is None:
             return None
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(torch.cuda.current_stream(self.device))
+        start = self.streams.event(timing=True)
+        start.record(self.streams.current_stream())
         return start
 
     def after_wait(self, start, host_seconds: float) -> None:
         self.host_seconds += host_seconds
         if start is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record(torch.cuda.current_stream(self.device))
+            end = self.streams.event(timing=True)
+            end.record(self.streams.current_stream())
             self._pending.append((start, end))
-            self._resolve_completed()  # keeps the list to the waits the GPU has not reached yet
+            self._resolve_completed()  # keeps the list to the waits the device has not reached yet
 
     def _resolve_completed(self) -> None:
         """Fold the timings of completed event pairs (non-blocking `query`); oldest first, in stream order."""
         while self._pending and self._pending[0][1].query():
             start, end = self._pending.pop(0)
-            self._resolved_gpu_seconds += start.elapsed_time(end) / 1e3
+            self._resolved_device_seconds += start.elapsed_time(end) / 1e3
 
     @property
     def num_pending(self) -> int:
         return len(self._pending)
 
-    def gpu_idle_seconds(self) -> Optional[float]:
-        if not self.is_cuda:
+    def device_idle_seconds(self) -> Optional[float]:
+        """None where the device is the host (the host wait is the stall)."""
+        if self.streams is None:
             return None
         self._resolve_completed()
-        return self._resolved_gpu_seconds
+        return self._resolved_device_seconds

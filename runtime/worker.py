@@ -9,6 +9,10 @@ exit never hangs.
 Core reservation (`pt_reserved_cores_perc`, see cpu_affinity.py): the worker thread is pinned to the cores
 left after the training thread's reserve and runs its torch ops with that many threads; the training
 thread is not touched.
+
+Host-thread order, for the emulated device's happens-before record (`ordering`, None elsewhere): a task
+starts after what its submitter did before submitting it, and whoever waits for a task's future
+(`wait_for`) is after everything the task did.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class CpuWorker:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"zenflow-{name}",
                                             initializer=initializer)
         self._futures: list[Future] = []
+        self.ordering = None  # set by the runtime where its device records host-thread order
         self.busy_seconds = 0.0  # wall time in tasks
         self.busy_cpu_seconds = 0.0  # this thread's CPU time in tasks (unaffected by other processes)
 
@@ -47,18 +52,26 @@ class CpuWorker:
     def submit(self, task: Callable[[], Any], after: Optional[Future] = None) -> Future:
         """Run `task` on the worker thread, once `after` (a future of another worker) has finished; the
         future holds what the task returns."""
+        ordering = self.ordering
+        submitted = ordering.fork() if ordering is not None else None
+        finished: list = []  # the task's last point in the host-thread order, for `wait_for`
 
         def run():
+            if ordering is not None:
+                ordering.join(submitted)
             if after is not None:
-                after.result()  # re-raises the upstream failure here too
+                wait_for(after)  # re-raises the upstream failure here too
             start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return task()
             finally:
                 self.busy_seconds += time.perf_counter() - start
                 self.busy_cpu_seconds += time.thread_time() - start_cpu
+                if ordering is not None:
+                    finished.append(ordering.fork())
 
         future = self._executor.submit(run)
+        future.zenflow_finished = (ordering, finished)
         self._futures.append(future)
         return future
 
@@ -68,7 +81,9 @@ class CpuWorker:
         for future in self._futures:
             if not future.done():
                 still_running.append(future)
-            elif future.exception() is not None:
+                continue
+            joined(future)  # (seen finished: what the task did is now behind the caller)
+            if future.exception() is not None:
                 raise future.exception()
         self._futures = still_running
 
@@ -79,12 +94,29 @@ class CpuWorker:
     def wait_all(self) -> None:
         """Wait for every submitted task, failed or not (errors stay in their futures)."""
         futures_wait(self._futures)
+        for future in self._futures:
+            joined(future)
 
     def drain(self) -> None:
         """Wait for every submitted task; re-raise the first error."""
         for future in self._futures:
-            future.result()
+            wait_for(future)
         self._futures = []
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def joined(future: Future) -> None:
+    """The calling thread has seen `future` finish: it is now after everything the task did."""
+    ordering, finished = getattr(future, "zenflow_finished", (None, ()))
+    if ordering is not None and finished:
+        ordering.join(finished[0])
+
+
+def wait_for(future: Future) -> Any:
+    """`future.result()` (re-raising the task's error), the caller then ordered after the task."""
+    try:
+        return future.result()
+    finally:
+        joined(future)

@@ -1,7 +1,56 @@
-"""Fixtures shared by the test modules (plain helpers live in helpers.py)."""
+"""Fixtures shared by the test modules (plain helpers live in helpers.py).
+
+`device`: the value suites run once per test device, as torch's device-type tests do. `ZENFLOW_TEST_DEVICE`
+picks them (comma-separated): `cpu` (the device is the host: no copies), `emulated` (CPU tensors behind the
+emulated asynchronous device of `emulated_device.py`: the runtime's device path, its copies, events and
+double buffers, checked for ordering), `cuda`. Default: cpu and emulated, plus cuda when one is present.
+"""
 
 import pytest
 import torch
+
+from emulated_device import EmulatedStreams
+from helpers import TEST_DEVICES
+from zenflow_compile.runtime import transfers
+
+
+@pytest.fixture(params=TEST_DEVICES)
+def device(request):
+    """The device a value test runs on (a torch.device to build models on). `emulated`: CPU tensors, the
+    runtime on its device path; the test fails on any ordering violation."""
+    name = request.param
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("ZENFLOW_TEST_DEVICE asks for cuda, but no CUDA device is present")
+        previous = torch.get_default_device()
+        torch.set_default_device("cuda")  # models and tensors the test builds without naming a device
+        try:
+            yield torch.device("cuda")
+        finally:
+            torch.set_default_device(previous)
+        return
+    if name == "cpu":
+        yield torch.device("cpu")
+        return
+    emulated = EmulatedStreams()
+    with transfers.emulate_async_device(emulated):
+        try:
+            yield torch.device("cpu")
+        finally:
+            emulated.close()
+    emulated.check()
+
+
+@pytest.fixture
+def emulated_device():
+    """The emulated asynchronous device alone (tests of the device path itself), whatever ZENFLOW_TEST_DEVICE
+    says."""
+    emulated = EmulatedStreams()
+    with transfers.emulate_async_device(emulated):
+        try:
+            yield emulated
+        finally:
+            emulated.close()
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """One rank of the data-parallel tests (tests/test_data_parallel.py): runs scenarios, saves what it saw.
 
 Launched as `python tests/dp_worker.py SPEC.pt OUT_DIR` with RANK, WORLD_SIZE and ZENFLOW_TEST_INIT (a
-FileStore path) in the environment, once per rank. SPEC.pt holds a list of scenarios (dicts, see `run`);
+FileStore path) in the environment, once per rank; with ZENFLOW_WORKER_DEVICE=emulated the optimizers run on
+the emulated asynchronous device (emulated_device.py), and an ordering violation fails the rank. SPEC.pt holds a list of scenarios (dicts, see `run`);
 for each, OUT_DIR/<name>.rank<r>.pt gets the parameters and selections after every step, the stats, and the
 error message if the scenario expects one.
 """
@@ -22,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zenflow_compile  # noqa: E402
 import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
+from emulated_device import EmulatedStreams  # noqa: E402
 from helpers import loss_fn, make_batches, model_for, tiny_model  # noqa: E402
+from zenflow_compile.runtime import transfers  # noqa: E402
 
 
 def micro_batch(global_batch, rank: int, world_size: int):
@@ -107,11 +110,16 @@ def main() -> None:
     timeout = datetime.timedelta(seconds=float(os.environ.get("ZENFLOW_TEST_TIMEOUT", "60")))
     dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
                             world_size=world_size, timeout=timeout)
+    emulated = EmulatedStreams() if os.environ.get("ZENFLOW_WORKER_DEVICE") == "emulated" else None
     try:
-        for scenario in scenarios:
-            run(scenario, rank, world_size, out_dir)
-            if scenario.get("die_rank") is None:
-                dist.barrier()
+        with transfers.emulate_async_device(emulated):
+            for scenario in scenarios:
+                run(scenario, rank, world_size, out_dir)
+                if scenario.get("die_rank") is None:
+                    dist.barrier()
+        if emulated is not None:
+            emulated.close()
+            emulated.check()
     finally:
         if not any(s.get("die_rank") is not None for s in scenarios):
             dist.destroy_process_group()

@@ -14,8 +14,25 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import nn
 
-__all__ = ["Tiny", "tiny_model", "TinyRepeated", "model_for", "make_batches", "loss_fn", "train_steps", "TrainLog", "max_param_diff",
-           "snapshot", "bf16_ulp_distance"]
+
+def _test_devices() -> list[str]:
+    chosen = os.environ.get("ZENFLOW_TEST_DEVICE")
+    if chosen:
+        names = [name.strip() for name in chosen.split(",") if name.strip()]
+        unknown = sorted(set(names) - {"cpu", "emulated", "cuda"})
+        if unknown:
+            raise ValueError(f"ZENFLOW_TEST_DEVICE: unknown device(s) {unknown}; use cpu, emulated, cuda")
+        return names
+    return ["cpu", "emulated"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+# The devices the value tests run on (the `device` fixture): ZENFLOW_TEST_DEVICE, comma-separated, or by default
+# cpu and the emulated device, plus cuda when one is present.
+TEST_DEVICES = _test_devices()
+
+
+__all__ = ["TEST_DEVICES", "Tiny", "tiny_model", "TinyRepeated", "model_for", "make_batches", "loss_fn",
+           "train_steps", "TrainLog", "max_param_diff", "snapshot", "bf16_ulp_distance"]
 
 
 class Tiny(nn.Module):
@@ -35,10 +52,14 @@ class Tiny(nn.Module):
         return self.fc2(self.norm(torch.tanh(self.fc1(self.emb(x)))))
 
 
-def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0, device: Union[str, torch.device] = "cpu") -> Tiny:
-    """The same Tiny model (same initial weights) for the same seed, cast to `dtype`."""
+def tiny_model(dtype: torch.dtype = torch.float32, seed: int = 0,
+               device: Union[str, torch.device, None] = None) -> Tiny:
+    """The same Tiny model (same initial weights) for the same seed, cast to `dtype`, on `device` (default:
+    torch's default device, which the `device` fixture sets for cuda)."""
     torch.manual_seed(seed)
-    return Tiny().to(device=device, dtype=dtype)
+    with torch.device("cpu"):  # (initial weights drawn on the CPU: the same on every device)
+        model = Tiny()
+    return model.to(device=device or torch.get_default_device(), dtype=dtype)
 
 
 class TinyRepeated(nn.Module):
@@ -62,17 +83,21 @@ class TinyRepeated(nn.Module):
 def model_for(kind: str = "tiny", seed: int = 0) -> nn.Module:
     """"tiny" (`Tiny`) or "repeated" (`TinyRepeated`), same initial weights for the same seed."""
     torch.manual_seed(seed)
-    return {"tiny": Tiny, "repeated": TinyRepeated}[kind]()
+    with torch.device("cpu"):
+        model = {"tiny": Tiny, "repeated": TinyRepeated}[kind]()
+    return model.to(torch.get_default_device())
 
 
 def make_batches(n: int, dtype: torch.dtype = torch.float32, seed: int = 1000, batch: int = 8, seq: int = 6,
-                 device: Union[str, torch.device] = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`n` deterministic (tokens, target) micro-batches for `Tiny`."""
+                 device: Union[str, torch.device, None] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` deterministic (tokens, target) micro-batches for `Tiny` (drawn on the CPU, then moved to `device`,
+    default: torch's default device)."""
+    device = device or torch.get_default_device()
     out = []
     for i in range(n):
         g = torch.Generator().manual_seed(seed + i)
-        x = torch.randint(0, 32, (batch, seq), generator=g)
-        y = torch.randn(batch, seq, 16, generator=g)
+        x = torch.randint(0, 32, (batch, seq), generator=g, device="cpu")
+        y = torch.randn(batch, seq, 16, generator=g, device="cpu")
         out.append((x.to(device), y.to(device=device, dtype=dtype)))
     return out
 

@@ -80,19 +80,19 @@ REFERENCE_CONFIGS = {
 
 
 @pytest.mark.parametrize("keys", list(REFERENCE_CONFIGS.values()), ids=list(REFERENCE_CONFIGS))
-def test_compiled_equals_reference(keys):
+def test_compiled_equals_reference(keys, device):
     opt, ref = run_against(lambda ps: ZenFlowReference(ps, lr=LR, **keys), keys)
     st, rst = opt.stats(), ref.stats()
     for key in ("steps", "skipped_steps", "cpu_updates", "reselections"):
         assert st[key] == rst[key], key
 
 
-def test_compiled_equals_reference_with_clipping():
+def test_compiled_equals_reference_with_clipping(device):
     keys = dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=2)
     run_against(lambda ps: ZenFlowReference(ps, lr=LR, max_grad_norm=0.05, **keys), keys, clip=0.05)
 
 
-def test_compiled_equals_reference_bf16():
+def test_compiled_equals_reference_bf16(device):
     keys = dict(topk_ratio=0.25, update_interval=2)
     run_against(lambda ps: ZenFlowReference(ps, lr=LR, **keys), keys, dtype=torch.bfloat16)
 
@@ -101,13 +101,13 @@ def test_compiled_equals_reference_bf16():
     (dict(topk_ratio=0.1, select_strategy="auto"), None),
     (dict(topk_ratio=0.5, select_strategy="step", select_interval=2, full_warm_up_rounds=2), 0.05),
 ], ids=["r0.1-auto", "r0.5-step-warmup-clip"])
-def test_interval_one_equals_adamw(keys, clip):
+def test_interval_one_equals_adamw(keys, clip, device):
     keys = dict(keys, update_interval=1, overlap_step=False)
     run_against(lambda ps: torch.optim.AdamW(ps, lr=LR), keys, clip=clip)
 
 
 @pytest.mark.parametrize("update_interval,overlap", [(3, True), ("auto", False)])
-def test_ratio_one_equals_adamw(update_interval, overlap):
+def test_ratio_one_equals_adamw(update_interval, overlap, device):
     keys = dict(topk_ratio=1.0, update_interval=update_interval, overlap_step=overlap)
     run_against(lambda ps: torch.optim.AdamW(ps, lr=LR), keys)
 
@@ -115,7 +115,7 @@ def test_ratio_one_equals_adamw(update_interval, overlap):
 # Tiny's gradients in the order the backward produces them: fc2.weight 384, fc2.bias 16, norm.weight 24,
 # norm.bias 24, fc1.weight 384, fc1.bias 24, emb.weight 512 elements.
 @pytest.mark.parametrize("reduce_bucket_size,buckets", [(1, 7), (600, 2), (25_000_000, 1)])
-def test_compiled_in_buckets_equals_reference(reduce_bucket_size, buckets):
+def test_compiled_in_buckets_equals_reference(reduce_bucket_size, buckets, device):
     """The backward hands gradients over in buckets of `reduce_bucket_size` elements; training is the same."""
     keys = REFERENCE_CONFIGS["interval2-overlap-reselect"]
     with zf_inspect.capture() as graphs:
@@ -127,7 +127,7 @@ def test_compiled_in_buckets_equals_reference(reduce_bucket_size, buckets):
     assert sorted(handed) == sorted(name for name, _ in make_model().named_parameters())  # each once
 
 
-def test_one_graph_owned_by_two_optimizers_routes_each_gradient_to_its_owner():
+def test_one_graph_owned_by_two_optimizers_routes_each_gradient_to_its_owner(device):
     """Matrices and vectors of one model in two ZenFlowAdamW (other lr and interval): the graph's buckets
     mix both owners' gradients, each owner gets its own, and each side equals its own reference."""
     a, b = make_model(), make_model()

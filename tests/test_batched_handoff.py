@@ -15,7 +15,7 @@ import zenflow_compile
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime.handoff import HandoffPlan
 from zenflow_compile.runtime.param_state import MatrixState, VectorState, top_k_columns, top_k_columns_many
-from zenflow_compile.runtime.transfers import Transfers
+from zenflow_compile.runtime.transfers import Transfers, wait_events
 from zenflow_compile.triton_kernels.rows import rows_of_one_tensor, runs_of_rows
 from helpers import TinyRepeated
 
@@ -57,7 +57,7 @@ def _grads(seed: int):
 
 
 @pytest.mark.parametrize("with_scores", [False, True], ids=["scores-computed", "scores-given"])
-def test_plan_leaves_what_receive_grad_leaves(with_scores):
+def test_plan_leaves_what_receive_grad_leaves(with_scores, device):
     one_by_one, batched = _states(0), _states(0)
     plan = HandoffPlan(batched)
     assert sorted(len(group.states) for group in plan.groups) == [4, 4]  # the matrices, the vectors
@@ -72,6 +72,9 @@ def test_plan_leaves_what_receive_grad_leaves(with_scores):
     for a, b in zip(one_by_one, batched):
         assert a.num_grads == b.num_grads == 2
         if a.is_matrix:
+            for state in (a, b):  # read the offloaded gradients as the accumulate worker does: after their copies
+                wait_events(state.offload_done[0])
+                state.transfers.host_access(reads=[state.host_grads[0], *state.extra_grads[0]])
             torch.testing.assert_close(b.scores, a.scores, rtol=0, atol=0)
             torch.testing.assert_close(b.dev_grad, a.dev_grad, rtol=0, atol=0)
             torch.testing.assert_close(b.host_grads[0], a.host_grads[0], rtol=0, atol=0)
@@ -126,17 +129,17 @@ KEYS = {
 
 @pytest.mark.parametrize("keys", list(KEYS.values()), ids=list(KEYS))
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_repeated_layers_equal_reference(keys, compiled):
+def test_repeated_layers_equal_reference(keys, compiled, device):
     opt = train_beside_reference(keys, compiled=compiled)
     assert opt.stats()["cpu_updates"] > 0
 
 
-def test_small_buckets_flush_during_the_backward():
+def test_small_buckets_flush_during_the_backward(device):
     """reduce_bucket_size of 300 elements: several buckets per backward, each handed over when full."""
     train_beside_reference(KEYS["S2-reselect"], reduce_bucket_size=300)
 
 
-def test_gradient_accumulation_and_bf16():
+def test_gradient_accumulation_and_bf16(device):
     train_beside_reference(KEYS["S2-reselect"], backwards_per_step=2)
     train_beside_reference(KEYS["S2-reselect"], dtype=torch.bfloat16, atol=1e-2, rtol=1e-2)
 
@@ -158,7 +161,7 @@ class _FailOnce(torch.autograd.Function):
         return grad
 
 
-def test_a_backward_that_raised_leaves_nothing_behind():
+def test_a_backward_that_raised_leaves_nothing_behind(device):
     """The bucket holds the gradients the failed backward had produced; zero_grad() drops them, so the next
     step is the reference's (which never saw that backward)."""
     keys = KEYS["S2-reselect"]
@@ -229,7 +232,7 @@ def train_with_frozen(frozen: tuple, first: int, last: int, steps: int):
     return opt
 
 
-def test_frozen_then_unfrozen_block_with_stacks():
+def test_frozen_then_unfrozen_block_with_stacks(device):
     """A block frozen after two steps (its state stays in the stacks, unstepped) and unfrozen two steps
     later: the others and then it train as under the reference."""
     train_with_frozen(("blocks.1",), 2, 4, steps=8)
@@ -317,7 +320,7 @@ def test_compiled_large_gradients_scored_in_the_graph_small_ones_by_the_runtime(
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_resume_with_stacked_state_is_exact(compiled):
+def test_resume_with_stacked_state_is_exact(compiled, device):
     """state_dict() of an optimizer whose like states share stacks, loaded into a fresh optimizer on a fresh
     model (states rebuilt, then stacked again): the next steps are bitwise those of the uninterrupted run."""
     keys = KEYS["S2-reselect"]
@@ -378,7 +381,7 @@ def test_restacking_waits_for_copies_in_flight_inside_the_counted_wait():
     assert not stack_like_states(matrices, waiting=waiting) and len(entered) == 1  # already stacked
 
 
-def test_reselection_of_stacked_matrices_rewrites_them_in_place(monkeypatch):
+def test_reselection_of_stacked_matrices_rewrites_them_in_place(monkeypatch, device):
     """Stacked matrices keep their tensors (and so their stacks and every plan built on them) through a
     reselection that moves columns: the layout is written in place; training still equals the reference."""
     in_place = []
@@ -398,7 +401,7 @@ def test_reselection_of_stacked_matrices_rewrites_them_in_place(monkeypatch):
 
 
 @pytest.mark.parametrize("frozen", [("blocks.0", "blocks.2"), ("blocks.1",)], ids=["one-row-steps", "gap-in-stack"])
-def test_in_place_reselection_when_part_of_a_stack_is_frozen(frozen):
+def test_in_place_reselection_when_part_of_a_stack_is_frozen(frozen, device):
     """Some rows of a stack frozen for ten steps, and the unique-shape matrices too (their new layouts would
     otherwise rebuild every plan at each reselection): the stepping rows' reselections, written in place,
     must reach every plan built on them: a lone stacked matrix never takes the fused update on a count that

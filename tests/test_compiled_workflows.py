@@ -80,7 +80,7 @@ def regression_batch(step, rows=8, dim=16):
 # --------------------------------------------------------------------------- gradients of the input only
 @pytest.mark.parametrize("how,dynamic", [("autograd.grad", False), ("backward(inputs=)", False),
                                          ("autograd.grad", True)], ids=["grad", "backward-inputs", "grad-dynamic"])
-def test_input_only_gradients_reach_no_optimizer(how, dynamic):
+def test_input_only_gradients_reach_no_optimizer(how, dynamic, device):
     """FGSM-style adversarial training: the gradient of the loss w.r.t. the input perturbs it, then the model
     trains on the perturbed input. Only the second backward's parameter gradients may reach the optimizer
     (before the fix the first one's did too: 3.6e-2 off the reference)."""
@@ -100,7 +100,7 @@ def test_input_only_gradients_reach_no_optimizer(how, dynamic):
     train_against_reference(MLP(), loss_of, compile_kwargs=dict(dynamic=dynamic))
 
 
-def test_backward_with_inputs_hands_over_only_those_parameters():
+def test_backward_with_inputs_hands_over_only_those_parameters(device):
     def loss_of(call, model, step):
         x, y = regression_batch(step)
         ((call(x) - y) ** 2).mean().backward(inputs=[model.fc1.weight])  # fc1.weight only
@@ -147,7 +147,7 @@ class BranchyMLP(MLP):
         return self.fc2(h)
 
 
-def test_data_dependent_branch_mid_forward_equals_reference():
+def test_data_dependent_branch_mid_forward_equals_reference(device):
     def loss_of(call, model, step):
         x, y = regression_batch(step)
         return ((call(x + (0.5 if step % 3 else -0.5)) - y) ** 2).mean()  # both branches are taken
@@ -184,7 +184,7 @@ def lm_loss(call, tokens):
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-def test_checkpointing_tied_embedding_and_dynamic_shapes_equal_reference():
+def test_checkpointing_tied_embedding_and_dynamic_shapes_equal_reference(device):
     """Activation checkpointing and a tied weight in one graph, batch and sequence lengths changing every
     step under dynamic=True."""
     shapes = [(4, 6), (2, 9), (5, 3), (3, 7), (4, 6), (6, 2), (2, 5), (3, 4)]
@@ -207,7 +207,7 @@ class DropoutFreeNet(nn.Module):
         return self.fc2(h * 1.5 if self.training else h)
 
 
-def test_eval_and_no_grad_forwards_between_steps_equal_reference():
+def test_eval_and_no_grad_forwards_between_steps_equal_reference(device):
     evaluations = {}
 
     def loss_of(call, model, step):

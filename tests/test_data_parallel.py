@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import zenflow_compile
-from helpers import loss_fn, make_batches, max_param_diff, model_for, tiny_model
+from helpers import TEST_DEVICES, loss_fn, make_batches, max_param_diff, model_for, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dp_worker.py"
@@ -77,10 +77,12 @@ def load(out_dir: Path, name: str) -> list[dict]:
     return [torch.load(out_dir / f"{name}.rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """One launch for every scenario of this module (process start-up and compiles dominate the time)."""
-    out_dir = tmp_path_factory.mktemp("data_parallel")
+@pytest.fixture(scope="module", params=[d for d in TEST_DEVICES if d != "cuda"])
+def runs(request, tmp_path_factory):
+    """One launch for every scenario of this module (process start-up and compiles dominate the time), per
+    test device: the ranks' optimizers on the host, or on the emulated asynchronous device (gloo runs on
+    CPU tensors: cuda is not covered here)."""
+    out_dir = tmp_path_factory.mktemp(f"data_parallel_{request.param}")
     scenarios = [dict(name=f"{name}_{mode}", compiled=mode == "compiled", **spec)
                  for name, spec in PARITY.items() for mode in MODES]
     # A one-process checkpoint, resumed on 2 ranks (test_a_full_state_dict_resumes_at_world_size_two).
@@ -92,7 +94,7 @@ def runs(tmp_path_factory):
                   dict(name="mismatch", compiled=False, steps=1, keys=BASE, mismatch_rank=1,
                        mismatch=dict(topk_ratio=0.5), expect_error=True),
                   dict(name="different_init", compiled=False, steps=1, keys=BASE, differ_init=True)]
-    assert launch(scenarios, out_dir) == [0] * WORLD_SIZE
+    assert launch(scenarios, out_dir, env=dict(ZENFLOW_WORKER_DEVICE=request.param)) == [0] * WORLD_SIZE
     return out_dir
 
 

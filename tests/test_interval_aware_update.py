@@ -37,7 +37,7 @@ def loss_fn(model, i):
 
 
 @pytest.mark.parametrize("interval_aware", [False, True])
-def test_boundary_update_is_adamw_with_lr_times_m(interval_aware):
+def test_boundary_update_is_adamw_with_lr_times_m(interval_aware, device):
     m, k = 3, 2  # interval, selected columns of 8
     torch.manual_seed(0)
     w0 = torch.randn(5, 8)
@@ -58,7 +58,7 @@ def test_boundary_update_is_adamw_with_lr_times_m(interval_aware):
     torch.testing.assert_close(p.detach()[:, unselected], q.detach(), atol=1e-7, rtol=1e-6)
 
 
-def test_interval_one_still_equals_adamw():
+def test_interval_one_still_equals_adamw(device):
     a, b = tiny_model(), tiny_model()
     opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, topk_ratio=0.25,
                                        update_interval=1, interval_aware_update=True)
@@ -103,7 +103,7 @@ def train_beside_reference(keys, compiled, *, dtype=torch.float32, backwards_per
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("keys", list(CONFIGS.values()), ids=list(CONFIGS))
 @pytest.mark.parametrize("second_moment", [False, True], ids=["lr", "lr+second-moment"])
-def test_equals_reference_with_key_on(keys, compiled, second_moment):
+def test_equals_reference_with_key_on(keys, compiled, second_moment, device):
     keys = dict(keys, interval_aware_update=True, interval_second_moment=second_moment)
     a, opt, b, ref = train_beside_reference(keys, compiled)
     opt.synchronize()
@@ -193,7 +193,7 @@ def test_cpu_adamw_with_grad_squares_equals_the_reference_step():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_second_moment_with_gradient_accumulation_and_bf16_equals_reference(compiled):
+def test_second_moment_with_gradient_accumulation_and_bf16_equals_reference(compiled, device):
     """Two backwards per step (the host parts are summed before they are squared) and a bf16 model (the
     converted accumulation path): the runtime against the reference on the same bf16 forward/backward."""
     keys = dict(topk_ratio=0.25, update_interval=3, overlap_step=True, interval_aware_update=True,

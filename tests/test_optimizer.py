@@ -84,7 +84,7 @@ def run_with_timeout(fn, timeout=10.0):
                                     dict(select_strategy="step", select_interval=2)], ids=["auto", "step2"])
 @pytest.mark.parametrize("warm_up", [0, 2])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_interval_one_equals_adamw(topk_ratio, select, warm_up, clip):
+def test_interval_one_equals_adamw(topk_ratio, select, warm_up, clip, device):
     batches = make_batches(8)
     a, b = tiny_model(), tiny_model()
     adam = torch.optim.AdamW(a.parameters(), lr=LR)
@@ -106,7 +106,7 @@ def test_interval_one_equals_adamw(topk_ratio, select, warm_up, clip):
 # ------------------------------------------------------------------------------- invariant 2: r = 1
 @pytest.mark.parametrize("update_interval", [3, "auto"])
 @pytest.mark.parametrize("overlap", [False, True])
-def test_ratio_one_equals_adamw(update_interval, overlap):
+def test_ratio_one_equals_adamw(update_interval, overlap, device):
     batches = make_batches(10)
     a, b = tiny_model(), tiny_model()
     adam = torch.optim.AdamW(a.parameters(), lr=LR)
@@ -169,7 +169,7 @@ def run_against_reference(case, dtype, steps=12):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(REFERENCE_CASES), ids=list(REFERENCE_CASES))
-def test_equals_reference(case, dtype):
+def test_equals_reference(case, dtype, device):
     a, b, zen, ref, log_a, log_b = run_against_reference(REFERENCE_CASES[case], dtype)
     names = names_of(a)
     assert_history_close(log_a.params, log_b.params, names, dtype)
@@ -203,7 +203,7 @@ def test_reference_cases_exercise_reselection_and_clipping():
     assert float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)) > 2 * 0.05
 
 
-def test_cpu_updates_counts_boundaries_like_reference_with_warm_up():
+def test_cpu_updates_counts_boundaries_like_reference_with_warm_up(device):
     """cpu_updates counts update boundaries; warm-up steps are no boundaries (reference.py docstring:
     'Warm-up (t < W): plain AdamW on every parameter, no boundaries'; SPEC §3: 'every S steps after warm-up')."""
     _, _, zen, ref, _, _ = run_against_reference(REFERENCE_CASES["warm-up3"], torch.float32)
@@ -213,7 +213,7 @@ def test_cpu_updates_counts_boundaries_like_reference_with_warm_up():
 
 @pytest.mark.parametrize("update_interval", [2, "auto"])
 @pytest.mark.parametrize("missing", ["whole-step", "one-matrix"])
-def test_steps_without_some_gradients_equal_reference(update_interval, missing):
+def test_steps_without_some_gradients_equal_reference(update_interval, missing, device):
     """A parameter with no gradient at a step (unused in the forward, or the step's grads discarded by
     zero_grad) is skipped for that step and the CPU update uses the mean over the steps that really
     accumulated into it (reference.py docstring: acc_steps, 'equal to the global m_acc unless some grads
@@ -274,7 +274,7 @@ def _roundtrip(obj):
 
 
 @pytest.mark.parametrize("case", list(RESUME_CASES), ids=list(RESUME_CASES))
-def test_state_dict_resume_is_exact(case):
+def test_state_dict_resume_is_exact(case, device):
     spec = RESUME_CASES[case]
     dtype, keys, clip = spec["dtype"], spec["keys"], spec.get("clip")
     N, M = 5, 6
@@ -320,7 +320,7 @@ def test_resume_cases_cover_reselection_after_the_save():
 @pytest.mark.parametrize("keys", [dict(topk_ratio=0.25, update_interval=2, overlap_step=True),
                                   dict(topk_ratio=0.25, update_interval="auto", overlap_step=True,
                                        select_strategy="step", select_interval=3)], ids=["int2", "auto"])
-def test_saving_does_not_change_the_run(keys):
+def test_saving_does_not_change_the_run(keys, device):
     batches = make_batches(11)
     a, b = tiny_model(), tiny_model()
     oa = ZenFlowAdamW(a.parameters(), lr=LR, **keys)
@@ -364,7 +364,7 @@ def _flat_state(sd):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_non_finite_gradient_skips_the_step(bad):
+def test_non_finite_gradient_skips_the_step(bad, device):
     keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True, select_strategy="step", select_interval=4)
     batches = make_batches(10)
     BAD = 3  # the 4th step would be the boundary t = 3
@@ -433,7 +433,7 @@ def _one_step(model, opt, batch):
     opt.zero_grad()
 
 
-def test_worker_failure_surfaces_at_the_boundary_without_overlap(monkeypatch):
+def test_worker_failure_surfaces_at_the_boundary_without_overlap(monkeypatch, device):
     monkeypatch.setattr(zenflow_compile.runtime.kernels, "cpu_adamw_", _crashing_cpu_adamw)
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=False)
@@ -451,7 +451,7 @@ def test_worker_failure_surfaces_at_the_boundary_without_overlap(monkeypatch):
         run_with_timeout(lambda: _one_step(model, opt, batches[2]))
 
 
-def test_worker_failure_surfaces_at_next_step_or_synchronize_with_overlap(monkeypatch):
+def test_worker_failure_surfaces_at_next_step_or_synchronize_with_overlap(monkeypatch, device):
     monkeypatch.setattr(zenflow_compile.runtime.kernels, "cpu_adamw_", _crashing_cpu_adamw)
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=True)
@@ -475,7 +475,7 @@ def test_worker_failure_surfaces_at_next_step_or_synchronize_with_overlap(monkey
 
 
 # --------------------------------------------------------------------------- torch.optim conventions
-def test_param_groups_with_different_lr_and_weight_decay_equal_adamw():
+def test_param_groups_with_different_lr_and_weight_decay_equal_adamw(device):
     batches = make_batches(8)
     a, b = tiny_model(), tiny_model()
     adam = torch.optim.AdamW(_groups(a), lr=LR)
@@ -485,7 +485,7 @@ def test_param_groups_with_different_lr_and_weight_decay_equal_adamw():
     assert_history_close(train_steps(b, zen, batches).params, train_steps(a, adam, batches).params, names_of(a))
 
 
-def test_add_param_group_after_construction():
+def test_add_param_group_after_construction(device):
     batches = make_batches(8)
     a, b = tiny_model(), tiny_model()
     first = lambda m: list(m.emb.parameters()) + list(m.fc1.parameters())  # noqa: E731
@@ -501,7 +501,7 @@ def test_add_param_group_after_construction():
     assert b.fc2.weight.grad is None and zen.selected_columns(b.fc2.weight) is not None
 
 
-def test_step_lr_scheduler_changes_the_lr_used():
+def test_step_lr_scheduler_changes_the_lr_used(device):
     batches = make_batches(8)
     a, b, c = tiny_model(), tiny_model(), tiny_model()
     adam = torch.optim.AdamW(a.parameters(), lr=LR)
@@ -521,7 +521,7 @@ def test_step_lr_scheduler_changes_the_lr_used():
 @pytest.mark.parametrize("keys", [dict(topk_ratio=0.25, update_interval=1),
                                   dict(topk_ratio=0.25, update_interval=2, overlap_step=True)],
                          ids=["int1", "int2-overlap"])
-def test_zero_grad_between_backward_and_step_discards_that_gradient(keys):
+def test_zero_grad_between_backward_and_step_discards_that_gradient(keys, device):
     batches = make_batches(8)
     extra = make_batches(8, seed=5000)
     a, b = tiny_model(), tiny_model()
@@ -593,7 +593,7 @@ def test_a_parameter_owned_by_two_optimizers_is_an_error():
 
 
 # ------------------------------------------------------------------------------------------- stats
-def test_stats_counters():
+def test_stats_counters(device):
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=3, overlap_step=True,
                        full_warm_up_rounds=2, select_strategy="step", select_interval=100)
@@ -627,7 +627,7 @@ def test_stats_counters():
 
 
 @pytest.mark.parametrize("update_interval", [3, "auto"])
-def test_cpu_updates_counts_boundaries(update_interval):
+def test_cpu_updates_counts_boundaries(update_interval, device):
     """Without warm-up: one CPU update per boundary (int: every 3 steps; auto: as the reference decides)."""
     batches = make_batches(9)
     a, b = tiny_model(), tiny_model()
@@ -646,7 +646,7 @@ def test_cpu_updates_counts_boundaries(update_interval):
     assert zen.stats()["bytes_device_to_host"] > 0 and zen.stats()["bytes_host_to_device"] > 0
 
 
-def test_backward_with_create_graph_equals_reference():
+def test_backward_with_create_graph_equals_reference(device):
     """A gradient that carries autograd history (`backward(create_graph=True)`, e.g. for a gradient penalty)
     is handed off detached: the run equals the reference on the same gradients."""
     keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True)
@@ -664,7 +664,7 @@ def test_backward_with_create_graph_equals_reference():
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
 
 
-def test_input_gradient_penalty_equals_reference():
+def test_input_gradient_penalty_equals_reference(device):
     """A gradient penalty on the input (`torch.autograd.grad(loss, x, create_graph=True)`, then the penalised
     loss's backward): the first call hands nothing to the optimizer, the second its whole gradient, as the
     reference sees it through `.grad`."""
@@ -691,7 +691,7 @@ def test_input_gradient_penalty_equals_reference():
     assert opt.stats()["reselections"] == ref.stats()["reselections"] > 0
 
 
-def test_load_between_backward_and_step_is_refused_and_loses_nothing():
+def test_load_between_backward_and_step_is_refused_and_loses_nothing(device):
     """The gradients of a finished backward already live in the optimizer's states, which loading re-creates:
     refused with the fix named; the step then applies them as if nothing had been tried."""
     model, ref_model = tiny_model(), tiny_model()

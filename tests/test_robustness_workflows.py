@@ -83,7 +83,7 @@ def _restore(model, opt, checkpoint):
     opt.load_state_dict(checkpoint["optimizer"])
 
 
-def test_an_interrupted_step_refuses_to_go_on_and_a_checkpoint_brings_it_back(monkeypatch):
+def test_an_interrupted_step_refuses_to_go_on_and_a_checkpoint_brings_it_back(monkeypatch, device):
     batches = make_batches(STEPS)
     model = tiny_model()
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)
@@ -108,7 +108,7 @@ def test_an_interrupted_step_refuses_to_go_on_and_a_checkpoint_brings_it_back(mo
     assert max_param_diff(list(model.parameters()), _reference_params(batches)) <= ATOL
 
 
-def test_a_worker_failure_is_recovered_from_a_checkpoint_and_the_failed_optimizer_can_be_freed(monkeypatch):
+def test_a_worker_failure_is_recovered_from_a_checkpoint_and_the_failed_optimizer_can_be_freed(monkeypatch, device):
     batches = make_batches(STEPS)
     model = tiny_model()
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)
@@ -139,7 +139,7 @@ def test_a_worker_failure_is_recovered_from_a_checkpoint_and_the_failed_optimize
     zenflow_compile.ZenFlowAdamW(other.parameters(), lr=LR, **KEYS)  # may own the parameters now
 
 
-def test_a_compiled_backward_interrupted_between_buckets_is_dropped_by_zero_grad(monkeypatch):
+def test_a_compiled_backward_interrupted_between_buckets_is_dropped_by_zero_grad(monkeypatch, device):
     batches = make_batches(STEPS)
     model = tiny_model()
     # Small buckets: the backward hands its gradients over in several calls; the interrupt hits the second.

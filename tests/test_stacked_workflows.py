@@ -142,7 +142,7 @@ def test_stacked_handoff_takes_channels_last_gradients():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_conv_stack_with_scalar_gates_equals_reference(compiled):
+def test_conv_stack_with_scalar_gates_equals_reference(compiled, device):
     a, b = models(ConvStack)
     opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **KEYS)
     ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **KEYS)
@@ -153,7 +153,7 @@ def test_conv_stack_with_scalar_gates_equals_reference(compiled):
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 @pytest.mark.parametrize("first, then", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
                          ids=["fp32-to-bf16", "bf16-to-fp32"])
-def test_model_cast_between_steps_equals_reference(first, then, overlap):
+def test_model_cast_between_steps_equals_reference(first, then, overlap, device):
     """model.to(dtype) mid-run (after stacking, a CPU update pending with overlap). The cast must not lose the
     gradient of the next backward (the replaced buffers zeroed it: masters off by about one update, 0.013);
     like any write it is adopted elementwise where it differs from what the optimizer left (an upcast changes
@@ -198,7 +198,7 @@ def blocks_pair(keys=KEYS, groups=None, **opt_kwargs):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_resume_into_an_optimizer_that_already_stacked_and_rolling_back_are_exact(compiled):
+def test_resume_into_an_optimizer_that_already_stacked_and_rolling_back_are_exact(compiled, device):
     """A checkpoint taken mid-run (stacks built, a CPU update pending) loaded into (1) an optimizer that has
     trained on other data (its own stacks built and relayouted) and (2) the optimizer it came from, rolled
     back after more steps: both continue bitwise as the uninterrupted run."""
@@ -245,7 +245,7 @@ def interleaved_groups(model):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_param_groups_splitting_stacks_with_an_lr_schedule_equal_reference(compiled):
+def test_param_groups_splitting_stacks_with_an_lr_schedule_equal_reference(compiled, device):
     """Like parameters in different param groups share stacks; each group's update takes its own lr and
     weight decay, which a LambdaLR changes at every step."""
     a, b, opt, ref = blocks_pair(groups=interleaved_groups)
@@ -260,7 +260,7 @@ def test_param_groups_splitting_stacks_with_an_lr_schedule_equal_reference(compi
     assert opt.stats()["reselections"] > 0
 
 
-def test_grad_scaler_skipped_step_and_accumulation_with_part_of_a_stack_unused():
+def test_grad_scaler_skipped_step_and_accumulation_with_part_of_a_stack_unused(device):
     """torch.amp.GradScaler on CPU with an inf gradient at step 3 (skipped; the scale halves), gradient
     accumulation over two micro-batches of which the first leaves blocks 1 and 3 out (only part of a
     stack's gradients in a bucket, then all of them), and one block's weight written at step 5: equal to

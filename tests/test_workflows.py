@@ -73,7 +73,7 @@ class Pair:
 
 
 # ------------------------------------------------------------------------------------------ values
-def test_weights_loaded_after_the_optimizer_are_what_training_starts_from(mode):
+def test_weights_loaded_after_the_optimizer_are_what_training_starts_from(mode, device):
     pretrained = tiny_model(seed=7).state_dict()
     pair = Pair(mode, tiny_model, lambda ps: ZenFlowAdamW(ps, lr=1e-4, **ZENFLOW_KEYS),
                 lambda ps: ZenFlowReference(ps, lr=1e-4, **ZENFLOW_KEYS))
@@ -96,7 +96,7 @@ def test_weights_loaded_after_the_optimizer_are_what_training_starts_from(mode):
     assert_models_close(pair.a, pair.b, "synchronized")
 
 
-def test_bf16_weights_loaded_after_the_optimizer_keep_untouched_masters():
+def test_bf16_weights_loaded_after_the_optimizer_keep_untouched_masters(device):
     pretrained = tiny_model(torch.bfloat16, seed=7).state_dict()
     a, b = tiny_model(torch.bfloat16), tiny_model(torch.bfloat16)
     opt, ref = ZenFlowAdamW(a.parameters(), lr=1e-3, **ZENFLOW_KEYS), ZenFlowReference(b.parameters(), lr=1e-3,
@@ -115,7 +115,7 @@ def test_bf16_weights_loaded_after_the_optimizer_keep_untouched_masters():
 
 
 # ------------------------------------------------------------------------- many models, many optimizers
-def test_models_recreated_in_a_loop_each_train_like_adamw(mode):
+def test_models_recreated_in_a_loop_each_train_like_adamw(mode, device):
     batches = make_batches(3)
     for round_ in range(3):  # no torch._dynamo.reset(): the compiled graph is shared by every round
         pair = Pair(mode, lambda: tiny_model(seed=round_), lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
@@ -125,7 +125,7 @@ def test_models_recreated_in_a_loop_each_train_like_adamw(mode):
         gc.collect()
 
 
-def test_two_models_alive_at_once_each_get_their_own_gradients(mode):
+def test_two_models_alive_at_once_each_get_their_own_gradients(mode, device):
     batches = make_batches(4)
     first = Pair(mode, lambda: tiny_model(seed=1), lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
                  lambda ps: torch.optim.AdamW(ps, lr=LR))
@@ -140,7 +140,7 @@ def test_two_models_alive_at_once_each_get_their_own_gradients(mode):
     second.train(batches[:2], "second alone")
 
 
-def test_a_new_optimizer_over_an_already_compiled_model(mode):
+def test_a_new_optimizer_over_an_already_compiled_model(mode, device):
     batches = make_batches(4)
     pair = Pair(mode, tiny_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
                 lambda ps: torch.optim.AdamW(ps, lr=LR))
@@ -174,7 +174,7 @@ def lora_model(seed=0):
     return model
 
 
-def test_lora_frozen_base_is_never_written_and_costs_nothing(mode):
+def test_lora_frozen_base_is_never_written_and_costs_nothing(mode, device):
     pair = Pair(mode, lora_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ZENFLOW_KEYS),
                 lambda ps: ZenFlowReference(ps, lr=LR, **ZENFLOW_KEYS))
     for model in (pair.a, pair.b):
@@ -194,7 +194,7 @@ def test_lora_frozen_base_is_never_written_and_costs_nothing(mode):
     torch.testing.assert_close(pair.a.fc1.base.weight, merged, atol=0, rtol=0)
 
 
-def test_a_layer_unfrozen_mid_run_trains_from_then_on(mode):
+def test_a_layer_unfrozen_mid_run_trains_from_then_on(mode, device):
     def frozen_fc1():  # frozen before the optimizer is built, as when fine-tuning the top layers first
         model = tiny_model()
         model.fc1.requires_grad_(False)
@@ -213,7 +213,7 @@ def test_a_layer_unfrozen_mid_run_trains_from_then_on(mode):
 
 
 # ------------------------------------------------------------------------------------- GradScaler
-def test_grad_scaler_with_autocast_fp16_equals_adamw_with_grad_scaler(mode):
+def test_grad_scaler_with_autocast_fp16_equals_adamw_with_grad_scaler(mode, device):
     """The standard AMP recipe, unchanged: fp32 parameters, fp16 autocast, GradScaler. The first scale is
     large enough that fp16 gradients overflow: those steps are skipped and the scale backs off, as for AdamW."""
     pair = Pair(mode, tiny_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
@@ -233,7 +233,7 @@ def test_grad_scaler_with_autocast_fp16_equals_adamw_with_grad_scaler(mode):
     assert 0 < pair.opt.stats()["skipped_steps"] < 8
 
 
-def test_grad_scaler_fp16_parameters_equal_the_unscaled_reference():
+def test_grad_scaler_fp16_parameters_equal_the_unscaled_reference(device):
     """fp16 parameters (fp32 masters): the loss scale (a power of two) is divided out exactly; overflowing
     steps are skipped. The reference trains on the unscaled loss and takes the steps ZenFlow took."""
     keys = dict(topk_ratio=0.25, update_interval=2)
@@ -255,7 +255,7 @@ def test_grad_scaler_fp16_parameters_equal_the_unscaled_reference():
 
 
 # ------------------------------------------------------------------------------------- Hugging Face
-def test_hugging_face_model_from_pretrained(tmp_path, mode):
+def test_hugging_face_model_from_pretrained(tmp_path, mode, device):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)
@@ -341,7 +341,7 @@ def test_k_is_the_floor_of_the_exact_decimal_product():
 
 
 @pytest.mark.parametrize("opt_class", [ZenFlowAdamW, ZenFlowReference])
-def test_epoch_reselection_stays_on_the_epoch_grid(opt_class):
+def test_epoch_reselection_stays_on_the_epoch_grid(opt_class, device):
     # Epochs of 3 steps end at t = 2, 5, 8, 11; boundaries every 2 steps at t = 1, 3, 5, 7, 9, 11:
     # reselect at the first boundary at or after each epoch end: t = 3, 5, 9, 11.
     model = tiny_model()
@@ -357,7 +357,8 @@ def test_epoch_reselection_stays_on_the_epoch_grid(opt_class):
 
 
 def test_stall_clock_keeps_only_the_waits_the_gpu_has_not_reached():
-    from zenflow_compile.runtime.transfers import StallClock
+    from emulated_device import EmulatedStreams
+    from zenflow_compile.runtime.transfers import StallClock, Transfers
 
     class Event:
         def __init__(self, done):
@@ -369,9 +370,8 @@ def test_stall_clock_keeps_only_the_waits_the_gpu_has_not_reached():
         def elapsed_time(self, end):
             return 2.0  # ms
 
-    clock = StallClock(torch.device("cpu"))
-    clock.is_cuda = True
+    clock = StallClock(Transfers(torch.device("cpu"), streams=EmulatedStreams()))
     clock._pending = [(Event(True), Event(True)) for _ in range(1000)] + [(Event(True), Event(False))]
     clock._resolve_completed()
     assert clock.num_pending == 1
-    assert clock.gpu_idle_seconds() == pytest.approx(2.0)
+    assert clock.device_idle_seconds() == pytest.approx(2.0)

@@ -1,0 +1,160 @@
+"""Remove each synchronisation point of the device path in turn and see which tests on the emulated device fail.
+
+    python tests/device_mutations.py                      # every mutation, the default test selection
+    python tests/device_mutations.py --only M03 M07 --tests tests/test_transfers.py
+
+Each mutation edits one line of the runtime (a wait, an event record, a keep-alive, a join, a double buffer),
+runs the selected tests with `ZENFLOW_TEST_DEVICE=emulated`, restores the file and reports the tests that
+failed: a mutation no test catches is a synchronisation point the suite does not guard. Run it from a clean
+checkout (it edits the runtime's files in place, and restores them even when interrupted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Mutation:
+    key: str
+    what: str
+    path: str
+    old: str
+    new: str
+
+
+MUTATIONS = [
+    Mutation("M01", "copy down: its stream does not wait for the compute stream that produced the source",
+             "runtime/transfers.py", "        stream.wait_stream(streams.current_stream())\n", ""),
+    Mutation("M02", "copy down: no event recorded after the copy (readers wait for nothing)",
+             "runtime/transfers.py", "        done.record(stream)\n        streams.keep_alive(sources, stream)\n",
+             "        streams.keep_alive(sources, stream)\n"),
+    Mutation("M03", "copy down: the source is not kept alive for the copy stream (record_stream)",
+             "runtime/transfers.py", "        streams.keep_alive(sources, stream)\n", ""),
+    Mutation("M04", "upload: its stream does not wait for the compute stream (the target's memory)",
+             "runtime/transfers.py", "        stream.wait_stream(compute)\n", ""),
+    Mutation("M05", "upload: no event recorded after the copy",
+             "runtime/transfers.py",
+             "        done.record(stream)\n        # (no keep_alive", "        # (no keep_alive"),
+    Mutation("M06", "upload: the compute stream does not wait for it before its kernels read the target",
+             "runtime/transfers.py", "        compute.wait_event(done)\n", ""),
+    Mutation("M07", "accumulate worker: reads the offloaded gradients without waiting for their copies",
+             "runtime/param_state.py", "        wait_events(copies)\n", ""),
+    Mutation("M08", "accumulate task: submitted without this step's copy events",
+             "runtime/engine.py", "        copies = batch.copies_in_flight()", "        copies = []"),
+    Mutation("M09", "a step's backward refills the gradient buffer the accumulate task of two steps ago reads, "
+                    "without joining that task (a pinned buffer reused one step early)",
+             "runtime/engine.py", "            if pending is not None:\n                self._wait(pending)\n", ""),
+    Mutation("M10", "gradient buffers single-buffered: every step's backward refills the buffer the previous "
+                    "step's accumulate task reads", "runtime/engine.py", "        self.grad_slot ^= 1\n", ""),
+    Mutation("M11", "several backwards in a step: the extra gradients are summed without waiting for their copies",
+             "runtime/param_state.py",
+             "        if self.extra_grads[grad_slot]:\n            wait_events(self.offload_done[grad_slot])\n",
+             "        if self.extra_grads[grad_slot]:\n"),
+    Mutation("M12", "a selection moving a step's gradient reads it without waiting for its copy",
+             "runtime/param_state.py",
+             "        wait_events(self.offload_done[grad_slot])  # the first backward's copy may still be in flight\n",
+             ""),
+    Mutation("M13", "CPU update: publishes new columns into a weights buffer an upload may still read",
+             "runtime/param_state.py", "            wait_events([m.upload_done[m.weights_slot ^ 1]])\n",
+             "            pass\n"),
+    Mutation("M14", "weights buffers single-buffered: the CPU update overwrites the buffer of the last upload",
+             "runtime/param_state.py", "        for m in matrices:\n            m.weights_slot ^= 1\n",
+             "        for m in matrices:\n            m.weights_slot ^= 0\n"),
+    Mutation("M15", "an upload's event is not kept (later writers of its host buffer wait for nothing)",
+             "runtime/param_state.py",
+             "            values, self.upload_done[slot] = self.transfers.to_device(self.host_weights[slot])",
+             "            values, _ = self.transfers.to_device(self.host_weights[slot])"),
+    Mutation("M16", "an offload's event is not kept (its reader waits for nothing)",
+             "runtime/param_state.py",
+             "            self.offload_done[grad_slot] = [self.transfers.to_host(rest, self.host_grads[grad_slot], rows=rows)]",
+             "            self.transfers.to_host(rest, self.host_grads[grad_slot], rows=rows)\n"
+             "            self.offload_done[grad_slot] = []"),
+    Mutation("M17", "batched hand-off: a group's offload event is not given to its states",
+             "runtime/handoff.py", "                state.offload_done[grad_slot] = done\n",
+             "                state.offload_done[grad_slot] = []\n"),
+    Mutation("M18", "values written into a parameter are adopted while an upload may still read the host weights",
+             "runtime/param_state.py",
+             "            wait_events(self.upload_done)  # an upload may still be reading the host weights\n"
+             "            self.transfers.host_access(writes=self.host_weights)\n",
+             "            self.transfers.host_access(writes=self.host_weights)\n"),
+    Mutation("M19", "a cast is adopted while copies into or out of the old buffers may be in flight",
+             "runtime/param_state.py",
+             "        for slot in (0, 1):\n            wait_events(self.offload_done[slot])\n", ""),
+    Mutation("M20", "a reselection rewrites host buffers an upload may still read",
+             "runtime/param_state.py",
+             "        wait_events(self.upload_done)  # an upload may still read the host weights rewritten below\n", ""),
+    Mutation("M21", "restacking the gradient buffers reads them while copies into them are in flight",
+             "runtime/stacked_state.py", "                wait_events(in_flight)\n", "                pass\n"),
+    Mutation("M22", "the CPU update starts without joining the accumulate task it follows",
+             "runtime/engine.py", "        return self.update_worker.submit(cpu_update, after=self._last_accumulate)",
+             "        return self.update_worker.submit(cpu_update)"),
+    Mutation("M23", "overlap: the previous boundary's CPU update is applied without waiting for it",
+             "runtime/engine.py",
+             "            if self._update_future is not None:  # None right after a checkpoint load: already finished\n"
+             "                self._wait(self._update_future)\n", ""),
+    Mutation("M24", "a checkpoint reads the device's columns while an upload may still read them",
+             "runtime/param_state.py",
+             "        view = torch.zeros(self.rows, self.cols, dtype=self.param.dtype)\n        wait_events(self.upload_done)\n",
+             "        view = torch.zeros(self.rows, self.cols, dtype=self.param.dtype)\n"),
+    Mutation("M25", "a worker task seen finished does not order the caller after it",
+             "runtime/worker.py", "            joined(future)  # (seen finished", "            pass  # (seen finished"),
+]
+
+DEFAULT_TESTS = ["tests/test_device_path.py", "tests/test_transfers.py", "tests/test_optimizer.py",
+                 "tests/test_workflows.py", "tests/test_stacked_workflows.py"]
+
+
+def run_tests(tests: list[str], extra: list[str]) -> tuple[list[str], str]:
+    """The failed test ids (errors included) and the tail of pytest's output."""
+    with tempfile.TemporaryDirectory() as scratch:
+        report = Path(scratch) / "junit.xml"
+        env = dict(os.environ, ZENFLOW_TEST_DEVICE="emulated")
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                                 f"--junitxml={report}", *extra, *tests],
+                                cwd=ROOT, env=env, capture_output=True, text=True)
+        failed = []
+        if report.exists():
+            for case in ElementTree.parse(report).iter("testcase"):
+                if case.find("failure") is not None or case.find("error") is not None:
+                    failed.append(f"{case.get('classname')}::{case.get('name')}")
+        return failed, (result.stdout + result.stderr)[-2000:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="*", help="mutation keys to run (default: all)")
+    parser.add_argument("--tests", nargs="*", default=DEFAULT_TESTS, help="test files or ids to run per mutation")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments (e.g. \"-k reference\")")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.key in args.only]
+    uncaught = 0
+    print("| mutation | what | first failing test |\n|---|---|---|")
+    for mutation in chosen:
+        path = ROOT / mutation.path
+        original = path.read_text()
+        if original.count(mutation.old) != 1:
+            print(f"| {mutation.key} | {mutation.what} | NOT APPLIED: the line is not in {mutation.path} once |")
+            uncaught += 1
+            continue
+        try:
+            path.write_text(original.replace(mutation.old, mutation.new))
+            failed, _ = run_tests(args.tests, args.pytest_args.split())
+        finally:
+            path.write_text(original)
+        uncaught += not failed
+        print(f"| {mutation.key} | {mutation.what} | {failed[0] if failed else 'NOT CAUGHT'} |", flush=True)
+    return 1 if uncaught else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""The device path itself: real copies wherever the device is not the host, one generic stream API, and the
+emulated device's ordering checks catching each kind of missing wait (the value suites run on it too, through
+the `device` fixture)."""
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from emulated_device import EmulatedStreams, OrderingViolation
+from helpers import loss_fn, make_batches, max_param_diff, tiny_model, train_steps
+from zenflow_compile import ZenFlowAdamW
+from zenflow_compile.reference import ZenFlowReference
+from zenflow_compile.runtime import transfers
+from zenflow_compile.runtime.transfers import AcceleratorStreams, Transfers
+from zenflow_compile.runtime.worker import CpuWorker, wait_for
+
+RUNTIME = Path(transfers.__file__).resolve().parent
+
+
+def test_the_runtime_calls_no_cuda_specific_api():
+    """The device path is written against torch.accelerator / torch.Stream / torch.Event, so CUDA, ROCm, XPU
+    and the emulated device run the same lines."""
+    calls = {f"{path.name}:{n}": line.strip() for path in RUNTIME.glob("*.py")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"torch\.cuda\.", line)}
+    assert calls == {}
+
+
+def test_which_devices_copy():
+    assert transfers.streams_for(torch.device("cpu")) is None  # the device is the host: no copies
+    for kind in ("cuda", "xpu", "mps"):
+        assert isinstance(transfers.streams_for(torch.device(kind)), AcceleratorStreams)
+    emulated = EmulatedStreams()
+    try:
+        with transfers.emulate_async_device(emulated):
+            assert transfers.streams_for(torch.device("cpu")) is emulated
+        assert transfers.streams_for(torch.device("cpu")) is None
+    finally:
+        emulated.close()
+
+
+def test_an_upload_to_a_device_that_is_not_the_host_is_a_copy(emulated_device):
+    """A device tensor never aliases a host buffer (on XPU or MPS that would merge a CPU tensor into a device
+    parameter); before its copy lands it holds garbage (NaN here), after the compute stream's wait the
+    values."""
+    moves = Transfers(torch.device("cpu"))
+    assert not moves.device_is_host
+    pinned = moves.host_zeros((3, 4), torch.float32)
+    pinned.copy_(torch.arange(12.0).reshape(3, 4))
+    uploaded, done = moves.to_device(pinned)
+    assert uploaded.data_ptr() != pinned.data_ptr()
+    assert done.query()  # the compute stream waited for it before returning the tensor to its kernels
+    assert torch.equal(uploaded, pinned)
+
+
+def test_a_host_read_before_its_copy_landed_sees_stale_data_and_is_caught(emulated_device):
+    emulated_device.delay_ms = 50.0
+    moves = Transfers(torch.device("cpu"))
+    pinned = moves.host_zeros((4,), torch.float32)
+    done = moves.to_host(torch.ones(4), pinned)
+    assert torch.equal(pinned, torch.zeros(4))  # not landed yet: the old contents
+    with pytest.raises(OrderingViolation, match="read of pinned .* not ordered after the write by copy"):
+        moves.host_access(reads=[pinned])
+    emulated_device.violations.clear()
+    done.synchronize()
+    moves.host_access(reads=[pinned])  # ordered now
+    assert torch.equal(pinned, torch.ones(4))
+
+
+def test_reusing_a_buffer_before_its_reader_is_joined_is_caught_whatever_the_timing(emulated_device):
+    """A CPU worker reads a pinned buffer; the training thread must join that task before the next copy
+    into the buffer. Here the task has really finished (a side channel says so), yet without the join
+    nothing orders the copy after the read: caught, deterministically."""
+    moves = Transfers(torch.device("cpu"))
+    worker = CpuWorker("reader")
+    worker.ordering = moves.ordering
+    pinned = moves.host_zeros((4,), torch.float32)
+    moves.to_host(torch.ones(4), pinned).synchronize()
+    finished = threading.Event()
+
+    def read():
+        moves.host_access(reads=[pinned])
+        finished.set()
+
+    task = worker.submit(read)
+    finished.wait()
+    time.sleep(0.01)
+    with pytest.raises(OrderingViolation, match="write of pinned .* not ordered after the read"):
+        moves.to_host(torch.full((4,), 2.0), pinned)
+    emulated_device.violations.clear()
+    wait_for(task)  # the join the runtime makes before it reuses a buffer
+    moves.to_host(torch.full((4,), 2.0), pinned).synchronize()
+    worker.shutdown()
+
+
+def test_a_kernel_reading_an_upload_without_waiting_for_it_is_caught(emulated_device):
+    streams = emulated_device
+    upload = streams.stream()
+    pinned = streams.host_zeros((4,), torch.float32)
+    target = streams.device_empty((4,), torch.float32)
+    streams.note_compute_access(writes=[target])
+    upload.wait_stream(streams.current_stream())
+    streams.copy_([target], [pinned], upload)
+    with pytest.raises(OrderingViolation, match="read of a device tensor .* not ordered after its write by copy"):
+        streams.note_compute_access(reads=[target])  # no compute.wait_event(copy's event) before it
+
+
+def test_a_copy_source_freed_before_the_copy_ran_is_caught(emulated_device):
+    streams = emulated_device
+    streams.delay_ms = 20.0
+    down = streams.stream()
+    pinned = streams.host_zeros((4,), torch.float32)
+    source = torch.ones(4)
+    streams.note_compute_access(writes=[source])
+    down.wait_stream(streams.current_stream())
+    streams.copy_([pinned], [source], down)
+    del source  # no keep_alive(record_stream): its memory may serve other work before the copy runs
+    streams.close()
+    assert any("freed before the copy" in v for v in streams.violations)
+    streams.violations.clear()
+
+
+@pytest.mark.overlap
+@pytest.mark.parametrize("update_interval", [2, 4])
+def test_the_overlap_hides_copy_and_cpu_delays_that_a_synchronous_schedule_pays(device, update_interval):
+    """The design's promise, on a device that is not the host: with copies shorter than a step's own work,
+    a boundary's CPU update (and the copies it waits for) runs while training goes on, and the training
+    thread barely waits; the synchronous schedule waits at every boundary. Values equal the reference."""
+    if device.type == "cpu" and transfers.streams_for(device) is None:
+        pytest.skip("the device is the host: no copies to overlap")
+    step_work_s = 0.04  # the forward a device step would take (a GPU's time, slept here)
+
+    def forward_then_loss(model, batch):  # the copies of a step's gradients are queued at its backward's end
+        time.sleep(step_work_s)
+        return loss_fn(model, batch)
+
+    streams = transfers.streams_for(device)
+    if isinstance(streams, EmulatedStreams):
+        streams.delay_ms = 10.0
+    steps, stall, boundaries = 12, {}, {}
+    for overlap in (False, True):
+        keys = dict(topk_ratio=0.25, update_interval=update_interval, overlap_step=overlap,
+                    select_strategy="step", select_interval=100)
+        model, ref_model = tiny_model(), tiny_model()
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **keys)
+        ref = ZenFlowReference(ref_model.parameters(), lr=1e-2, **keys)
+        batches = make_batches(steps)
+        log = train_steps(model, opt, batches, loss=forward_then_loss)
+        ref_log = train_steps(ref_model, ref, batches)
+        stats = opt.stats()
+        opt.synchronize()
+        assert max_param_diff(log.params[-1], ref_log.params[-1]) < 1e-6
+        stall[overlap], boundaries[overlap] = stats["stall_seconds"], stats["cpu_updates"]
+    assert boundaries[True] == boundaries[False] == steps // update_interval
+    # Synchronous: each boundary waits at least for its copies down and its CPU update.
+    assert stall[False] >= 0.005 * boundaries[False]
+    assert stall[True] < 0.25 * stall[False]
