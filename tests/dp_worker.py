@@ -94,6 +94,7 @@ def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
         opt.synchronize()
         record["final"] = [p.detach().clone() for p in model.parameters()]
         record["stats"] = opt.stats()
+        record["device_is_host"] = opt._runtime.transfers.device_is_host
     except Exception as error:  # noqa: BLE001  (the test asserts on it)
         if not scenario.get("expect_error"):
             raise

@@ -150,6 +150,11 @@ def test_every_step_both_ranks_hold_the_same_selection_and_bytes(runs, name, mod
     assert rank0["stats"]["steps"] == rank1["stats"]["steps"] == PARITY[name]["steps"]
 
 
+def test_the_ranks_ran_on_the_test_device(runs):
+    emulated = runs.name.startswith("data_parallel_emulated")
+    assert [r["device_is_host"] for r in load(runs, "overlap_compiled")] == [not emulated] * WORLD_SIZE
+
+
 def test_host_state_is_partitioned_and_bytes_are_counted_per_collective(runs):
     rank0, rank1 = (r["stats"] for r in load(runs, "overlap_compiled"))
     _, _, single = one_process(PARITY["overlap"])
