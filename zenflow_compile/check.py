@@ -6,7 +6,7 @@ offload benchmark, in bounded time, into one report.
     python -m zenflow_compile.check --pytest-args="-k stacked" --out-dir /tmp/check
 
 Parts, each a subprocess with its own time limit, in this order:
-  kernels  the Triton kernels compiled (TRITON_INTERPRET unset) against their torch twins (GPU only)
+  kernels  the Triton kernels compiled (TRITON_INTERPRET unset) against their torch twins, CUDA cases (GPU only)
   overlap  the async-overlap tests (`-m overlap`) with real streams and events (GPU only)
   bench    benchmarks/bench_offload.py: on a GPU the 1B model in bf16, compiled ZenFlow vs compiled fused AdamW
            (and DeepSpeed's rows when deepspeed is installed); on a CPU its --smoke run (compiled systems)
@@ -158,7 +158,10 @@ def plan_parts(args: argparse.Namespace, machine: dict[str, Any], files_dir: Pat
     kernels = Part("kernels", "Triton kernels compiled vs their torch twins", weight_s=90)
     overlap = Part("overlap", "async-overlap tests with real streams", weight_s=90)
     if has_gpu:
-        kernels.command = pytest + ["tests/test_triton_kernels.py", f"--junitxml={files_dir / 'kernels.xml'}"]
+        # `-k cuda`: the CUDA cases only; the file's CPU cases run the Triton interpreter.
+        kernels.command = pytest + ["tests/test_triton_kernels.py", "-k", "cuda",
+                                    f"--junitxml={files_dir / 'kernels.xml'}"]
+        kernels.env = dict(ZENFLOW_TEST_DEVICE="cuda")
         kernels.junit = files_dir / "kernels.xml"
         overlap.command = pytest + ["tests", "-m", "overlap", f"--junitxml={files_dir / 'overlap.xml'}"]
         overlap.env = dict(ZENFLOW_TEST_DEVICE="cuda")
