@@ -1,0 +1,116 @@
+"""`python -m zenflow_compile.check` on CPU: its report, its exit code, its limits.
+
+The command runs as a subprocess with CUDA hidden, so these tests check its CPU part on any machine.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zenflow_compile import check
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def run_check(out_dir: Path, *args: str, timeout: float = 180) -> tuple[subprocess.CompletedProcess, dict, str]:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, "-m", "zenflow_compile.check", "--out-dir", str(out_dir), *args],
+                          cwd=out_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    report = json.loads((out_dir / "zenflow_check.json").read_text())
+    markdown = (out_dir / "zenflow_check.md").read_text()
+    return proc, report, markdown
+
+
+def parts_by_name(report: dict) -> dict:
+    return {part["name"]: part for part in report["parts"]}
+
+
+def bench_targets() -> dict:
+    spec = importlib.util.spec_from_file_location("bench_offload", CHECKOUT / "benchmarks" / "bench_offload.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return dict(ratio_to_fused_adamw_max=bench.TARGET_RATIO_TO_ADAMW,
+                speedup_over_zero_offload_min=bench.TARGET_SPEEDUP_OVER_ZERO_OFFLOAD,
+                stall_fraction_max=bench.TARGET_STALL_FRACTION)
+
+
+def test_cpu_run_reports_every_part_and_the_benchmark_figures(tmp_path):
+    proc, report, markdown = run_check(tmp_path, "--parts", "tests,bench", "--pytest-args", "-k test_worker")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert check.NO_GPU_STATEMENT in proc.stdout
+
+    assert report["passed"] is True
+    assert report["no_gpu"] == check.NO_GPU_STATEMENT
+    machine = report["machine"]
+    assert machine["gpu"] is False and machine["gpu_name"] is None
+    assert {"torch", "triton", "cuda", "deepspeed", "python"} <= set(machine)
+
+    parts = parts_by_name(report)
+    assert list(parts) == ["kernels", "overlap", "bench", "tests"]
+    for name in ("kernels", "overlap"):
+        assert (parts[name]["status"], parts[name]["reason"]) == ("not run", "no GPU")
+    tests = parts["tests"]
+    assert tests["status"] == "passed" and tests["counts"]["passed"] > 0 and tests["counts"]["failures"] == 0
+    assert tests["duration_s"] > 0 and "ZENFLOW_TEST_DEVICE=emulated" in tests["command"]
+    assert parts["bench"]["status"] == "passed" and "--smoke" in parts["bench"]["command"]
+
+    bench = report["benchmark"]
+    assert bench["smoke"] is True and bench["judged"] is False
+    zenflow = next(row for row in bench["systems"] if row["kind"] == "zenflow")
+    for figure in ("mean_step_s", "ratio_to_fused_adamw", "stall_fraction", "peak_host_rss_gb", "bytes_per_step"):
+        assert zenflow[figure] is not None, figure
+    assert {"speedup_over_zero_offload", "peak_gpu_mem_gb", "traffic_multiple"} <= set(zenflow)
+    assert bench["targets"] and all(t["verdict"] == "not judged: no GPU" for t in bench["targets"])
+    assert bench_targets().items() <= report["targets"].items()
+
+    assert check.NO_GPU_STATEMENT in markdown
+    assert "not run: no GPU" in markdown
+    for heading in ("## Parts", "## Benchmark", "## Targets", "## Commands"):
+        assert heading in markdown
+
+
+def test_a_failing_part_makes_a_nonzero_exit_and_still_a_report(tmp_path):
+    proc, report, markdown = run_check(tmp_path, "--parts", "tests", "--pytest-args", "tests/does_not_exist.py")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    tests = parts_by_name(report)["tests"]
+    assert tests["status"] == "failed" and "does_not_exist.py" in tests["reason"]
+    assert report["passed"] is False and "FAIL: tests (failed)" in markdown
+    assert parts_by_name(report)["bench"]["reason"] == "not selected (--parts)"
+
+
+@pytest.mark.slow
+def test_failing_tests_are_counted_and_named(tmp_path):
+    injected = tmp_path / "test_injected.py"
+    injected.write_text("def test_injected_failure():\n    assert False\n")
+    proc, report, _ = run_check(tmp_path, "--parts", "tests", "--pytest-args", f"{injected} -k injected")
+    assert proc.returncode == 1
+    tests = parts_by_name(report)["tests"]
+    assert tests["counts"]["failures"] == 1 and "test_injected_failure" in tests["reason"]
+
+
+@pytest.mark.slow
+def test_a_part_past_its_limit_is_stopped_and_reported(tmp_path):
+    sleeper = tmp_path / "test_sleeper.py"
+    sleeper.write_text("import time\n\ndef test_sleeps():\n    time.sleep(600)\n")
+    proc, report, _ = run_check(tmp_path, "--parts", "tests", "--time-budget", "15",
+                                "--pytest-args", f"{sleeper} -k sleeps")
+    assert proc.returncode == 1
+    tests = parts_by_name(report)["tests"]
+    assert tests["status"] == "timed out" and tests["duration_s"] < 15 + check.INTERRUPT_GRACE_S + 10
+
+
+def test_outside_a_checkout_it_says_to_run_from_a_clone(tmp_path):
+    (tmp_path / "zenflow_compile").mkdir()
+    with pytest.raises(FileNotFoundError, match="source checkout.*Clone the repository"):
+        check.find_checkout(tmp_path / "zenflow_compile")
+    assert check.find_checkout(CHECKOUT / "zenflow_compile") == CHECKOUT
+
+
+def test_unknown_parts_are_refused():
+    with pytest.raises(SystemExit):
+        check.parse_args(["--parts", "tests,gpu"])

@@ -1,0 +1,540 @@
+"""One command for a GPU machine: the device suite, the compiled Triton kernels, the overlap tests and the
+offload benchmark, in bounded time, into one report.
+
+    python -m zenflow_compile.check                         # everything; under 20 minutes on one GPU
+    python -m zenflow_compile.check --parts kernels,bench   # some parts only
+    python -m zenflow_compile.check --pytest-args="-k stacked" --out-dir /tmp/check
+
+Parts, each a subprocess with its own time limit, in this order:
+  kernels  the Triton kernels compiled (TRITON_INTERPRET unset) against their torch twins, CUDA cases (GPU only)
+  overlap  the async-overlap tests (`-m overlap`) with real streams and events (GPU only)
+  bench    benchmarks/bench_offload.py: on a GPU the 1B model in bf16, compiled ZenFlow vs compiled fused AdamW
+           (and DeepSpeed's rows when deepspeed is installed); on a CPU its --smoke run (compiled systems)
+  tests    the suite on the `cuda` device (on a CPU: the `emulated` device), without the `slow` tests; on a GPU
+           also without what `kernels` and `overlap` ran
+The bounded parts run first; the suite, whose length grows with the project, takes the time they leave.
+Each part's limit is its share of --time-budget (kernels 90, overlap 90, bench 540, tests 420 of 1140 s),
+and time a part leaves unused goes to the parts after it. A part that fails or runs past its limit is a row
+with its reason; the command still writes the report, then exits 1.
+
+Output: zenflow_check.md and zenflow_check.json in --out-dir (default: the current directory): per part its
+status, test counts (from pytest's junit xml) and duration; the GPU, torch, triton and CUDA versions; the
+benchmark's figures (step time ratio to fused AdamW, speed-up over ZeRO-Offload, stall fraction, peak memory,
+bytes per step) with the targets of benchmarks/bench_offload.py, PASS/FAIL on a GPU only. Logs, junit files
+and the benchmark's own JSON go to <out-dir>/zenflow_check_files/.
+
+It runs from a source checkout: tests/ and benchmarks/ must sit beside the package (`pip install -e .`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Optional
+
+import torch
+
+PART_NAMES = ("kernels", "overlap", "bench", "tests")
+DEFAULT_TIME_BUDGET_S = 1140.0  # 19 minutes: the issue's 20, less start-up and the report
+# Interrupted parts get this long to write what they have (pytest its junit xml, the benchmark its JSON).
+INTERRUPT_GRACE_S = 20.0
+NO_GPU_STATEMENT = ("No GPU: torch sees no CUDA device on this machine. This is the CPU part only (the suite on "
+                    "the emulated device, the benchmark's smoke run); the GPU parts are marked \"not run: no GPU\" "
+                    "and no performance target is judged.")
+
+
+@dataclasses.dataclass
+class Part:
+    """One step of the check: a command, its environment and where its results land."""
+
+    name: str
+    title: str
+    weight_s: float  # its share of the default time budget
+    command: list[str] = dataclasses.field(default_factory=list)
+    extra_args: list[str] = dataclasses.field(default_factory=list)  # --pytest-args / --bench-args
+    env: dict[str, str] = dataclasses.field(default_factory=dict)  # set on top of this process's environment
+    junit: Optional[Path] = None
+    bench_json: Optional[Path] = None
+    not_run_reason: Optional[str] = None
+
+
+@dataclasses.dataclass
+class PartResult:
+    name: str
+    title: str
+    status: str  # passed, failed, timed out, not run
+    reason: str = ""
+    duration_s: float = 0.0
+    limit_s: Optional[float] = None
+    command: str = ""
+    counts: Optional[dict[str, int]] = None
+    log: Optional[str] = None
+
+
+# ------------------------------------------------------------------------------------------------- options
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m zenflow_compile.check", description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default=",".join(PART_NAMES),
+                        help=f"comma-separated subset of {','.join(PART_NAMES)} (default all; run in that order)")
+    parser.add_argument("--pytest-args", default="",
+                        help="extra pytest arguments for every pytest part, one shell-quoted string, e.g. "
+                             "--pytest-args=\"-k stacked -x\" (a -m here replaces the part's own)")
+    parser.add_argument("--bench-args", default="",
+                        help="extra bench_offload.py arguments, e.g. --bench-args=\"--model 350m\" (later options win)")
+    parser.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S,
+                        help=f"seconds for all parts together (default {DEFAULT_TIME_BUDGET_S:.0f})")
+    parser.add_argument("--out-dir", default=".", help="where the report goes (default: the current directory)")
+    return parser
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.parts = [name.strip() for name in args.parts.split(",") if name.strip()]
+    unknown = sorted(set(args.parts) - set(PART_NAMES))
+    if unknown or not args.parts:
+        parser.error(f"--parts {unknown or 'is empty'}: expected a subset of {','.join(PART_NAMES)}")
+    if args.time_budget <= 0:
+        parser.error("--time-budget must be > 0")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ the machine
+def find_checkout(package_dir: Path) -> Path:
+    """The source checkout around the package: the check runs its tests and benchmarks from there."""
+    root = package_dir.resolve().parent
+    needed = [root / "tests" / "test_triton_kernels.py", root / "benchmarks" / "bench_offload.py"]
+    missing = [str(path) for path in needed if not path.is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"zenflow_compile.check runs from a source checkout: it needs tests/ and benchmarks/ beside the "
+            f"package, and {', '.join(missing)} is missing. Clone the repository, `pip install -e \".[test]\"` "
+            f"in the clone and run `python -m zenflow_compile.check` there.")
+    return root
+
+
+def package_version(name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def describe_machine() -> dict[str, Any]:
+    has_gpu = torch.cuda.is_available()
+    gpu_name = None
+    if has_gpu:
+        # Asked in a throwaway process, so this one holds no CUDA context while the parts use the GPU.
+        probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
+                               capture_output=True, text=True, timeout=120)
+        gpu_name = probe.stdout.strip() or "CUDA device (name unavailable)"
+    return dict(gpu=has_gpu, gpu_name=gpu_name, torch=torch.__version__, cuda=torch.version.cuda,
+                triton=package_version("triton"), deepspeed=package_version("deepspeed"),
+                python=platform.python_version(), platform=platform.platform(), cpu_count=os.cpu_count())
+
+
+# --------------------------------------------------------------------------------------------- the plan
+def plan_parts(args: argparse.Namespace, machine: dict[str, Any], files_dir: Path) -> list[Part]:
+    """Every part, in run order; those that will not run say why."""
+    has_gpu = machine["gpu"]
+    pytest = [sys.executable, "-m", "pytest", "-q"]
+    device = "cuda" if has_gpu else "emulated"
+
+    kernels = Part("kernels", "Triton kernels compiled vs their torch twins", weight_s=90)
+    overlap = Part("overlap", "async-overlap tests with real streams", weight_s=90)
+    if has_gpu:
+        # `-k cuda`: the CUDA cases only; the file's CPU cases run the Triton interpreter.
+        kernels.command = pytest + ["tests/test_triton_kernels.py", "-k", "cuda",
+                                    f"--junitxml={files_dir / 'kernels.xml'}"]
+        kernels.env = dict(ZENFLOW_TEST_DEVICE="cuda")
+        kernels.junit = files_dir / "kernels.xml"
+        overlap.command = pytest + ["tests", "-m", "overlap", f"--junitxml={files_dir / 'overlap.xml'}"]
+        overlap.env = dict(ZENFLOW_TEST_DEVICE="cuda")
+        overlap.junit = files_dir / "overlap.xml"
+    else:
+        kernels.not_run_reason = overlap.not_run_reason = "no GPU"
+
+    bench = Part("bench", "bench_offload.py, 1B model in bf16" if has_gpu else "bench_offload.py --smoke (CPU)",
+                 weight_s=540, bench_json=files_dir / "bench_offload.json")
+    if has_gpu:
+        systems = ["adamw", "zenflow"]
+        if importlib.util.find_spec("deepspeed") is not None:
+            systems += ["ds_offload", "ds_zenflow"]
+        # One ZenFlow setting, overlap on, 16 measured steps (4 update intervals): the targets' figures in
+        # minutes; the benchmark's full grid takes an hour.
+        bench_plan = ["--model", "1b", "--batch", "8", "--seq", "1024", "--steps", "16", "--warmup", "4",
+                      "--zenflow-settings", "0.05:4", "--overlap", "on", "--systems", ",".join(systems)]
+    else:
+        # DeepSpeed's rows need its ops JIT-built first (minutes): beyond a bounded CPU check.
+        bench_plan = ["--smoke", "--systems", "adamw,zenflow"]
+    bench.command = [sys.executable, "benchmarks/bench_offload.py", *bench_plan,
+                     "--out", str(bench.bench_json), "--chart", str(files_dir / "bench_offload.png"),
+                     "--log-dir", str(files_dir / "bench_logs")]
+    bench.extra_args = shlex.split(args.bench_args)
+
+    tests = Part("tests", f"test suite on the {device} device", weight_s=420, junit=files_dir / "tests.xml",
+                 env=dict(ZENFLOW_TEST_DEVICE=device))
+    # Not the check's own tests: they would run the check again.
+    selection = ["--ignore=tests/test_check.py"]
+    if has_gpu:  # kernels and overlap run those
+        selection += ["-m", "not slow and not overlap", "--ignore=tests/test_triton_kernels.py"]
+    else:
+        selection += ["-m", "not slow"]
+    tests.command = pytest + ["tests", *selection, f"--junitxml={tests.junit}"]
+
+    parts = [kernels, overlap, bench, tests]
+    for part in parts:
+        if part.junit is not None:
+            part.extra_args = shlex.split(args.pytest_args)
+        if part.name not in args.parts and part.not_run_reason is None:
+            part.not_run_reason = "not selected (--parts)"
+    return parts
+
+
+# ----------------------------------------------------------------------------------------------- running
+def run_command(command: list[str], env: dict[str, str], cwd: Path, log_path: Path,
+                timeout_s: float) -> tuple[Optional[int], bool]:
+    """(exit code, timed out). Output goes to `log_path`. The command runs in its own process group, and the
+    whole group goes at the end, so no compile worker or benchmark system outlives its part."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+        timed_out = False
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            # SIGINT first: pytest still writes its junit xml, the benchmark stops its systems.
+            os.killpg(process.pid, signal.SIGINT)
+            try:
+                process.wait(timeout=INTERRUPT_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        finally:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+    return process.returncode, timed_out
+
+
+def part_environment(part: Part) -> dict[str, str]:
+    env = dict(os.environ)
+    # Compiled kernels are what users run; the kernel tests set the interpreter themselves for CPU tensors.
+    env.pop("TRITON_INTERPRET", None)
+    env.update(part.env)
+    return env
+
+
+def last_line(log_path: Path) -> str:
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def read_junit(path: Path) -> Optional[dict[str, Any]]:
+    """Counts and the first failing tests from pytest's junit xml; None when pytest wrote none."""
+    if not path.is_file():
+        return None
+    try:
+        root = ElementTree.parse(path).getroot()
+    except ElementTree.ParseError:
+        return None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    counts = {key: sum(int(suite.get(key, 0)) for suite in suites)
+              for key in ("tests", "failures", "errors", "skipped")}
+    counts["total"] = counts.pop("tests")
+    counts["passed"] = counts["total"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failing = ["::".join(filter(None, (case.get("classname"), case.get("name")))) for case in root.iter("testcase")
+               if case.find("failure") is not None or case.find("error") is not None]
+    return dict(counts=counts, failing=failing)
+
+
+def pytest_outcome(result: PartResult, returncode: Optional[int], timed_out: bool, junit: Path,
+                   log_path: Path) -> None:
+    import pytest
+
+    report = read_junit(junit)
+    if report is not None:
+        result.counts = report["counts"]
+    if timed_out:
+        ran = "" if report is None else f"; {report['counts']['total']} tests had run"
+        result.status, result.reason = "timed out", f"ran past its {result.limit_s:.0f} s limit{ran}"
+    elif returncode == pytest.ExitCode.OK:
+        result.status = "passed"
+    elif returncode == pytest.ExitCode.NO_TESTS_COLLECTED:
+        result.status, result.reason = "failed", "no test was selected (pytest exit 5): it checked nothing"
+    elif returncode == pytest.ExitCode.TESTS_FAILED and report is not None:
+        counts = report["counts"]
+        result.status = "failed"
+        result.reason = (f"{counts['failures']} failed, {counts['errors']} errors: "
+                         f"{', '.join(report['failing'][:5])}")
+    else:
+        result.status, result.reason = "failed", f"pytest exit {returncode}: {last_line(log_path)}"
+
+
+def read_bench_json(path: Path) -> Optional[dict[str, Any]]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def bench_outcome(result: PartResult, returncode: Optional[int], timed_out: bool, bench_json: Path,
+                  log_path: Path) -> None:
+    """Passed when the compiled systems ran; a DeepSpeed row that failed is named in the reason only (it is
+    the baseline's install, not this project, that failed)."""
+    if timed_out:
+        result.status, result.reason = "timed out", f"ran past its {result.limit_s:.0f} s limit"
+        return
+    if returncode != 0:
+        result.status, result.reason = "failed", f"bench_offload.py exit {returncode}: {last_line(log_path)}"
+        return
+    bench = read_bench_json(bench_json)
+    if bench is None:
+        result.status, result.reason = "failed", f"bench_offload.py wrote no readable JSON: {last_line(log_path)}"
+        return
+    systems = bench["systems"]
+    failed = [row for row in systems if row["status"] != "ok"]
+    result.counts = dict(total=len(systems), passed=len(systems) - len(failed), failures=len(failed),
+                         errors=0, skipped=0)
+    ours = [row for row in failed if not row["kind"].startswith("ds_")]
+    result.status = "failed" if ours else "passed"
+    result.reason = "; ".join(f"{row['name']} failed: {str(row.get('error'))[:200]}" for row in failed)
+
+
+def run_part(part: Part, limit_s: float, checkout: Path, files_dir: Path) -> PartResult:
+    command = list(part.command)
+    if part.bench_json is not None:
+        # The benchmark stops its own systems a little before the part's limit, so its JSON is written.
+        command += ["--time-budget", f"{0.9 * limit_s:.0f}"]
+    command += part.extra_args
+    log_path = files_dir / f"{part.name}.log"
+    shown = " ".join([f"{key}={value}" for key, value in part.env.items()] + [shlex.quote(a) for a in command])
+    result = PartResult(part.name, part.title, status="not run", limit_s=limit_s, command=shown, log=str(log_path))
+    if part.junit is not None and importlib.util.find_spec("pytest") is None:
+        result.status, result.reason = "failed", "pytest is not installed: pip install -e \".[test]\""
+        return result
+    started = time.perf_counter()
+    returncode, timed_out = run_command(command, part_environment(part), checkout, log_path, limit_s)
+    result.duration_s = time.perf_counter() - started
+    if part.bench_json is not None:
+        bench_outcome(result, returncode, timed_out, part.bench_json, log_path)
+    else:
+        pytest_outcome(result, returncode, timed_out, part.junit, log_path)
+    return result
+
+
+def run_parts(parts: list[Part], time_budget_s: float, checkout: Path, files_dir: Path) -> list[PartResult]:
+    """Each part's limit: its weight's share of the time left, so time a part leaves unused goes to the ones
+    after it."""
+    deadline = time.perf_counter() + time_budget_s
+    for part in parts:  # never report a previous run's results
+        for stale in (part.junit, part.bench_json):
+            if stale is not None:
+                stale.unlink(missing_ok=True)
+    results = []
+    for index, part in enumerate(parts):
+        if part.not_run_reason:
+            results.append(PartResult(part.name, part.title, status="not run", reason=part.not_run_reason))
+            print(f"[{part.name}] not run: {part.not_run_reason}", flush=True)
+            continue
+        weights_left = sum(p.weight_s for p in parts[index:] if not p.not_run_reason)
+        limit_s = (deadline - time.perf_counter()) * part.weight_s / weights_left
+        if limit_s < 5.0:
+            results.append(PartResult(part.name, part.title, status="not run",
+                                      reason=f"the --time-budget of {time_budget_s:.0f} s was spent"))
+            print(f"[{part.name}] not run: {results[-1].reason}", flush=True)
+            continue
+        print(f"[{part.name}] {part.title} (limit {limit_s:.0f} s) ...", flush=True)
+        try:
+            row = run_part(part, limit_s, checkout, files_dir)
+        except Exception as error:  # a row, not a crash: the report still gets written
+            row = PartResult(part.name, part.title, status="failed", limit_s=limit_s,
+                             reason=f"the check could not run or read this part: {error!r}")
+        results.append(row)
+        print(f"[{part.name}] {row.status} in {row.duration_s:.1f} s{': ' + row.reason if row.reason else ''}",
+              flush=True)
+    return results
+
+
+# --------------------------------------------------------------------------------------- the benchmark
+def load_bench_module(checkout: Path) -> ModuleType:
+    """benchmarks/bench_offload.py, for its TARGET_* constants (the benchmark and this report share them)."""
+    spec = importlib.util.spec_from_file_location("bench_offload", checkout / "benchmarks" / "bench_offload.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def performance_targets(bench: ModuleType) -> dict[str, Any]:
+    return dict(ratio_to_fused_adamw_max=bench.TARGET_RATIO_TO_ADAMW,
+                speedup_over_zero_offload_min=bench.TARGET_SPEEDUP_OVER_ZERO_OFFLOAD,
+                stall_fraction_max=bench.TARGET_STALL_FRACTION,
+                bytes_per_step_max="(1 + 1/update_interval) x model bytes",
+                faster_than_deepspeed_zenflow=True, judged_on="mean step time")
+
+
+def benchmark_figures(bench_json: Path) -> Optional[dict[str, Any]]:
+    """Per system the figures the targets need, and per compiled ZenFlow row the benchmark's verdicts."""
+    bench = read_bench_json(bench_json)
+    if bench is None:
+        return None
+    offload = next((r for r in bench["systems"] if r["kind"] == "ds_offload" and r["status"] == "ok"), None)
+    systems, verdicts = [], []
+    for row in bench["systems"]:
+        ok = row["status"] == "ok"
+        traffic, model_bytes = row.get("traffic_multiple"), row.get("model_bytes")
+        speedup = None
+        if ok and offload is not None and row["kind"] == "zenflow":
+            speedup = offload["mean_step_s"] / row["mean_step_s"]
+        systems.append(dict(
+            system=row["name"], kind=row["kind"], status=row["status"], error=row.get("error"),
+            mean_step_s=row.get("mean_step_s"), median_step_s=row.get("median_step_s"),
+            ratio_to_fused_adamw=row.get("ratio_to_speed_limit_mean"), speedup_over_zero_offload=speedup,
+            stall_fraction=row.get("stall_fraction"), peak_gpu_mem_gb=row.get("peak_gpu_mem_gb"),
+            peak_host_rss_gb=row.get("peak_host_rss_gb"), traffic_multiple=traffic,
+            bytes_per_step=traffic * model_bytes if traffic is not None and model_bytes else None))
+        for target, verdict in (row.get("targets") or {}).items():
+            if not verdict["judged"]:
+                outcome = "not judged: no GPU"
+            else:
+                outcome = {True: "PASS", False: "FAIL", None: "n/a"}[verdict["passed"]]
+            verdicts.append(dict(system=row["name"], target=target, value=verdict["value"], verdict=outcome,
+                                 criterion=verdict["detail"]))
+    return dict(title=bench["title"], device=bench["device"], smoke=bench["smoke"], judged=bench["judged"],
+                json=str(bench_json), systems=systems, targets=verdicts)
+
+
+# ------------------------------------------------------------------------------------------------ report
+def fmt(value: Any, spec: str = ".3g", scale: float = 1.0) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value * scale if scale != 1.0 else value, spec)
+    return str(value)
+
+
+def table_row(cells: list[str]) -> str:
+    return "| " + " | ".join(cell.replace("|", "/") for cell in cells) + " |"
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    machine = report["machine"]
+    lines = ["# zenflow_compile.check", ""]
+    if not machine["gpu"]:
+        lines += [f"**{NO_GPU_STATEMENT}**", ""]
+    if report["passed"]:
+        verdict = "PASS: every part that ran passed"
+    else:
+        verdict = "FAIL: " + ", ".join(f"{p['name']} ({p['status']})" for p in report["parts"]
+                                       if p["status"] in ("failed", "timed out"))
+    lines += [f"**{verdict}** ({report['total_s']:.0f} s of a {report['time_budget_s']:.0f} s budget)", "",
+              "| machine | |", "| --- | --- |",
+              f"| GPU | {machine['gpu_name'] or 'none'} |", f"| torch | {machine['torch']} |",
+              f"| CUDA | {machine['cuda'] or 'none'} |", f"| triton | {machine['triton'] or 'not installed'} |",
+              f"| deepspeed | {machine['deepspeed'] or 'not installed'} |", f"| python | {machine['python']} |",
+              f"| platform | {machine['platform']}, {machine['cpu_count']} cores |", "",
+              "## Parts", "",
+              "| part | what | status | passed | failed | errors | skipped | seconds | limit s | reason |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for part in report["parts"]:
+        counts = part["counts"] or {}
+        ran = part["status"] != "not run"
+        status = part["status"] if ran else f"not run: {part['reason']}"
+        reason = part["reason"] if ran else ""
+        seconds = fmt(part["duration_s"], ".1f") if ran else "-"
+        lines.append(table_row([part["name"], part["title"], status, fmt(counts.get("passed"), "d"),
+                                fmt(counts.get("failures"), "d"), fmt(counts.get("errors"), "d"),
+                                fmt(counts.get("skipped"), "d"), seconds, fmt(part["limit_s"], ".0f"), reason]))
+    lines += ["", "(bench counts systems, not tests.)", "", "## Benchmark", ""]
+    bench = report["benchmark"]
+    if bench is None:
+        lines.append("Not run, or it wrote no JSON (see the bench part).")
+    else:
+        if not bench["judged"]:
+            lines += ["CPU figures: they show that the harness measures; they are not GPU results.", ""]
+        lines += [f"{bench['title']}. Its JSON: `{bench['json']}`.", "",
+                  "| system | status | mean step ms | x fused AdamW | x faster than ZeRO-Offload | stall % "
+                  "| peak GPU GB | peak host GB | bytes/step MB | x model bytes |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for row in bench["systems"]:
+            status = "ok" if row["status"] == "ok" else f"FAILED: {str(row['error'])[:120]}"
+            cells = [row["system"], status, fmt(row["mean_step_s"], ".1f", 1e3),
+                     fmt(row["ratio_to_fused_adamw"], ".2f"), fmt(row["speedup_over_zero_offload"], ".2f"),
+                     fmt(row["stall_fraction"], ".1f", 100),
+                     fmt(row["peak_gpu_mem_gb"], ".2f"), fmt(row["peak_host_rss_gb"], ".2f"),
+                     fmt(row["bytes_per_step"], ".1f", 1e-6), fmt(row["traffic_multiple"], ".3f")]
+            lines.append(table_row(cells))
+    targets = report["targets"]
+    lines += ["", "## Targets", "",
+              f"From benchmarks/bench_offload.py, judged on {targets['judged_on']}, on a GPU only: mean step <= "
+              f"{targets['ratio_to_fused_adamw_max']}x fused AdamW, >= {targets['speedup_over_zero_offload_min']}x "
+              f"faster than ZeRO-Offload, stall fraction < {targets['stall_fraction_max']}, bytes per step <= "
+              f"{targets['bytes_per_step_max']}, faster than DeepSpeed's ZenFlow.", ""]
+    if bench is not None and bench["targets"]:
+        lines += ["| system | target | value | verdict | criterion |", "| --- | --- | ---: | --- | --- |"]
+        lines += [table_row([t["system"], t["target"], fmt(t["value"]), t["verdict"], t["criterion"]])
+                  for t in bench["targets"]]
+    lines += ["", "## Commands", "", "Run from the checkout; logs and junit files: "
+              f"`{report['files_dir']}`.", "", "```"]
+    lines += [f"{part['command']}" for part in report["parts"] if part["command"]]
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------------- main
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        checkout = find_checkout(Path(__file__).parent)
+    except FileNotFoundError as error:
+        print(error, file=sys.stderr)
+        return 2
+    out_dir = Path(args.out_dir).resolve()
+    files_dir = out_dir / "zenflow_check_files"
+    files_dir.mkdir(parents=True, exist_ok=True)
+
+    started = time.perf_counter()
+    machine = describe_machine()
+    print(f"zenflow_compile.check: {machine['gpu_name'] or 'no GPU'}, torch {machine['torch']}, "
+          f"CUDA {machine['cuda']}, triton {machine['triton']}; checkout {checkout}", flush=True)
+    if not machine["gpu"]:
+        print(NO_GPU_STATEMENT, flush=True)
+    parts = plan_parts(args, machine, files_dir)
+    results = run_parts(parts, args.time_budget, checkout, files_dir)
+    bench_json = next(p.bench_json for p in parts if p.name == "bench")
+    report = dict(
+        passed=not any(r.status in ("failed", "timed out") for r in results),
+        no_gpu=None if machine["gpu"] else NO_GPU_STATEMENT,
+        machine=machine, argv=sys.argv[1:] if argv is None else argv, checkout=str(checkout),
+        files_dir=str(files_dir), time_budget_s=args.time_budget, total_s=time.perf_counter() - started,
+        parts=[dataclasses.asdict(r) for r in results],
+        benchmark=benchmark_figures(bench_json) if "bench" in args.parts else None,
+        targets=performance_targets(load_bench_module(checkout)))
+    markdown = render_markdown(report)
+    (out_dir / "zenflow_check.json").write_text(json.dumps(report, indent=1, default=str))
+    (out_dir / "zenflow_check.md").write_text(markdown)
+    print()
+    print(markdown)
+    print(f"report: {out_dir / 'zenflow_check.md'} and {out_dir / 'zenflow_check.json'}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
