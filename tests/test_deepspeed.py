@@ -451,6 +451,31 @@ def test_client_optimizer_is_refused(ds):
         zds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ds_config())
 
 
+def test_initialize_outside_a_launcher_names_the_fix():
+    """A script run with plain `python` and no RANK/WORLD_SIZE/...: DeepSpeed falls back to MPI discovery; without
+    mpi4py the user gets an error naming the launchers and the variables, not `No module named 'mpi4py'`."""
+    pytest.importorskip("deepspeed")
+    program = textwrap.dedent("""
+        import sys
+        sys.modules["mpi4py"] = None  # as on a machine without MPI
+        import torch, zenflow_compile.deepspeed as zds
+        model = torch.nn.Linear(4, 4)
+        zds.initialize(model=model, model_parameters=model.parameters(),
+                       config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {}},
+                               "zero_optimization": {"stage": 0, "zenflow": {"topk_ratio": 0.5}}})
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", program], env={**env, "DS_ACCELERATOR": "cpu"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: zenflow_compile.deepspeed.initialize found no distributed environment"), \
+        proc.stderr[-3000:]
+    for fix in ("`deepspeed train.py`", "torchrun", "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR", "MASTER_PORT"):
+        assert fix in last, fix
+
+
 def test_compile_backend_other_than_zenflow_is_refused_with_deepcompile(ds):
     engine, _, _, _ = ds_initialize(ds_config(compile={"deepcompile": True}))
     with pytest.raises(ValueError, match="backend 'zenflow'"):
