@@ -1,4 +1,4 @@
-"""Fixtures shared by the test modules (plain helpers live in helpers.py)."""
+"""Fixtures shared by the test modules (plain helpers live in helpers.py), and the `cuda` marker's skip."""
 
 import pytest
 import torch
@@ -11,3 +11,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` (`@pytest.mark.cuda`, or a `pytest.param(..., marks=pytest.mark.cuda)` case) need a
+    CUDA device: without one they are skipped, so `pytest -m cuda` selects them everywhere and runs them on a GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

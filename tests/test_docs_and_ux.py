@@ -118,6 +118,22 @@ def test_paths_named_in_the_docs_exist():
     assert not missing, f"README/ARCHITECTURE name files that do not exist: {missing}"
 
 
+def test_pytest_m_cuda_selects_the_cuda_tests():
+    """README: tests marked `cuda` run only where a GPU is present. `pytest -m cuda` selects them; without a GPU
+    each is skipped with the reason, none fails."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda",
+                           "tests/test_transfers.py", "tests/test_triton_kernels.py"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    summary = proc.stdout.strip().splitlines()[-1]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|skipped|failed|error|deselected)", summary)}
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    if torch.cuda.is_available():
+        assert counts.get("passed", 0) > 20, summary
+    else:
+        assert counts.get("skipped", 0) > 20 and "passed" not in counts, summary
+        assert "needs a CUDA device" in proc.stdout
+
+
 # ------------------------------------------------------------------------------------------ ARCHITECTURE
 def _definitions(path: Path, name: str) -> bool:
     text = path.read_text(encoding="utf-8")

@@ -22,7 +22,7 @@ CONFIGS = {
                        select_interval=4),
     "auto-overlap": dict(topk_ratio=0.25, update_interval="auto", overlap_step=True),
 }
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda = pytest.mark.cuda  # skipped without a CUDA device (conftest.py)
 
 
 def run_pair(config, *, dtype=torch.float32, device="cpu", steps=8, backwards_per_step=1):
