@@ -25,7 +25,7 @@ Run names (--runs):
                                          iau=1); omitted keys: topk=0.1, interval=4, overlap=1, warmup=0,
                                          iau=0, sm=0 (named only when 1)
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
-                                         plain synchronous implementation of SPEC section 3 (an algorithm check)
+                                         plain synchronous implementation of docs/semantics.md (an algorithm check)
 
 Results go to --out as they come (after every evaluation, under a file lock), so several processes can fill
 one file and an interrupted run keeps its curve so far. The table and the PNG (--png) are made from the file.
