@@ -85,7 +85,7 @@ def main():
     p.add_argument("--topk-ratio", type=float, default=0.1)
     p.add_argument("--update-interval", type=int, default=4)
     p.add_argument("--no-interval-aware-update", dest="interval_aware_update", action="store_false",
-                   help="SPEC §3 as written (DeepSpeed's behaviour) instead of the opt-in interval-aware update "
+                   help="DeepSpeed's update rule instead of the opt-in interval-aware update "
                         "(interval_aware_update and interval_second_moment)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--png", default="zenflow_vs_adamw.png")

@@ -1,4 +1,4 @@
-"""zenflow_compile.deepspeed: the DeepSpeed ZenFlow user's JSON through a real DeepSpeed engine (SPEC §5).
+"""zenflow_compile.deepspeed: the DeepSpeed ZenFlow user's JSON through a real DeepSpeed engine.
 
 CPU, DeepSpeed's CPU accelerator, gloo, one rank, in this process (the two-rank data-parallel test runs under
 torchrun). Every engine gets a client optimizer (ZenFlowAdamW), so DeepSpeed never JIT-builds cpu_adam; the
@@ -7,7 +7,7 @@ module fixture turns off DeepSpeed's shm_comm op (a shared-memory all-reduce for
 
 The oracle for each DeepSpeed feature is the same training written directly: ZenFlowAdamW (+ torch.compile with
 backend="zenflow", DeepSpeed's own LR scheduler class, loss / gradient_accumulation_steps), or torch.optim.AdamW
-where SPEC §3's invariants say ZenFlow equals it.
+where the invariants of docs/semantics.md say ZenFlow equals it.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def assert_moved(run, model_init, more_than=1e-3):
 
 # ---------------------------------------------------------------------------------------------- training
 def test_tutorial_config_compiles_with_zenflow_and_equals_direct_path(ds):
-    """SPEC §5's JSON as is (examples/deepspeed/ds_config.json): a real DeepSpeedEngine with DeepSpeed's
+    """The DeepSpeed tutorial's JSON as is (examples/deepspeed/ds_config.json): a real DeepSpeedEngine with DeepSpeed's
     dataloader, engine.compile() -> backend "zenflow", the same parameters as ZenFlowAdamW +
     torch.compile(backend="zenflow") written directly with the JSON's settings."""
     from zenflow_compile import inspect as zf_inspect
@@ -313,7 +313,7 @@ def test_non_finite_step_is_skipped_the_deepspeed_way(ds):
 
 def test_gradient_clipping_is_zenflow_max_grad_norm(ds):
     """gradient_clipping -> max_grad_norm. With update_interval=1 and no overlap, ZenFlow equals
-    clip_grad_norm_ + torch.optim.AdamW (SPEC §3 invariant 1), so that is the oracle here."""
+    clip_grad_norm_ + torch.optim.AdamW (invariant 1 of docs/semantics.md), so that is the oracle here."""
     config = ds_config({"update_interval": 1, "overlap_step": False, "select_strategy": "auto",
                         "select_interval": "auto"}, gradient_clipping=0.05)
     batches = make_batches(5)

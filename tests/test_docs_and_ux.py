@@ -86,7 +86,7 @@ print(json.dumps(dict(
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["steps"] == 9 and result["grads_none"]
     assert result["moved"] > 1e-5  # every parameter trained
-    assert result["diff"] < 1e-6, result  # and exactly as the oracle of SPEC §3 says
+    assert result["diff"] < 1e-6, result  # and exactly as the oracle of docs/semantics.md says
 
     # README's stats bullet names keys that exist
     bullet = re.search(r"- `opt\.stats\(\)`:(.*?)\n- ", README, flags=re.S).group(1)
@@ -169,7 +169,7 @@ def test_architecture_names_exist_where_it_says():
             checked += 1
             if not _definitions(path, name):
                 stale.append(token)
-        elif re.fullmatch(r"[A-Z]\w+", token) and token not in ("None", "SPEC"):  # a class name
+        elif re.fullmatch(r"[A-Z]\w+", token) and token != "None":  # a class name
             checked += 1
             if token not in classes and not any(re.search(rf"\b{token}\b", p.read_text(encoding="utf-8"))
                                                 for p in sources):
