@@ -134,6 +134,21 @@ def test_pytest_m_cuda_selects_the_cuda_tests():
         assert "needs a CUDA device" in proc.stdout
 
 
+def test_docs_and_docstrings_name_no_file_outside_the_repo():
+    """What a user reads (README, docs/, ARCHITECTURE, benchmarks/README, the docstrings and comments of the
+    package, examples and benchmarks) points only into the repository: no `../` paths, no team documents."""
+    texts = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "benchmarks" / "README.md",
+             *sorted((ROOT / "docs").glob("*.md"))]
+    texts += [p for d in ("zenflow_compile", "passes", "runtime", "triton_kernels", "benchmarks", "examples")
+              for p in sorted((ROOT / d).rglob("*.py"))]
+    outside = re.compile(r"\.\./[\w./-]+|\bSPEC(?:\.md| §| section)|shared/SPEC")
+    found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in texts
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if outside.search(line)]
+    assert not found, "\n".join(found)
+    for link in re.findall(r"\]\(([^)#\s]+)", README):  # markdown links and images in the README
+        assert link.startswith(("http://", "https://")) or (ROOT / link).exists(), link
+
+
 # ------------------------------------------------------------------------------------------ ARCHITECTURE
 def _definitions(path: Path, name: str) -> bool:
     text = path.read_text(encoding="utf-8")
