@@ -25,7 +25,7 @@ Run names (--runs):
                                          iau=1); omitted keys: topk=0.1, interval=4, overlap=1, warmup=0,
                                          iau=0, sm=0 (named only when 1)
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
-                                         plain synchronous implementation of SPEC section 3 (an algorithm check)
+                                         plain synchronous implementation of docs/semantics.md (an algorithm check)
 
 Results go to --out as they come (after every evaluation, under a file lock), so several processes can fill
 one file and an interrupted run keeps its curve so far. The table and the PNG (--png) are made from the file.
@@ -76,6 +76,50 @@ def run_name(spec: dict) -> str:
         return "adamw"
     # sm is named only when on, so the names of runs made before the key existed still match.
     return spec["kind"] + ":" + ",".join(f"{k}={spec[k]}" for k in ZENFLOW_DEFAULTS if k != "sm" or spec[k])
+
+
+def _setting_words(key: str, value) -> str:
+    return {
+        "topk": f"top-k ratio {value}",
+        "interval": "Zen-auto interval" if value == "auto" else f"CPU update every {value} steps",
+        "overlap": "overlapped" if value else "not overlapped",
+        "warmup": f"{value} warm-up steps" if value else "no warm-up",
+    }[key]
+
+
+def chart_labels(names: list[str]) -> tuple[dict[str, str], str]:
+    """Legend entries in words for run names (`zenflow:topk=0.1,...,iau=1,sm=1` -> 'ZenFlow, interval-aware
+    update + per-step second moment'), and the settings every ZenFlow run of the chart shares, for the title.
+    Names that are not run names are kept as they are."""
+    specs = {}
+    for name in names:
+        kind, _, rest = name.partition(":")
+        variant = kind[len("reference["):-1] if kind.startswith("reference[") and kind.endswith("]") else None
+        try:
+            specs[name] = dict(parse_run(f"reference:{rest}" if variant else name), variant=variant)
+        except ValueError:
+            pass
+    flows = [spec for spec in specs.values() if spec["kind"] != "adamw"]
+    shared = [key for key in ("topk", "interval", "overlap", "warmup")
+              if flows and len({spec[key] for spec in flows}) == 1]
+    labels = {}
+    for name in names:
+        spec = specs.get(name)
+        if spec is None:
+            labels[name] = name
+            continue
+        if spec["kind"] == "adamw":
+            labels[name] = "AdamW"
+            continue
+        words = [_setting_words(key, spec[key]) for key in ("topk", "interval", "overlap", "warmup")
+                 if key not in shared]
+        update = ("interval-aware update" + (" + per-step second moment" if spec["sm"] else "")
+                  if spec["iau"] else "DeepSpeed's update rule")
+        kind = "ZenFlow" if spec["kind"] == "zenflow" else "ZenFlowReference"
+        variant = [f"variant '{spec['variant']}' (benchmarks/accuracy_variants.py)"] if spec["variant"] else []
+        labels[name] = ", ".join([kind, update] + words + variant)
+    title = "ZenFlow: " + ", ".join(_setting_words(key, flows[0][key]) for key in shared) if shared else ""
+    return labels, title
 
 
 def grid_runs(args) -> list[str]:
@@ -275,6 +319,27 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+_LEGEND_LINE_INCHES = 0.2
+
+
+def _legend_columns(labels) -> int:
+    return 1 if max(map(len, labels), default=0) > 60 else 2
+
+
+def _legend_height(labels) -> float:
+    labels = list(labels)
+    return _LEGEND_LINE_INCHES * (-(-len(labels) // _legend_columns(labels)) + 1.5)
+
+
+def _legend_below(fig, ax_acc, ax_loss) -> None:
+    """The legend in the figure's bottom strip (sized by _legend_height), the two panels above it."""
+    handles, labels = ax_acc.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=_legend_columns(labels))
+    for ax in (ax_acc, ax_loss):
+        ax.grid(alpha=0.3)
+    fig.tight_layout(rect=(0, _legend_height(labels) / fig.get_figheight(), 1, 1))
+
+
 def chart(results: dict, png: Path, only: list | None = None) -> None:
     try:
         import matplotlib
@@ -283,25 +348,22 @@ def chart(results: dict, png: Path, only: list | None = None) -> None:
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install matplotlib)")
         return
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80)
-    for name, r in results.get("runs", {}).items():
-        if only and name not in only:
-            continue
+    runs = {name: r for name, r in results.get("runs", {}).items() if not only or name in only}
+    labels, shared = chart_labels(list(runs))
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.4 + _legend_height(labels.values())), dpi=80)
+    for name, r in runs.items():
         xs = [p["step"] for p in r["curve"]]
         style = dict(lw=2.2, color="black") if name == "adamw" else dict(lw=1.3)
         if name.startswith("reference"):
             style.update(ls="--")
-        ax_acc.plot(xs, [p["accuracy"] for p in r["curve"]], label=name, **style)
+        ax_acc.plot(xs, [p["accuracy"] for p in r["curve"]], label=labels[name], **style)
         ax_loss.plot(xs, [p["loss"] for p in r["curve"]], **style)
     s = results["setup"]
     ax_acc.set(xlabel="step", ylabel="held-out accuracy", ylim=(0, 1))
     ax_loss.set(xlabel="step", ylabel="held-out loss")
     fig.suptitle(f"all-MiniLM-L6-v2 on 20 Newsgroups: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
-                 f"{s['eval_size']} held-out docs", fontsize=9)
-    ax_acc.legend(fontsize=6.5, loc="lower right")
-    for ax in (ax_acc, ax_loss):
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
+                 f"{s['eval_size']} held-out docs, seed {s['seed']}" + (f"\n{shared}" if shared else ""), fontsize=9)
+    _legend_below(fig, ax_acc, ax_loss)
     fig.savefig(png)
     plt.close(fig)
     print(f"chart: {png}")
@@ -378,28 +440,26 @@ def aggregate_chart(summary: dict, png: Path, only: list | None = None) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 4.6), dpi=80)
-    for name, r in summary["runs"].items():
-        if only and name not in only:
-            continue
+    runs = {name: r for name, r in summary["runs"].items() if not only or name in only}
+    labels, shared = chart_labels(list(runs))
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.4 + _legend_height(labels.values())), dpi=80)
+    for name, r in runs.items():
         n = max(len(p["seeds"]) for p in r["curve"])
         curve = [p for p in r["curve"] if len(p["seeds"]) == n]  # steps every seed of the run reached
         xs = [p["step"] for p in curve]
         style = dict(lw=2.2, color="black") if name == "adamw" else dict(lw=1.3)
         for ax, metric in ((ax_acc, "accuracy"), (ax_loss, "loss")):
-            line, = ax.plot(xs, [p[metric]["mean"] for p in curve], marker=".", label=f"{name} ({n} seeds)",
-                            **style)
+            line, = ax.plot(xs, [p[metric]["mean"] for p in curve], marker=".",
+                            label=f"{labels[name]} ({n} seed{'s' if n > 1 else ''})", **style)
             ax.fill_between(xs, [p[metric]["min"] for p in curve], [p[metric]["max"] for p in curve],
                             color=line.get_color(), alpha=0.15)
     s = summary["setup"]
     ax_acc.set(xlabel="step", ylabel="held-out accuracy")
     ax_loss.set(xlabel="step", ylabel="held-out loss")
     fig.suptitle(f"all-MiniLM-L6-v2 on 20 Newsgroups: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
-                 f"{s['eval_size']} held-out docs; mean over seeds {s['seed']}, band = min..max", fontsize=9)
-    fig.legend(*ax_acc.get_legend_handles_labels(), fontsize=7, loc="lower center", ncol=2)
-    for ax in (ax_acc, ax_loss):
-        ax.grid(alpha=0.3)
-    fig.tight_layout(rect=(0, 0.2, 1, 1))
+                 f"{s['eval_size']} held-out docs; mean over seeds {s['seed']}, band = min..max"
+                 + (f"\n{shared}" if shared else ""), fontsize=9)
+    _legend_below(fig, ax_acc, ax_loss)
     fig.savefig(png)
     plt.close(fig)
     print(f"chart: {png}")

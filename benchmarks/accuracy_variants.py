@@ -7,7 +7,7 @@
 is fed the mean gradient squared, whose expectation is mu^2 + sigma^2 / m instead of the mu^2 + sigma^2 AdamW
 sees per step: where the gradient is mostly noise (small batches, late in a fine-tune) the step is up to
 sqrt(m) times larger than m AdamW steps would be, i.e. AdamW at a higher lr. The variants here, each run by
-`ZenFlowReference` (eager, synchronous, SPEC section 3 plus the variant) under the run name
+`ZenFlowReference` (eager, synchronous, docs/semantics.md plus the variant) under the run name
 `reference[<variant>]:...`:
 
   sqrt             lr x sqrt(m) instead of lr x m: equals AdamW where the gradient is noise, half its speed

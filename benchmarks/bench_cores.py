@@ -1,4 +1,4 @@
-"""Core reservation (issue 12, part 4): the training loop's speed while a CPU update runs, with and without
+"""Core reservation: the training loop's speed while a CPU update runs, with and without
 `pt_reserved_cores_perc`, and the update's own slowdown.
 
     python benchmarks/bench_cores.py --out cores.json                 # 50M-param update, both training loops

@@ -1,4 +1,4 @@
-"""Data-parallel ZenFlow: host memory and CPU work per rank at world size 1 and 2 (SPEC §5, issue 11).
+"""Data-parallel ZenFlow: host memory and CPU work per rank at world size 1 and 2.
 
     python benchmarks/bench_data_parallel.py                      # 24 matrices of 1024 x 1024, 12 steps
     python benchmarks/bench_data_parallel.py --matrices 8 --size 512 --steps 8 --out dp.json

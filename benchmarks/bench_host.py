@@ -1,4 +1,4 @@
-"""The host path against its limits (issue 12, part 3): how fast is the runtime's CPU work per update interval?
+"""The host path against its limits: how fast is the runtime's CPU work per update interval?
 
     python benchmarks/bench_host.py --out host.json                       # 10M..200M params, bf16 and fp32 grads
     python benchmarks/bench_host.py --sizes 50M --grad-dtypes bf16 --repeats 7

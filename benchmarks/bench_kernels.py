@@ -1,4 +1,4 @@
-"""Micro-benchmarks of the compiled path's GPU kernels (issue 4): is each Triton kernel worth having?
+"""Micro-benchmarks of the compiled path's GPU kernels: is each Triton kernel worth having?
 
     python benchmarks/bench_kernels.py --size 1b --out kernels_1b.json     # on a GPU (default size there)
     python benchmarks/bench_kernels.py --out kernels_small.json            # CPU: torch rows only, size small

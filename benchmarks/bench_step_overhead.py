@@ -1,4 +1,4 @@
-"""Host overhead per step (issue 12, part 5): opt.step() plus the gradient hand-off, per parameter tensor.
+"""Host overhead per step: opt.step() plus the gradient hand-off, per parameter tensor.
 
     python benchmarks/bench_step_overhead.py --out overhead.json          # 400 tiny tensors, eager and compiled
     python benchmarks/bench_step_overhead.py --layers 100 --systems adamw,zenflow --configs 4:step

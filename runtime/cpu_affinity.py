@@ -67,7 +67,7 @@ def split_cores(cores: Sequence[int], pt_reserved_cores_perc: float) -> CoreSpli
     """Reserve the first ceil(perc * n) of `cores` for training, the rest for the workers (DeepSpeed's rule).
 
     The product is taken as the exact decimal (0.3 of 10 cores reserves 3, not the 4 that float rounding of
-    0.3 * 10 would give), like the top-k count of SPEC §3.
+    0.3 * 10 would give), like the top-k count (docs/semantics.md, "Selection").
     """
     if not 0.0 <= pt_reserved_cores_perc <= 1.0:
         raise ValueError(f"pt_reserved_cores_perc={pt_reserved_cores_perc!r} is outside [0, 1]: pass the fraction "

@@ -1,4 +1,4 @@
-"""ZenFlowRuntime: the state and schedule of one ZenFlowAdamW (SPEC §3), shared by eager and compiled use.
+"""ZenFlowRuntime: the state and schedule of one ZenFlowAdamW (docs/semantics.md), shared by eager and compiled use.
 
 Gradients arrive per parameter, per backward (`accumulate_grad`, from the compiled graph's custom op or
 from an eager post-accumulate-grad hook). `step()` then makes the step's decisions in this order:
@@ -7,7 +7,7 @@ selected columns and vectors -> hand the unselected columns' gradient to the acc
 boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
 reselection (after waiting for and applying the boundary's own update, so state moves fully current).
 
-Data parallel (SPEC §5, `data_parallel` set): gradients arrive averaged across ranks (`GradReducer`); the
+Data parallel (`data_parallel` set): gradients arrive averaged across ranks (`GradReducer`); the
 step all-reduces the column scores first, so the norm, clipping, Zen-auto and every selection are computed
 from the same numbers on every rank and every rank issues the same collectives in the same order. Host
 state is partitioned by matrix (`DataParallel.assign_owner`): only a matrix's owner accumulates and runs
@@ -331,7 +331,7 @@ class ZenFlowRuntime:
                         f"{tuple(group['betas'])}. Set betas[1] > 0, or interval_second_moment=False")
 
     def _adopt_external_writes(self) -> None:
-        """SPEC §3 "Values": the parameter is the source of truth. Values written into it by anyone else
+        """The parameter is the source of truth (docs/semantics.md). Values written into it by anyone else
         since the optimizer's last write (its version counter or storage changed) become the master."""
         states = list(self.states.values())
         params, seen, _ = self._watched_params.get(states)

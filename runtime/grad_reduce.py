@@ -1,4 +1,4 @@
-"""Bucketed, asynchronous reduction of parameter gradients across the data-parallel ranks (SPEC §5).
+"""Bucketed, asynchronous reduction of parameter gradients across the data-parallel ranks.
 
 Each gradient is split by where its optimizer state lives:
 - the part every rank updates on its device (a matrix's selected columns, a whole vector) is averaged with

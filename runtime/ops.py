@@ -15,7 +15,7 @@ Python dispatch and a Python call chain, which dominates on models of many small
 
     zenflow::reduce_grads(Tensor[] grads, int[] slots) -> ()
 
-data parallel (SPEC §5): hands one bucket of gradients over at once; the runtime starts their asynchronous
+data parallel: hands one bucket of gradients over at once; the runtime starts their asynchronous
 reduction across ranks (`runtime/grad_reduce.py`) and computes the column scores from the averaged
 gradient, so the graph computes no norm proxy for them.
 

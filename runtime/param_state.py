@@ -14,7 +14,7 @@ Double buffers (index = parity) let the CPU work on one while the next step fill
 the per-step squared gradients) by interval, `host_weights` (the CPU-updated columns, cast to the parameter
 dtype, read by the upload) by CPU update.
 
-Data parallel (SPEC §5): every rank holds the device part of every matrix (the same selection, the same
+Data parallel: every rank holds the device part of every matrix (the same selection, the same
 values); only the matrix's `owner` holds its host part (`owns_host`). The other ranks know which columns are
 unselected but keep no host buffers: their gradient goes to the owner, and they receive the owner's updated
 columns (`apply_host_columns`) and the state of newly selected columns (`select`) by broadcast.
@@ -412,7 +412,7 @@ class MatrixState:
         return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, *self.host_grads, *self.accumulators,
                 *self.square_accumulators, *self.host_weights]
 
-    # -- values written by others (SPEC §3 "Values") -----------------------------------------------------
+    # -- values written by others (docs/semantics.md, "Values written by the user") ----------------------
     def written_externally(self) -> bool:
         return self.watch.written_externally()
 

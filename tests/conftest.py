@@ -1,4 +1,4 @@
-"""Fixtures shared by the test modules (plain helpers live in helpers.py).
+"""Fixtures shared by the test modules (plain helpers live in helpers.py), and the `cuda` marker's skip.
 
 `device`: the value suites run once per test device, as torch's device-type tests do. `ZENFLOW_TEST_DEVICE`
 picks them (comma-separated): `cpu` (the device is the host: no copies), `emulated` (CPU tensors behind the
@@ -14,7 +14,8 @@ from helpers import TEST_DEVICES
 from zenflow_compile.runtime import transfers
 
 
-@pytest.fixture(params=TEST_DEVICES)
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.cuda) if name == "cuda" else name
+                        for name in TEST_DEVICES])
 def device(request):
     """The device a value test runs on (a torch.device to build models on). `emulated`: CPU tensors, the
     runtime on its device path; the test fails on any ordering violation."""
@@ -60,3 +61,15 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` (`@pytest.mark.cuda`, a `pytest.param(..., marks=pytest.mark.cuda)` case, the `device`
+    fixture's cuda leg) need a CUDA device: without one they are skipped, so `pytest -m cuda` selects them
+    everywhere and runs them on a GPU."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)

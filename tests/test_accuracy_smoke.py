@@ -40,3 +40,30 @@ def test_accuracy_smoke(tmp_path):
         assert math.isclose(a["loss"], b["loss"], rel_tol=1e-4), (a, b)
     assert not math.isclose(runs["adamw"]["curve"][-1]["loss"], runs[zen]["curve"][-1]["loss"], rel_tol=1e-4)
     assert "@6" in proc.stdout and zen in proc.stdout and "loss" in proc.stdout  # the table
+
+
+def test_chart_legends_speak_words_not_run_codes():
+    """The PNGs' legends name each run in words ('interval-aware update'), not by its run-name code (`iau=1`);
+    the settings every ZenFlow run shares go to the title once."""
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import accuracy
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    shared = "topk=0.1,interval=4,overlap=1,warmup=0"
+    names = ["adamw", f"zenflow:{shared},iau=0", f"zenflow:{shared},iau=1", f"zenflow:{shared},iau=1,sm=1",
+             f"reference[sqrt]:{shared},iau=1"]
+    labels, title = accuracy.chart_labels(names)
+    assert labels == {
+        "adamw": "AdamW",
+        names[1]: "ZenFlow, DeepSpeed's update rule",
+        names[2]: "ZenFlow, interval-aware update",
+        names[3]: "ZenFlow, interval-aware update + per-step second moment",
+        names[4]: "ZenFlowReference, interval-aware update, variant 'sqrt' (benchmarks/accuracy_variants.py)",
+    }
+    assert title == "ZenFlow: top-k ratio 0.1, CPU update every 4 steps, overlapped, no warm-up"
+    labels, _ = accuracy.chart_labels(["adamw", "zenflow:interval=auto,iau=1", "zenflow:warmup=30,overlap=0"])
+    assert labels["zenflow:interval=auto,iau=1"] == ("ZenFlow, interval-aware update, Zen-auto interval, overlapped, "
+                                                     "no warm-up")
+    assert labels["zenflow:warmup=30,overlap=0"] == ("ZenFlow, DeepSpeed's update rule, CPU update every 4 steps, "
+                                                     "not overlapped, 30 warm-up steps")

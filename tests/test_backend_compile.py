@@ -1,4 +1,4 @@
-"""The `zenflow` backend end to end: registration, options, errors, and the training situations of SPEC §4
+"""The `zenflow` backend end to end: registration, options, errors, and the training situations of the compiled path
 (graph breaks, recompiles, accumulation, no_grad evaluation, tied weights, mixed compiled/eager use).
 
 Numerics: with update_interval=1 and no overlap, ZenFlow must equal torch.optim.AdamW (invariant 1), so each

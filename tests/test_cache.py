@@ -1,5 +1,5 @@
 """Cache safety: Inductor's FX-graph cache and AOTAutograd's cache key on the ZenFlow passes, the owners'
-config and the parameter ids baked into the graph (SPEC §4).
+config and the parameter ids baked into the graph.
 
 All tests share one temporary TORCHINDUCTOR_CACHE_DIR (compiled C++ kernels are reused, compile results
 are not unless the keys match) with both caches explicitly on.

@@ -1,4 +1,4 @@
-"""Tests of zenflow_compile.config.ZenFlowConfig (SPEC sections 3 and 5)."""
+"""Tests of zenflow_compile.config.ZenFlowConfig (docs/semantics.md; the DeepSpeed tutorial's JSON)."""
 
 import dataclasses
 import importlib
@@ -30,7 +30,7 @@ _cfg = _load_config_module()
 ZenFlowConfig = _cfg.ZenFlowConfig
 ZENFLOW_KEYS = _cfg.ZENFLOW_KEYS
 
-SPEC_JSON = """\
+TUTORIAL_JSON = """\
 {"train_micro_batch_size_per_gpu": 8,
  "optimizer": {"type": "AdamW", "params": {"lr": 2e-5, "weight_decay": 0.01}},
  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true},
@@ -201,18 +201,18 @@ def _check_spec_block(c):
 
 
 def test_from_deepspeed_dict():
-    _check_spec_block(ZenFlowConfig.from_deepspeed(json.loads(SPEC_JSON)))
+    _check_spec_block(ZenFlowConfig.from_deepspeed(json.loads(TUTORIAL_JSON)))
 
 
 def test_from_deepspeed_json_file(tmp_path):
     path = tmp_path / "ds_config.json"
-    path.write_text(SPEC_JSON)
+    path.write_text(TUTORIAL_JSON)
     _check_spec_block(ZenFlowConfig.from_deepspeed(path))        # os.PathLike
     _check_spec_block(ZenFlowConfig.from_deepspeed(str(path)))   # str
 
 
 def test_from_deepspeed_steps_per_epoch():
-    ds = json.loads(SPEC_JSON)
+    ds = json.loads(TUTORIAL_JSON)
     ds["zero_optimization"]["zenflow"].update(select_strategy="epoch", select_interval=1)
     with pytest.raises(ValueError, match="steps_per_epoch"):
         ZenFlowConfig.from_deepspeed(ds)
@@ -241,11 +241,11 @@ def test_from_deepspeed_missing_block_file(tmp_path):
 
 
 def test_from_deepspeed_unknown_and_invalid_keys():
-    ds = json.loads(SPEC_JSON)
+    ds = json.loads(TUTORIAL_JSON)
     ds["zero_optimization"]["zenflow"]["topk"] = 0.1
     with pytest.raises(ValueError, match="topk"):
         ZenFlowConfig.from_deepspeed(ds)
-    ds = json.loads(SPEC_JSON)
+    ds = json.loads(TUTORIAL_JSON)
     ds["zero_optimization"]["zenflow"]["update_interval"] = 0
     with pytest.raises(ValueError, match="update_interval"):
         ZenFlowConfig.from_deepspeed(ds)
@@ -302,7 +302,7 @@ def test_deepspeed_rejections_are_ours_too(key, value):
 
 def test_deepspeed_accepts_the_spec_block_too():
     DS = _ds_config_cls()
-    block = json.loads(SPEC_JSON)["zero_optimization"]["zenflow"]
+    block = json.loads(TUTORIAL_JSON)["zero_optimization"]["zenflow"]
     ds = DS(**block)
     ours = ZenFlowConfig.from_dict(block)
     for k in block:

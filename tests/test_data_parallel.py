@@ -1,4 +1,4 @@
-"""Data parallel across 2 ranks (SPEC §5, gloo on CPU): ranks vs one process on the concatenated batch.
+"""Data parallel across 2 ranks (gloo on CPU): ranks vs one process on the concatenated batch.
 
 Each launch starts two processes (`tests/dp_worker.py`, one per rank, a FileStore rendezvous), which run a
 list of scenarios and save, per rank, the parameters and the selections after every step. The tests compare:

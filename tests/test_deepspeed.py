@@ -1,4 +1,4 @@
-"""zenflow_compile.deepspeed: the DeepSpeed ZenFlow user's JSON through a real DeepSpeed engine (SPEC §5).
+"""zenflow_compile.deepspeed: the DeepSpeed ZenFlow user's JSON through a real DeepSpeed engine.
 
 CPU, DeepSpeed's CPU accelerator, gloo, one rank, in this process (the two-rank data-parallel test runs under
 torchrun). Every engine gets a client optimizer (ZenFlowAdamW), so DeepSpeed never JIT-builds cpu_adam; the
@@ -7,7 +7,7 @@ module fixture turns off DeepSpeed's shm_comm op (a shared-memory all-reduce for
 
 The oracle for each DeepSpeed feature is the same training written directly: ZenFlowAdamW (+ torch.compile with
 backend="zenflow", DeepSpeed's own LR scheduler class, loss / gradient_accumulation_steps), or torch.optim.AdamW
-where SPEC §3's invariants say ZenFlow equals it.
+where the invariants of docs/semantics.md say ZenFlow equals it.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def assert_moved(run, model_init, more_than=1e-3):
 
 # ---------------------------------------------------------------------------------------------- training
 def test_tutorial_config_compiles_with_zenflow_and_equals_direct_path(ds):
-    """SPEC §5's JSON as is (examples/deepspeed/ds_config.json): a real DeepSpeedEngine with DeepSpeed's
+    """The DeepSpeed tutorial's JSON as is (examples/deepspeed/ds_config.json): a real DeepSpeedEngine with DeepSpeed's
     dataloader, engine.compile() -> backend "zenflow", the same parameters as ZenFlowAdamW +
     torch.compile(backend="zenflow") written directly with the JSON's settings."""
     from zenflow_compile import inspect as zf_inspect
@@ -313,7 +313,7 @@ def test_non_finite_step_is_skipped_the_deepspeed_way(ds):
 
 def test_gradient_clipping_is_zenflow_max_grad_norm(ds):
     """gradient_clipping -> max_grad_norm. With update_interval=1 and no overlap, ZenFlow equals
-    clip_grad_norm_ + torch.optim.AdamW (SPEC §3 invariant 1), so that is the oracle here."""
+    clip_grad_norm_ + torch.optim.AdamW (invariant 1 of docs/semantics.md), so that is the oracle here."""
     config = ds_config({"update_interval": 1, "overlap_step": False, "select_strategy": "auto",
                         "select_interval": "auto"}, gradient_clipping=0.05)
     batches = make_batches(5)
@@ -449,6 +449,31 @@ def test_client_optimizer_is_refused(ds):
         import zenflow_compile.deepspeed as zds
 
         zds.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=ds_config())
+
+
+def test_initialize_outside_a_launcher_names_the_fix():
+    """A script run with plain `python` and no RANK/WORLD_SIZE/...: DeepSpeed falls back to MPI discovery; without
+    mpi4py the user gets an error naming the launchers and the variables, not `No module named 'mpi4py'`."""
+    pytest.importorskip("deepspeed")
+    program = textwrap.dedent("""
+        import sys
+        sys.modules["mpi4py"] = None  # as on a machine without MPI
+        import torch, zenflow_compile.deepspeed as zds
+        model = torch.nn.Linear(4, 4)
+        zds.initialize(model=model, model_parameters=model.parameters(),
+                       config={"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {}},
+                               "zero_optimization": {"stage": 0, "zenflow": {"topk_ratio": 0.5}}})
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", program], env={**env, "DS_ACCELERATOR": "cpu"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("RuntimeError: zenflow_compile.deepspeed.initialize found no distributed environment"), \
+        proc.stderr[-3000:]
+    for fix in ("`deepspeed train.py`", "torchrun", "RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR", "MASTER_PORT"):
+        assert fix in last, fix
 
 
 def test_compile_backend_other_than_zenflow_is_refused_with_deepcompile(ds):

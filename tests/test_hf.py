@@ -1,5 +1,5 @@
 """A Hugging Face `transformers` causal LM (tiny random LlamaForCausalLM, tied embeddings, no download)
-trains under backend="zenflow" and matches the eager reference (SPEC §3 invariant 3).
+trains under backend="zenflow" and matches the eager reference (docs/semantics.md, invariant 3).
 
 The reference's copy of the model is compiled with the stock "inductor" backend, so both sides see the same
 forward/backward numerics and the comparison is of the optimizers (see tests/test_backend_training.py).

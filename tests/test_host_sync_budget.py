@@ -1,4 +1,4 @@
-"""SPEC §4's host-synchronisation budget, counted by the runtime (`stats()["host_reads"]`, `["host_waits"]`).
+"""The host-synchronisation budget (ARCHITECTURE.md, "One training step"), counted by the runtime (`stats()["host_reads"]`, `["host_waits"]`).
 
 Per step: one batched host read (the norm's skip/clip verdict with every other per-step scalar: the loss
 scale, Zen-auto's means, the scores of a first selection), plus one batched transfer of every matrix's

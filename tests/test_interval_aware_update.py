@@ -1,7 +1,7 @@
-"""The opt-in `interval_aware_update` key (SPEC §3 "Opt-in extension"), against its oracles.
+"""The opt-in `interval_aware_update` key (docs/semantics.md, "Updates and boundaries"), against its oracles.
 
 - What it means, on the reference: at a boundary the unselected columns take one AdamW step with the mean of
-  the m accumulated gradients and lr * m (weight decay included); with the key off, lr as SPEC §3 says.
+  the m accumulated gradients and lr * m (weight decay included); with the key off, lr as DeepSpeed's rule says.
   Checked against torch.optim.AdamW run on those columns by hand.
 - Invariant 1 still holds with the key on (update_interval=1: m = 1, so it is AdamW).
 - Invariant 3 with the key on: compiled and eager ZenFlowAdamW equal ZenFlowReference step by step, for int
@@ -114,7 +114,7 @@ def test_equals_reference_with_key_on(keys, compiled, second_moment, device):
 
 
 def test_key_changes_the_trajectory_only_when_on():
-    """Off is SPEC §3 as written (DeepSpeed's behaviour); on gives other weights once a boundary has m > 1."""
+    """Off is DeepSpeed's update rule; on gives other weights once a boundary has m > 1."""
     keys = dict(topk_ratio=0.25, update_interval=3)
     models = {flag: tiny_model() for flag in (None, False, True)}
     opts = {None: ZenFlowReference(models[None].parameters(), lr=LR, weight_decay=WD, **keys)}

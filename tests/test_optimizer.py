@@ -1,6 +1,6 @@
 """Tests of the eager `zenflow_compile.ZenFlowAdamW` (post-accumulate-grad hooks + runtime), on the CPU.
 
-Checked against torch.optim.AdamW (SPEC §3 invariants 1 and 2) and against the oracle
+Checked against torch.optim.AdamW (docs/semantics.md, invariants 1 and 2) and against the oracle
 `zenflow_compile.reference.ZenFlowReference` (every config: overlap, Zen-auto, warm-up, reselection,
 clipping, gradient accumulation, param groups + schedulers, bf16), plus checkpoints (invariant 4),
 non-finite steps, worker failures, torch.optim conventions and stats().
@@ -205,7 +205,7 @@ def test_reference_cases_exercise_reselection_and_clipping():
 
 def test_cpu_updates_counts_boundaries_like_reference_with_warm_up(device):
     """cpu_updates counts update boundaries; warm-up steps are no boundaries (reference.py docstring:
-    'Warm-up (t < W): plain AdamW on every parameter, no boundaries'; SPEC §3: 'every S steps after warm-up')."""
+    'Warm-up (t < W): plain AdamW on every parameter, no boundaries'; docs/semantics.md: 'every S steps after warm-up')."""
     _, _, zen, ref, _, _ = run_against_reference(REFERENCE_CASES["warm-up3"], torch.float32)
     assert ref.stats()["cpu_updates"] == (12 - 3) // 2
     assert zen.stats()["cpu_updates"] == ref.stats()["cpu_updates"]

@@ -1,4 +1,4 @@
-"""Tests of the eager oracle ``zenflow_compile.reference.ZenFlowReference`` (SPEC section 3)."""
+"""Tests of the eager oracle ``zenflow_compile.reference.ZenFlowReference`` (docs/semantics.md)."""
 
 import copy
 import math

@@ -30,7 +30,7 @@ from zenflow_compile.triton_kernels import (  # noqa: E402
     triton_available,
 )
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]  # cuda: skipped without a GPU (conftest.py)
 IMPLS = ["triton", "torch"]
 FLOAT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 

@@ -1,6 +1,6 @@
 """Everyday workflows of torch.optim users, compiled and eager, each against torch.optim.AdamW or the reference.
 
-The SPEC invariants hold for one model trained from construction on; these are the things users do around
+The invariants of docs/semantics.md hold for one model trained from construction on; these are the things users do around
 that: weights loaded after the optimizer is built, models re-created in a loop, several models at once, a new
 optimizer over a compiled model, LoRA with a frozen base (and an adapter merged into it), unfreezing a layer,
 GradScaler with fp16, a Hugging Face model from `from_pretrained`.

@@ -1,4 +1,4 @@
-"""zenflow_compile.triton_kernels: the GPU kernels of the compiled path (SPEC §4), each with a torch fallback.
+"""zenflow_compile.triton_kernels: the GPU kernels of the compiled path, each with a torch fallback.
 
 - `column_sq_norms(grad)`: per-column squared L2 norms (eager path; Inductor fuses it on the compiled path).
 - `adamw_selected_columns_(...)`: fused AdamW over the selected columns of many parameters, one launch per

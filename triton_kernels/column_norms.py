@@ -1,6 +1,6 @@
 """Column squared norms of a gradient: `scores[j] = sum_i grad[i, j]**2`, accumulated in fp32.
 
-These are ZenFlow's column importance scores (SPEC §3) and, summed, the squared global norm for clipping.
+These are ZenFlow's column importance scores (docs/semantics.md) and, summed, the squared global norm for clipping.
 
 On the compiled path this kernel is not needed: the norm-proxy pass emits the reduction as plain aten ops and
 Inductor fuses it into the backward kernel that produces the gradient (no extra read of the gradient). This

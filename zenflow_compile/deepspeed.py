@@ -466,6 +466,20 @@ def _resolve_config(args, config, config_params):
     return load_ds_config(config) if not isinstance(config, dict) else config
 
 
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _no_launcher_error() -> RuntimeError:
+    """Outside a launcher DeepSpeed falls back to MPI discovery, whose `No module named 'mpi4py'` names no fix."""
+    missing = ", ".join(k for k in _LAUNCHER_ENV if k not in os.environ)
+    return RuntimeError(
+        f"zenflow_compile.deepspeed.initialize found no distributed environment ({missing} not set), so DeepSpeed "
+        f"tried MPI discovery, which needs mpi4py. Run the script under a launcher (`deepspeed train.py`, "
+        f"`torchrun --nproc-per-node N train.py`), or for one process set the variables yourself: "
+        f"RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 (and DS_ACCELERATOR=cpu on a "
+        f"machine without a GPU).")
+
+
 def initialize(args: Any = None,
                model: Optional[torch.nn.Module] = None,
                optimizer: Any = None,
@@ -504,9 +518,14 @@ def initialize(args: Any = None,
 
     zero.partition_parameters.shutdown_init_context()  # as deepspeed.initialize: no zero.Init while building
     try:
-        dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
-                              distributed_port=distributed_port or TORCH_DISTRIBUTED_DEFAULT_PORT,
-                              dist_init_required=dist_init_required)
+        try:
+            dist.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                  distributed_port=distributed_port or TORCH_DISTRIBUTED_DEFAULT_PORT,
+                                  dist_init_required=dist_init_required)
+        except ModuleNotFoundError as error:
+            if error.name != "mpi4py":
+                raise
+            raise _no_launcher_error() from error
         plan = plan_from_config(_resolve_config(args, config, config_params))
         engine = engine_class()(zenflow_plan=plan, args=args, model=model, model_parameters=model_parameters,
                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=None,

@@ -47,7 +47,7 @@ def _check_hyperparameters(lr, betas, eps, weight_decay, max_grad_norm) -> None:
 
 
 class ZenFlowAdamW(torch.optim.Optimizer):
-    """AdamW with ZenFlow's importance-aware, bounded-asynchronous CPU offload (SPEC §3).
+    """AdamW with ZenFlow's importance-aware, bounded-asynchronous CPU offload (docs/semantics.md).
 
     Args: as torch.optim.AdamW (lr, betas, eps, weight_decay), plus `max_grad_norm` (global-norm clipping
     computed from the gradient-norm proxy; None = off) and either `config=ZenFlowConfig(...)` or the
@@ -56,7 +56,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     compiled backward or from the eager hooks; a bucket's gradients live until it is handed over) and, under
     data parallelism, are reduced in buckets of this size.
 
-    Data parallel (SPEC §5): under torch.distributed with more than one rank in `process_group` (None = the
+    Data parallel (docs/semantics.md): under torch.distributed with more than one rank in `process_group` (None = the
     default group, if initialised), gradients are averaged across ranks inside the backward, every rank
     makes the same selection, and each rank holds the host state of a share of the matrices. Do not wrap the
     model in DDP. Parameters are broadcast from rank 0 at construction. `state_dict()` is this rank's share;

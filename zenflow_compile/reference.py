@@ -1,10 +1,10 @@
 """ZenFlow eager reference: the ORACLE every other test is checked against.
 
-A short, plain, synchronous implementation of SPEC section 3. Speed is irrelevant: there are no threads and
+A short, plain, synchronous implementation of docs/semantics.md. Speed is irrelevant: there are no threads and
 no host/device split; every parameter keeps full-size fp32 state (master, exp_avg, exp_avg_sq, per-column
 update counts and, for matrices, the accumulator of the unselected columns' gradients).
 
-Decisions taken where SPEC section 3 is silent (the rest of the project follows them):
+Its decisions in detail (the rest of the project follows them):
 
 - t counts completed (non-skipped) steps; W = full_warm_up_rounds.
 - Global norm = sqrt(sum over params with a grad of sum(g.float()**2)), in fp32. Not finite: the step is

@@ -92,6 +92,9 @@ def main() -> None:
         config["optimizer"]["params"]["lr"] = args.lr
     torch.manual_seed(0)
     model = TinyLM(seq=args.seq)
+    if os.environ.get("RANK", "0") == "0":
+        print("building the DeepSpeed engine (on the CPU accelerator DeepSpeed first builds its shared-memory "
+              "communication op: about 1.5 minutes on 2 cores, once; cached afterwards) ...", flush=True)
     engine, optimizer, loader, scheduler = zenflow_compile.deepspeed.initialize(
         model=model, model_parameters=model.parameters(), training_data=synthetic_corpus(4096, args.seq),
         config=config)
@@ -103,6 +106,9 @@ def main() -> None:
               f"device={engine.device} compiled={engine.is_compiled} data-parallel ranks={engine.dp_world_size}\n"
               f"{optimizer.config}", flush=True)
 
+    if rank0 and engine.is_compiled:
+        print("compiling forward and backward with backend='zenflow' during the first step (about a minute on "
+              "2 CPU cores; Inductor caches it for the next run) ...", flush=True)
     start, step, losses = time.perf_counter(), 0, []
     while step < args.steps:
         for (tokens,) in loader:

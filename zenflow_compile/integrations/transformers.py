@@ -11,7 +11,7 @@
 
 Why Trainer needs it. ZenFlow takes each gradient where it is produced, so parameters never carry a ``.grad``:
 - Trainer's own ``clip_grad_norm_`` sees no gradient and clips nothing. The callback hands
-  ``args.max_grad_norm`` to ZenFlow's clipping (the global norm from the column scores, SPEC §3) and sets
+  ``args.max_grad_norm`` to ZenFlow's clipping (the global norm from the column scores, docs/semantics.md) and sets
   ``args.max_grad_norm = 0`` for the duration of ``train()`` so Trainer skips its clip (restored at the end).
   Trainer's logged ``grad_norm`` would be 0 (no ``.grad``), so it is dropped from the logs.
 - With ``overlap_step`` a CPU update may still be in flight at a step's end. The callback calls
