@@ -1,10 +1,10 @@
 """One rank of the data-parallel tests (tests/test_data_parallel.py): runs scenarios, saves what it saw.
 
-Launched as `python tests/dp_worker.py SPEC.pt OUT_DIR` with RANK, WORLD_SIZE and ZENFLOW_TEST_INIT (a
-FileStore path) in the environment, once per rank; with ZENFLOW_WORKER_DEVICE=emulated the optimizers run on
-the emulated asynchronous device (emulated_device.py), and an ordering violation fails the rank. SPEC.pt holds a list of scenarios (dicts, see `run`);
+Launched as `python tests/dp_worker.py SCENARIOS.pt OUT_DIR` with RANK, WORLD_SIZE and ZENFLOW_TEST_INIT (a
+FileStore path) in the environment, once per rank. SCENARIOS.pt holds a list of scenarios (dicts, see `run`);
 for each, OUT_DIR/<name>.rank<r>.pt gets the parameters and selections after every step, the stats, and the
-error message if the scenario expects one.
+error message if the scenario expects one. With ZENFLOW_WORKER_DEVICE=emulated the optimizers run on the
+emulated asynchronous device (emulated_device.py), and an ordering violation fails the rank.
 """
 
 from __future__ import annotations
