@@ -52,6 +52,7 @@ def emulated_device():
             yield emulated
         finally:
             emulated.close()
+    emulated.check()  # (a test that provokes a violation on purpose clears `violations` once it saw it)
 
 
 @pytest.fixture
