@@ -479,8 +479,7 @@ class MatrixState:
     def device_columns(self) -> torch.Tensor:
         """[R, C] in the parameter's dtype: the host columns as the device holds them (checkpoints)."""
         view = torch.zeros(self.rows, self.cols, dtype=self.param.dtype)
-        wait_events(self.upload_done)
-        self.transfers.host_access(reads=self.host_weights)
+        self.transfers.host_access(reads=self.host_weights)  # (an upload in flight only reads them too)
         view[:, self.host_columns] = self._applied_weights().t()
         return view
 

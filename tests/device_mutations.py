@@ -102,11 +102,7 @@ MUTATIONS = [
              "runtime/engine.py",
              "            if self._update_future is not None:  # None right after a checkpoint load: already finished\n"
              "                self._wait(self._update_future)\n", ""),
-    Mutation("M24", "a checkpoint reads the device's columns while an upload may still read them",
-             "runtime/param_state.py",
-             "        view = torch.zeros(self.rows, self.cols, dtype=self.param.dtype)\n        wait_events(self.upload_done)\n",
-             "        view = torch.zeros(self.rows, self.cols, dtype=self.param.dtype)\n"),
-    Mutation("M25", "a worker task seen finished does not order the caller after it",
+    Mutation("M24", "a worker task seen finished does not order the caller after it",
              "runtime/worker.py", "            joined(future)  # (seen finished", "            pass  # (seen finished"),
 ]
 

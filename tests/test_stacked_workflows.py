@@ -150,16 +150,18 @@ def test_conv_stack_with_scalar_gates_equals_reference(compiled, device):
     assert opt.stats()["reselections"] > 0
 
 
+@pytest.mark.parametrize("when", ["before-backward", "before-step"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 @pytest.mark.parametrize("first, then", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
                          ids=["fp32-to-bf16", "bf16-to-fp32"])
-def test_model_cast_between_steps_equals_reference(first, then, overlap, device):
+def test_model_cast_between_steps_equals_reference(first, then, overlap, when, device):
     """model.to(dtype) mid-run (after stacking, a CPU update pending with overlap). The cast must not lose the
     gradient of the next backward (the replaced buffers zeroed it: masters off by about one update, 0.013);
     like any write it is adopted elementwise where it differs from what the optimizer left (an upcast changes
     nothing: the fp32 masters were overwritten with their bf16 roundings and a pending update was dropped,
     0.008); and it is adopted at that backward's first gradient, so an upcast's gradient is not rounded to the
-    old dtype on the way in (4.6e-5 when it was adopted at the step)."""
+    old dtype on the way in (4.6e-5 when it was adopted at the step). Cast between a backward and the step,
+    the gradient that backward handed over moves to the new buffers (its copies down waited for first)."""
     keys = dict(KEYS, overlap_step=overlap)
     master_atol = ATOL
     a, b = models(lambda: Blocks().to(first))
@@ -167,14 +169,18 @@ def test_model_cast_between_steps_equals_reference(first, then, overlap, device)
     ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
     dtype = first
     for step in range(7):
-        if step == 4:
+        cast = step == 4
+        if cast and when == "before-backward":
             a.to(then)
             b.to(then)
             dtype = then
         for model, o in ((a, opt), (b, ref)):
             loss_of(model, blocks_batch(step, dtype)).backward()
+            if cast and when == "before-step":
+                model.to(then)  # (torch casts .grad along with the parameter)
             o.step()
             o.zero_grad()
+        dtype = then if step >= 4 else first  # (what the parameters hold now)
         for (name, p), q in zip(a.named_parameters(), b.parameters()):
             torch.testing.assert_close(opt.master(p), ref.master(q), atol=master_atol, rtol=RTOL,
                                        msg=lambda m: f"step {step} master of {name}: {m}")
