@@ -5,7 +5,8 @@
 
 Each mutation edits one line of the runtime (a wait, an event record, a keep-alive, a join, a double buffer),
 runs the selected tests with `ZENFLOW_TEST_DEVICE=emulated`, restores the file and reports the tests that
-failed: a mutation no test catches is a synchronisation point the suite does not guard. Run it from a clean
+failed: a mutation no test catches is a synchronisation point the suite does not guard, unless the schedule
+orders that access another way too (said per mutation, `ordered_anyway`). Run it from a clean
 checkout (it edits the runtime's files in place, and restores them even when interrupted).
 """
 
@@ -30,6 +31,7 @@ class Mutation:
     path: str
     old: str
     new: str
+    ordered_anyway: str = ""  # why the schedule stays ordered without it (then no test can fail)
 
 
 MUTATIONS = [
@@ -55,7 +57,9 @@ MUTATIONS = [
                     "without joining that task (a pinned buffer reused one step early)",
              "runtime/engine.py", "            if pending is not None:\n                self._wait(pending)\n", ""),
     Mutation("M10", "gradient buffers single-buffered: every step's backward refills the buffer the previous "
-                    "step's accumulate task reads", "runtime/engine.py", "        self.grad_slot ^= 1\n", ""),
+                    "step's accumulate task reads", "runtime/engine.py", "        self.grad_slot ^= 1\n", "",
+             ordered_anyway="the first backward of a step joins the accumulate task that last read its buffer, now "
+                            "the previous step's: correct, but that wait is no longer overlapped"),
     Mutation("M11", "several backwards in a step: the extra gradients are summed without waiting for their copies",
              "runtime/param_state.py",
              "        if self.extra_grads[grad_slot]:\n            wait_events(self.offload_done[grad_slot])\n",
@@ -66,7 +70,9 @@ MUTATIONS = [
              ""),
     Mutation("M13", "CPU update: publishes new columns into a weights buffer an upload may still read",
              "runtime/param_state.py", "            wait_events([m.upload_done[m.weights_slot ^ 1]])\n",
-             "            pass\n"),
+             "            pass\n",
+             ordered_anyway="that buffer's upload was an interval earlier; the compute stream waited for it and every "
+                            "step since read a device value (the norm), so the host is already past it"),
     Mutation("M14", "weights buffers single-buffered: the CPU update overwrites the buffer of the last upload",
              "runtime/param_state.py", "        for m in matrices:\n            m.weights_slot ^= 1\n",
              "        for m in matrices:\n            m.weights_slot ^= 0\n"),
@@ -147,8 +153,13 @@ def main() -> int:
             failed, _ = run_tests(args.tests, args.pytest_args.split())
         finally:
             path.write_text(original)
-        uncaught += not failed
-        print(f"| {mutation.key} | {mutation.what} | {failed[0] if failed else 'NOT CAUGHT'} |", flush=True)
+        if failed:
+            verdict = failed[0]
+        elif mutation.ordered_anyway:
+            verdict = f"none (ordered anyway: {mutation.ordered_anyway})"
+        else:
+            verdict, uncaught = "NOT CAUGHT", uncaught + 1
+        print(f"| {mutation.key} | {mutation.what} | {verdict} |", flush=True)
     return 1 if uncaught else 0
 
 
