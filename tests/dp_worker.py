@@ -52,7 +52,11 @@ def build(scenario: dict, rank: int):
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=scenario.get("lr", 1e-2),
                                        max_grad_norm=scenario.get("clip"),
                                        reduce_bucket_size=scenario.get("bucket", 300), **keys)
-    run_model = torch.compile(model, backend="zenflow") if scenario["compiled"] else model
+    run_model = model
+    if scenario.get("ddp"):  # wrapped in DistributedDataParallel, which ZenFlowAdamW refuses
+        run_model = torch.nn.parallel.DistributedDataParallel(model)
+    if scenario["compiled"]:
+        run_model = torch.compile(run_model, backend="zenflow")
     return model, opt, run_model
 
 

@@ -98,6 +98,8 @@ def runs(tmp_path_factory):
                   dict(name="different_init", compiled=False, steps=1, keys=BASE, differ_init=True),
                   dict(name="grad_after_backward", compiled=False, steps=1, keys=BASE, grad_after_backward=True,
                        expect_error=True)]
+    scenarios += [dict(name=f"ddp_{mode}", compiled=mode == "compiled", steps=1, keys=BASE, ddp=True,
+                       expect_error=True) for mode in MODES]
     assert launch(scenarios, out_dir) == [0] * WORLD_SIZE
     return out_dir
 
@@ -232,6 +234,17 @@ def test_a_grad_written_after_the_backward_is_refused_on_each_rank(runs):
         assert record["error"] is not None and record["error"].startswith("ValueError: ZenFlowAdamW (data parallel)")
         assert "parameter 1 of param group 0 (shape (24, 16)) has a .grad at step()" in record["error"]
         assert "register_hook" in record["error"] and "max_grad_norm" in record["error"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_wrapped_in_ddp_is_refused(runs, mode):
+    """DistributedDataParallel beside ZenFlowAdamW's own reduction: eagerly DDP refills the .grad the hooks
+    took (refused at the first step); compiled, the graph would hand gradients over before DDP could
+    average them (refused at compile time, whatever the optimizer's process group)."""
+    for record in load(runs, f"ddp_{mode}"):
+        assert record["error"] is not None, mode
+        assert "DistributedDataParallel" in record["error"] and "do not wrap" in record["error"], record["error"]
+        assert record["params"] == []  # no step was taken
 
 
 def test_parameters_are_broadcast_from_rank_zero_at_construction(runs):

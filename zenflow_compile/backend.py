@@ -343,6 +343,13 @@ def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
             check = getattr(runtime, "check_written_params", None)
             if check is not None:  # (a recompile after param.data was replaced lands here)
                 check([value])
+    if owners and _inside_distributed_data_parallel():
+        raise ValueError(
+            "backend='zenflow' compiled a model wrapped in torch.nn.parallel.DistributedDataParallel: the "
+            "rewritten backward hands each gradient to ZenFlowAdamW before DDP could average it (a ZenFlowAdamW "
+            "without a process group would train every rank on its own gradient). Fix: do not wrap the model "
+            "in DDP; ZenFlowAdamW(model.parameters(), ...) under torch.distributed (process_group=None: the "
+            "default group) averages the gradients across ranks inside the compiled backward itself")
     configs = [_owner_config(runtime) for runtime in owners.values()]
     _check_options(zenflow_keys, configs)
     data_parallel, bucket_numel = _handoff_settings(owners.values())
@@ -351,6 +358,15 @@ def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         configs=tuple(tuple(sorted(cfg.to_dict().items())) for cfg in configs),
         bucket_numel=bucket_numel, data_parallel=data_parallel,
         runtime_scored_numel=_runtime_scored_numel(owners.values()))
+
+
+def _inside_distributed_data_parallel() -> bool:
+    """Whether this graph is being compiled inside a DistributedDataParallel forward (Dynamo asks DDP the same)."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # a torch built without distributed
+        return False
+    return getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)() is not None
 
 
 def _runtime_scored_numel(runtimes) -> int:
