@@ -469,6 +469,12 @@ def test_a_copied_or_unpickled_optimizer_resumes_exactly(how):
     assert twin_opt.stats()["steps"] == opt.stats()["steps"] == 8
 
 
+def test_a_shallow_copy_is_refused_naming_deepcopy():
+    opt = ZenFlowAdamW(tiny_model().parameters(), lr=LR, **KEYS)
+    with pytest.raises(TypeError, match=r"copy\.copy.*shared?.*Fix: copy\.deepcopy"):
+        copy.copy(opt)
+
+
 def test_copying_between_a_compiled_backward_and_step_is_refused():
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)

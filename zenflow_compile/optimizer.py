@@ -463,6 +463,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                        reduce_bucket_size=self._runtime.bucket_numel)
         return _rebuild, (type(self), groups, options, self.state_dict())
 
+    def __copy__(self):
+        raise TypeError(
+            "copy.copy(ZenFlowAdamW) is refused: a shallow copy would share the parameters, and each parameter "
+            "belongs to one ZenFlow optimizer. Fix: copy.deepcopy({'model': model, 'opt': opt}) (copies both), "
+            "or opt.state_dict() loaded into a ZenFlowAdamW over other parameters")
+
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
 
