@@ -8,7 +8,7 @@ The model is a chain of `--layers` tiny Linear(8, 8) layers (weight + bias: 2 te
 so every kernel costs ~nothing and what is left is host work: Python, dispatch, bookkeeping.
 Systems, each on its own copy of the model:
   adamw           eager model, torch.optim.AdamW(fused=True)                     (the baseline)
-  zenflow         eager model, ZenFlowAdamW: the hand-off runs in post-accumulate-grad hooks during backward
+  zenflow         eager model, ZenFlowAdamW: the hand-off of .grad runs in opt.step() (one batched call)
   adamw compiled  torch.compile(model) (Inductor), torch.optim.AdamW(fused=True)  (the compiled baseline)
   zenflow compiled torch.compile(model, backend="zenflow"), ZenFlowAdamW: the hand-off runs inside the
                   rewritten backward (custom ops)
@@ -18,7 +18,8 @@ and a fixed interval, 4:step).
 Per step, wall time of forward, backward, opt.step() and opt.zero_grad(). The host cost of the optimizer is
   adamw:   step + zero_grad
   zenflow: step + zero_grad + hand-off, where hand-off = its backward - the matching baseline's backward
-           (same model, same eager/compiled path; what the hooks / custom ops add)
+           (same model, same eager/compiled path; what the custom ops add to a compiled backward; eagerly
+           about 0: the eager hand-off runs inside step)
 reported per step and per parameter tensor, and as a ratio to the matching baseline (target: <= 2x), from
 the medians (the verdict) and, in brackets, from each phase's best round (load from other processes only
 ever adds time: the cost with the least of it).

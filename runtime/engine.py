@@ -26,7 +26,7 @@ import math
 import operator
 import time
 from concurrent.futures import Future
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -109,6 +109,10 @@ class ZenFlowRuntime:
         self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
                              bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0)
+        self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
+        # Called with the parameters written by someone else, before their values are adopted (the owner
+        # refuses layouts and dtypes the states cannot follow).
+        self.check_written_params: Callable[[list[torch.Tensor]], None] = lambda params: None
 
     # -- parameters ---------------------------------------------------------------------------------------
     def check_device(self, param: torch.Tensor) -> None:
@@ -126,6 +130,23 @@ class ZenFlowRuntime:
         pid = registry.register_param(param, self)
         self.params[pid] = (param, group_index)
         return pid
+
+    def follow_param_groups(self, group_of: dict[int, int]) -> None:
+        """The optimizer's param groups were edited: `group_of` maps every id still in them to its group. An id
+        left out is no longer optimized (its state is dropped, with its accumulated gradient and any CPU update
+        not yet applied, as torch.optim leaves a removed parameter alone); a moved one takes its new group's
+        hyperparameters from the next update on."""
+        self._drain()  # CPU work in flight reads the states
+        for pid in [pid for pid in self.params if pid not in group_of]:
+            del self.params[pid]
+            self.states.pop(pid, None)
+            registry.unregister_param(pid)
+        for pid, group_index in group_of.items():
+            param, _ = self.params[pid]
+            self.params[pid] = (param, group_index)
+            if pid in self.states:
+                self.states[pid].group_index = group_index
+        self.layout_clock.bump()
 
     def _state(self, pid: int) -> MatrixState | VectorState:
         """The parameter's optimizer state, created from its current values at its first gradient."""
@@ -267,6 +288,7 @@ class ZenFlowRuntime:
         selecting = [m for m in stepped_matrices if warmed_up and not m.num_selected]
         zen_auto = [m for m in stepped_matrices if warmed_up and cfg.auto_update and m.num_selected and m.num_host]
         readout = self._read_step_values(scores, grad_scale, zen_auto, selecting)
+        self.grad_norm = readout.norm
         if not math.isfinite(readout.norm):
             self.counters["skipped_steps"] += 1
             self.discard_step_grads()
@@ -340,6 +362,7 @@ class ZenFlowRuntime:
             return
         written = [s for s in states if s.written_externally()]
         if written:
+            self.check_written_params([s.param for s in written])
             self._drain()  # CPU work in flight reads and writes the host masters
             for state in written:
                 state.adopt_param_values()

@@ -36,16 +36,30 @@ def micro_batch(global_batch, rank: int, world_size: int):
     return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
 
 
+def mask_first_rows(model, rows: int = 8) -> None:
+    """A gradient hook that freezes the embedding's first rows (row_mask scenarios, and the one-process run)."""
+    mask = torch.ones(model.emb.weight.shape[0], 1)
+    mask[:rows] = 0.0
+    model.emb.weight.register_hook(lambda g: g * mask)
+
+
 def build(scenario: dict, rank: int):
     model = model_for(scenario.get("model", "tiny"),
                       seed=scenario.get("seed", 0) + (rank if scenario.get("differ_init") else 0))
+    if scenario.get("row_mask"):
+        mask_first_rows(model)
+        torch._dynamo.reset()  # the graphs compiled for the earlier scenarios' (unhooked) models would refuse it
     keys = dict(scenario["keys"])
     if scenario.get("mismatch_rank") == rank:
         keys.update(scenario["mismatch"])
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=scenario.get("lr", 1e-2),
                                        max_grad_norm=scenario.get("clip"),
                                        reduce_bucket_size=scenario.get("bucket", 300), **keys)
-    run_model = torch.compile(model, backend="zenflow") if scenario["compiled"] else model
+    run_model = model
+    if scenario.get("ddp"):  # wrapped in DistributedDataParallel, which ZenFlowAdamW refuses
+        run_model = torch.nn.parallel.DistributedDataParallel(model)
+    if scenario["compiled"]:
+        run_model = torch.compile(run_model, backend="zenflow")
     return model, opt, run_model
 
 
@@ -55,6 +69,8 @@ def train(scenario, model, opt, run_model, batches, rank, world_size, record, fi
     for step in range(first_step, first_step + scenario["steps"]):
         for k in range(backwards):
             loss_fn(run_model, micro_batch(batches[step * backwards + k], rank, world_size)).backward()
+        if scenario.get("grad_after_backward"):  # a .grad written after the backward: refused
+            model.fc1.weight.grad = torch.zeros_like(model.fc1.weight)
         opt.step()
         opt.zero_grad()
         if scenario.get("die_rank") == rank and step == scenario.get("die_after_step"):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import zenflow_compile
+from dp_worker import mask_first_rows
 from helpers import TEST_DEVICES, loss_fn, make_batches, max_param_diff, model_for, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +46,9 @@ PARITY = {
     # Layers of equal shapes: stacked state (matrices of one group owned by different ranks), reselections
     # written in place, the hand-off buckets of the reducer beside them.
     "repeated_layers": dict(steps=8, model="repeated", keys=dict(BASE, overlap_step=True, select_interval=2)),
+    # A tensor hook freezing embedding rows: what it returns is what gets averaged (compiled: the hooked
+    # parameter's gradient goes through autograd and .grad, the others through the graph).
+    "row_mask_hook": dict(steps=6, row_mask=True, keys=dict(BASE, overlap_step=True)),
 }
 MODES = ("eager", "compiled")
 CHECKPOINT = dict(name="checkpoint", compiled=True, steps=5, resume_steps=4, keys=dict(BASE, overlap_step=True))
@@ -93,7 +97,11 @@ def runs(request, tmp_path_factory):
     scenarios += [CHECKPOINT,
                   dict(name="mismatch", compiled=False, steps=1, keys=BASE, mismatch_rank=1,
                        mismatch=dict(topk_ratio=0.5), expect_error=True),
-                  dict(name="different_init", compiled=False, steps=1, keys=BASE, differ_init=True)]
+                  dict(name="different_init", compiled=False, steps=1, keys=BASE, differ_init=True),
+                  dict(name="grad_after_backward", compiled=False, steps=1, keys=BASE, grad_after_backward=True,
+                       expect_error=True)]
+    scenarios += [dict(name=f"ddp_{mode}", compiled=mode == "compiled", steps=1, keys=BASE, ddp=True,
+                       expect_error=True) for mode in MODES]
     assert launch(scenarios, out_dir, env=dict(ZENFLOW_WORKER_DEVICE=request.param)) == [0] * WORLD_SIZE
     return out_dir
 
@@ -102,6 +110,8 @@ def one_process(spec: dict, steps: int | None = None, state_dict=None, model_sta
                 with_model: bool = False):
     """ZenFlowAdamW in this process on the concatenated batches (what the ranks must equal)."""
     model = model_for(spec.get("model", "tiny"), seed=0)
+    if spec.get("row_mask"):
+        mask_first_rows(model)
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, max_grad_norm=spec.get("clip"), **spec["keys"])
     if model_state is not None:
         model.load_state_dict(model_state)
@@ -224,6 +234,24 @@ def test_a_config_mismatch_is_a_clear_error_on_every_rank(runs):
     for record in load(runs, "mismatch"):
         assert record["error"] is not None and record["error"].startswith("ValueError: ZenFlowAdamW differs across")
         assert "rank 1 has 0.5 where rank 0 has 0.25 (config key topk_ratio)" in record["error"]
+
+
+def test_a_grad_written_after_the_backward_is_refused_on_each_rank(runs):
+    for record in load(runs, "grad_after_backward"):
+        assert record["error"] is not None and record["error"].startswith("ValueError: ZenFlowAdamW (data parallel)")
+        assert "parameter 1 of param group 0 (shape (24, 16)) has a .grad at step()" in record["error"]
+        assert "register_hook" in record["error"] and "max_grad_norm" in record["error"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_wrapped_in_ddp_is_refused(runs, mode):
+    """DistributedDataParallel beside ZenFlowAdamW's own reduction: eagerly DDP refills the .grad the hooks
+    took (refused at the first step); compiled, the graph would hand gradients over before DDP could
+    average them (refused at compile time, whatever the optimizer's process group)."""
+    for record in load(runs, f"ddp_{mode}"):
+        assert record["error"] is not None, mode
+        assert "DistributedDataParallel" in record["error"] and "do not wrap" in record["error"], record["error"]
+        assert record["params"] == []  # no step was taken
 
 
 def test_parameters_are_broadcast_from_rank_zero_at_construction(runs):

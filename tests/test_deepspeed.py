@@ -77,9 +77,11 @@ def train_engine(engine, batches) -> list[list[torch.Tensor]]:
     for batch in batches:
         steps = engine.global_steps
         engine.backward(loss_fn(engine, batch))
-        assert all(p.grad is None for p in engine.module.parameters())  # ZenFlow took every gradient
         engine.step()
         if engine.global_steps > steps:
+            # compiled, ZenFlow took every gradient in the backward; eagerly step() took .grad and the
+            # engine's zero_grad cleared it
+            assert all(p.grad is None for p in engine.module.parameters())
             seen.append(snapshot(engine.module))
     return seen
 

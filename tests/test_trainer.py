@@ -77,11 +77,12 @@ def test_trainer_matches_hand_written_loop(minilm, tmp_path):
     model = make_model(model_dir, num_labels)
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, weight_decay=0.0, max_grad_norm=CLIP, **ZENFLOW)
     compiled = torch.compile(model, backend="zenflow")
-    hand_eval = None
+    hand_eval, hand_norms = None, []
     for step in range(STEPS):
         compiled(**collate(rows[step * BATCH:(step + 1) * BATCH])).loss.backward()
         opt.step()
         opt.zero_grad()
+        hand_norms.append(opt.stats()["grad_norm"])
         if step + 1 == EVAL_AT:
             opt.synchronize()
             hand_eval = eval_loss(model, eval_rows)
@@ -123,7 +124,9 @@ def test_trainer_matches_hand_written_loop(minilm, tmp_path):
     assert hand_eval != hand_final_eval
     train_logs = [h for h in history if "loss" in h]
     assert len(train_logs) == STEPS
-    assert all("grad_norm" not in h for h in train_logs)  # Trainer's norm of absent .grad is not logged
+    # The step's global norm before clipping, from ZenFlow (Trainer's own would be of the absent .grad).
+    assert [h["grad_norm"] for h in train_logs] == pytest.approx(hand_norms, rel=1e-3)
+    assert hand_norms[0] > 2 * CLIP
     assert [h["zenflow/steps"] for h in train_logs] == list(range(1, STEPS + 1))
     assert train_logs[-1]["zenflow/cpu_updates"] == hand_cpu_updates
     assert (tmp_path / f"checkpoint-{EVAL_AT}").is_dir()

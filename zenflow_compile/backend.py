@@ -7,7 +7,9 @@ How it works:
 - Dynamo hands the backend the graph and its example inputs (real tensors; with inlined nn.Modules, the
   parameters are graph inputs). The backend records which forward inputs are ZenFlow parameters (their
   *slots*, with shapes) in a `ZenFlowPassContext`. A parameter that requires grad with no owning
-  ZenFlowAdamW is an error here.
+  ZenFlowAdamW is an error here. A parameter with a gradient hook of the user's (`register_hook`,
+  `register_post_accumulate_grad_hook`) is left out: the graph returns its gradient, autograd runs the
+  hooks and accumulates `.grad`, and `opt.step()` takes it from there, as eagerly.
 - It then calls Inductor's `compile_fx` with our pass as `post_grad_custom_post_pass`. Inductor runs that
   hook on the forward graph and on the (lazily compiled) backward graph; `compile_fx` re-applies its
   `config_patches` around the backward compile, which a `with config.patch(...)` around this call would not.
@@ -45,6 +47,7 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get
 
 from zenflow_compile import inspect as zf_inspect
 from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig, unknown_key_hints
+from zenflow_compile.grad_hooks import any_user_grad_hooks, user_grad_hooks
 from zenflow_compile.passes.context import DEFAULT_BUCKET_NUMEL, ZenFlowPassContext
 from zenflow_compile.passes.find_param_grads import graph_outputs, is_backward_graph
 from zenflow_compile.passes.pipeline import rewrite_backward
@@ -204,9 +207,23 @@ class GraphOwnerBinding:
         self._cached_ids: Optional[tuple] = None
         self._cached_for: list = []  # weak references to the tensors the cached ids were resolved for
         self._cached_generation = -1
+        self._slot_tensors: list[torch.Tensor] = []  # this call's tensors in the parameter slots
+
+    def _refuse_late_hooks(self) -> None:
+        slot, tensor = next((slot, t) for slot, t in zip(self._slots, self._slot_tensors) if user_grad_hooks(t))
+        raise RuntimeError(
+            f"backend='zenflow': parameter {self.ctx.name(slot)} (shape {tuple(tensor.shape)}) has a gradient "
+            f"hook ({user_grad_hooks(tensor)}) that it did not have when this graph was compiled, so the graph "
+            "hands its gradient to ZenFlowAdamW directly and the hook would get None. (A graph is compiled "
+            "once per module class: another model of the class may have had no hook.) Fix: register the hook "
+            "before the first call of the compiled model, or call torch._dynamo.reset() after registering it: "
+            "the recompiled graph then passes this parameter's gradient through autograd, its hooks and "
+            ".grad, and opt.step() takes it from there")
 
     def __call__(self, *args):
         param_ids = self._param_ids(args)
+        if any_user_grad_hooks(self._slot_tensors):
+            self._refuse_late_hooks()
         outputs = self.compiled(*args)
         registry.bind_param_ids(outputs, param_ids, self._edges, self.ctx.param_names)
         return outputs
@@ -215,6 +232,7 @@ class GraphOwnerBinding:
         tensors = [inputs[i] for _, i in self._arg_slots]
         if (self._cached_generation == registry.generation() and len(tensors) == len(self._cached_for)
                 and all(ref() is t for ref, t in zip(self._cached_for, tensors))):
+            self._slot_tensors = [*self._attr_params.values(), *tensors]
             return self._cached_ids
         ids: list[Optional[int]] = [None] * self.ctx.num_inputs
         for slot, tensor in [*self._attr_params.items(), *((s, inputs[i]) for s, i in self._arg_slots)]:
@@ -223,7 +241,12 @@ class GraphOwnerBinding:
                 raise ValueError(_unowned_message(self.ctx.name(slot), tensor))
         self._cached_ids, self._cached_generation = tuple(ids), registry.generation()
         self._cached_for = [weakref.ref(t) for t in tensors]
+        self._slot_tensors = [*self._attr_params.values(), *tensors]
         return self._cached_ids
+
+    @property
+    def _slots(self) -> list[int]:
+        return [*self._attr_params, *(slot for slot, _ in self._arg_slots)]
 
 
 def _edge_indices(tensor_inputs: Sequence[bool]) -> tuple[Optional[int], ...]:
@@ -310,11 +333,23 @@ def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         pid = registry.param_id(value) if isinstance(value, torch.Tensor) else None
         if pid is None and _needs_owner(value):
             raise ValueError(_unowned_message(name, value))
-        shapes.append(tuple(value.shape) if pid is not None else None)
+        # (a hooked parameter's gradient goes through autograd and .grad: it is not handed over in the graph)
+        handed_over = pid is not None and user_grad_hooks(value) is None
+        shapes.append(tuple(value.shape) if handed_over else None)
         names.append(name)
         if pid is not None:
             runtime = registry.runtime_of(pid)
             owners.setdefault(id(runtime), runtime)
+            check = getattr(runtime, "check_written_params", None)
+            if check is not None:  # (a recompile after param.data was replaced lands here)
+                check([value])
+    if owners and _inside_distributed_data_parallel():
+        raise ValueError(
+            "backend='zenflow' compiled a model wrapped in torch.nn.parallel.DistributedDataParallel: the "
+            "rewritten backward hands each gradient to ZenFlowAdamW before DDP could average it (a ZenFlowAdamW "
+            "without a process group would train every rank on its own gradient). Fix: do not wrap the model "
+            "in DDP; ZenFlowAdamW(model.parameters(), ...) under torch.distributed (process_group=None: the "
+            "default group) averages the gradients across ranks inside the compiled backward itself")
     configs = [_owner_config(runtime) for runtime in owners.values()]
     _check_options(zenflow_keys, configs)
     data_parallel, bucket_numel = _handoff_settings(owners.values())
@@ -323,6 +358,15 @@ def make_pass_context(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
         configs=tuple(tuple(sorted(cfg.to_dict().items())) for cfg in configs),
         bucket_numel=bucket_numel, data_parallel=data_parallel,
         runtime_scored_numel=_runtime_scored_numel(owners.values()))
+
+
+def _inside_distributed_data_parallel() -> bool:
+    """Whether this graph is being compiled inside a DistributedDataParallel forward (Dynamo asks DDP the same)."""
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:  # a torch built without distributed
+        return False
+    return getattr(DistributedDataParallel, "_get_active_ddp_module", lambda: None)() is not None
 
 
 def _runtime_scored_numel(runtimes) -> int:
@@ -353,9 +397,9 @@ def _needs_owner(value: Any) -> bool:
 
 def _unowned_message(name: str, value: torch.Tensor) -> str:
     return (f"backend='zenflow': parameter {name} (shape {tuple(value.shape)}, dtype {value.dtype}) "
-            "requires grad but no ZenFlowAdamW owns it. Fix: create "
-            "zenflow_compile.ZenFlowAdamW(model.parameters(), ...) covering every trainable parameter "
-            "before calling the compiled model, or freeze it with requires_grad_(False).")
+            "requires grad but no ZenFlowAdamW owns it (or it was removed from the optimizer's param_groups). "
+            "Fix: create zenflow_compile.ZenFlowAdamW(model.parameters(), ...) covering every trainable "
+            "parameter before calling the compiled model, or freeze it with requires_grad_(False).")
 
 
 def _owner_bucket_numel(runtime: Any) -> int:

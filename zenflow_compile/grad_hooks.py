@@ -1,107 +1,116 @@
-"""Eager hand-off: post-accumulate-grad hooks fill a bucket; the runtime takes it in one batched call.
+"""How eager gradients reach the runtime, and which gradient hooks are the user's.
 
-A hook per parameter is how an eager backward tells the optimizer that a gradient is ready, but handing each
-gradient to the runtime from its hook costs a Python call chain and several small torch calls per tensor.
-Instead the hook only records the parameter in the optimizer's open bucket; the flush moves the bucket's
-gradients out of `.grad` (so after a backward `.grad` is None, as before) and hands them to
-`ZenFlowRuntime.accumulate_grads` (batched, `runtime/handoff.py`) when it holds `bucket_numel` elements (so
-on a large model the offload of early gradients still overlaps the rest of the backward) and at the end of
-the backward (a callback queued on the autograd engine, as DDP does). `ZenFlowAdamW.step()` and
-`zero_grad()` flush or drop whatever a backward that did not finish left behind.
+Single process (`hand_over_grads`): `.grad` belongs to the user until `step()`, as with torch.optim. Tensor
+hooks, `clip_grad_norm_`, edits and `zero_grad(set_to_none=False)` act on it, and `step()` hands the
+`.grad` of every parameter in the param groups to `ZenFlowRuntime.accumulate_grads` in one batched call
+(`runtime/handoff.py`), leaving it in place for `zero_grad()` to clear. Gradient accumulation is autograd's
+own sum into `.grad`.
 
-Data parallel: the runtime's own `GradReducer` buckets the gradients for their collectives, so the hook hands
-each gradient over at once.
+Data parallel (`DataParallelHooks`): a post-accumulate-grad hook moves each gradient out of `.grad` into the
+runtime's reducer as the backward produces it, so the reduction across ranks overlaps the rest of the
+backward, and `.grad` is None after the backward (as under torch.compile, where the graph hands gradients
+over itself). Tensor hooks (`register_hook`) run before it, so what they return is what gets reduced; a
+`.grad` written after the backward is not, and `step()` refuses it (`check_no_late_grads`).
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 if TYPE_CHECKING:
     from zenflow_compile.runtime.engine import ZenFlowRuntime
 
+_GRAD = operator.attrgetter("grad")
+_LAYOUT = operator.attrgetter("layout")
+_BACKWARD_HOOKS = operator.attrgetter("_backward_hooks")
+_POST_ACCUMULATE_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
-class GradBucket:
-    """One optimizer's open bucket of eager gradients: the parameters whose gradient is ready, in the order
-    autograd produced them. Holds its runtime weakly (the hooks hold the bucket, the parameters hold the
-    hooks: a deleted optimizer must still be freed)."""
 
-    def __init__(self, runtime: "ZenFlowRuntime", bucket_numel: int, param_ids: dict[int, int]):
+def _dense_only(param: torch.Tensor, grad: torch.Tensor) -> None:
+    if grad.layout != torch.strided:
+        raise ValueError(
+            f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} got a {grad.layout} gradient "
+            "(e.g. nn.Embedding(sparse=True)); ZenFlow needs dense gradients. Fix: use sparse=False for that "
+            "module")
+
+
+def hand_over_grads(runtime: "ZenFlowRuntime", params: list[torch.Tensor], pids: list[int]) -> bool:
+    """Hand the `.grad` of `params` (their runtime ids: `pids`) to the runtime in one call; `.grad` is left
+    as it is. Returns whether any parameter had one."""
+    grads = list(map(_GRAD, params))
+    taken = [i for i, grad in enumerate(grads) if grad is not None]
+    if not taken:
+        return False
+    if len(taken) < len(grads):
+        params, pids, grads = [params[i] for i in taken], [pids[i] for i in taken], [grads[i] for i in taken]
+    if any(layout != torch.strided for layout in map(_LAYOUT, grads)):
+        for param, grad in zip(params, grads):
+            _dense_only(param, grad)
+    runtime.accumulate_grads(pids, grads)
+    return True
+
+
+class DataParallelHooks:
+    """One data-parallel optimizer's post-accumulate-grad hooks: each gradient into the reducer during the
+    backward. Holds its runtime weakly (the parameters hold the hooks: a deleted optimizer must still be
+    freed)."""
+
+    def __init__(self, runtime: "ZenFlowRuntime", param_ids: dict[int, int]):
         self._runtime = weakref.ref(runtime)
-        self.bucket_numel = bucket_numel
         self._param_ids = param_ids  # id(param) -> runtime id (the optimizer's own dict)
-        self.ready: list[torch.Tensor] = []
-        self.numel = 0
-        self._flush_queued = False
+        self.taken: set[int] = set()  # id(param) of the gradients taken since the last step or zero_grad
 
     def hook(self, param: torch.Tensor) -> None:
-        """The post-accumulate-grad hook (per parameter and backward: kept to the minimum; the gradient is
-        taken out of `.grad` at the flush). It also fires, with no gradient, for the parameters of a graph
-        compiled with backend="zenflow", whose backward hands gradients over itself."""
-        if param.grad is None:
+        grad = param.grad
+        if grad is None:  # a parameter of a graph compiled with backend="zenflow": handed over by the graph
             return
-        self.ready.append(param)
-        self.numel += param.numel()
-        if self.numel >= self.bucket_numel:
-            self.flush()
-        elif not self._flush_queued:
-            self._queue_flush()
-
-    def hook_data_parallel(self, param: torch.Tensor) -> None:
-        """Data parallel: each gradient to the runtime's reducer at once (it buckets for the collectives)."""
+        _dense_only(param, grad)
+        param.grad = None
+        self.taken.add(id(param))
         runtime = self._runtime()
-        pids, grads = self._take_grads([param])
-        if runtime is not None and pids:
-            runtime.accumulate_grad(pids[0], grads[0], None)
+        if runtime is not None:
+            runtime.accumulate_grad(self._param_ids[id(param)], grad, None)
 
-    def _queue_flush(self) -> None:
-        try:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-        except RuntimeError:  # not inside a backward (a hook called directly): step() flushes
-            return
-        self._flush_queued = True
-
-    def _end_of_backward(self) -> None:
-        self._flush_queued = False
-        self.flush()
-
-    def _take_grads(self, params: list) -> tuple[list[int], list[torch.Tensor]]:
-        """Move the parameters' gradients out of `.grad` (a parameter listed twice, after a backward that
-        raised before its flush, has its summed gradient taken once)."""
-        pids, grads = [], []
-        for param in params:
-            grad = param.grad
-            if grad is None:
-                continue
-            if grad.layout != torch.strided:
+    def check_no_late_grads(self, params: list[torch.Tensor], names) -> None:
+        """Refuse a `.grad` found at `step()` on a parameter whose gradient the hooks already reduced: it was
+        written after the backward, and would not be the reduced gradient the update uses."""
+        for i, param in enumerate(params):
+            if param.grad is not None and id(param) in self.taken:
                 raise ValueError(
-                    f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} got a {grad.layout} gradient "
-                    "(e.g. nn.Embedding(sparse=True)); ZenFlow needs dense gradients. Fix: use sparse=False "
-                    "for that module")
-            param.grad = None
-            pids.append(self._param_ids[id(param)])
-            grads.append(grad)
-        return pids, grads
+                    f"ZenFlowAdamW (data parallel): {names(i)} has a .grad at step(), written after the "
+                    "backward had averaged its gradient across ranks and handed it to the optimizer, so the "
+                    "update would not use it; with data parallelism .grad is None after the backward. (A model "
+                    "wrapped in DistributedDataParallel refills .grad this way.) Fix: do not wrap the model in "
+                    "DDP, ZenFlowAdamW averages the gradients itself; change gradients with tensor hooks "
+                    "(param.register_hook), which run before the reduction; clip with "
+                    "ZenFlowAdamW(max_grad_norm=...) and read the step's norm from opt.stats()['grad_norm']")
 
-    def flush(self) -> None:
-        """Hand the open bucket to the runtime."""
-        if not self.ready:
-            return
-        ready, self.ready, self.numel = self.ready, [], 0
-        pids, grads = self._take_grads(ready)
-        runtime = self._runtime()
-        if runtime is not None and pids:
-            runtime.accumulate_grads(pids, grads)
+    def step_done(self) -> None:
+        self.taken.clear()
 
-    def finish(self) -> None:
-        """Between backwards (step()): hand over what a backward left (one that raised runs no callback)."""
-        self._flush_queued = False
-        self.flush()
 
-    def drop(self) -> None:
-        """Between backwards (zero_grad(), which also clears `.grad`): forget the open bucket."""
-        self._flush_queued = False
-        self.ready, self.numel = [], 0
+def is_zenflow_hook(hook) -> bool:
+    return isinstance(getattr(hook, "__self__", None), DataParallelHooks)
+
+
+def user_grad_hooks(tensor: torch.Tensor) -> Optional[str]:
+    """Which gradient hooks other than ZenFlow's own `tensor` carries ("register_hook",
+    "register_post_accumulate_grad_hook"), or None."""
+    if tensor._backward_hooks:
+        return "register_hook"
+    post = tensor._post_accumulate_grad_hooks
+    if post and not all(map(is_zenflow_hook, post.values())):
+        return "register_post_accumulate_grad_hook"
+    return None
+
+
+def any_user_grad_hooks(tensors: list[torch.Tensor]) -> bool:
+    """Whether any of `tensors` carries a gradient hook of the user's (per compiled call: the common case, no
+    hooks at all, is two passes of builtins)."""
+    if not any(map(_BACKWARD_HOOKS, tensors)) and not any(map(_POST_ACCUMULATE_HOOKS, tensors)):
+        return False
+    return any(user_grad_hooks(t) is not None for t in tensors)

@@ -1,8 +1,8 @@
 """ZenFlowAdamW: the user-facing torch.optim.Optimizer; all state and scheduling live in the runtime.
 
-Eager use works through post-accumulate-grad hooks (each backward's gradient leaves `.grad` for a bucket
-that the runtime takes in one batched call: `grad_hooks.py`); under `torch.compile(backend="zenflow")` the rewritten backward calls the runtime
-directly and returns no gradient, so the hooks never fire for the parameters of compiled graphs.
+Eagerly, `step()` hands the `.grad` of the parameters in the param groups to the runtime in one batched call
+(`grad_hooks.py`; with data parallelism, hooks hand them over during the backward); under
+`torch.compile(backend="zenflow")` the rewritten backward calls the runtime directly and returns no gradient.
 """
 
 from __future__ import annotations
@@ -14,11 +14,17 @@ from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+from torch.amp.grad_scaler import OptState
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
-from zenflow_compile.grad_hooks import GradBucket
-from zenflow_compile.runtime import collectives, registry
+from zenflow_compile.grad_hooks import DataParallelHooks, hand_over_grads
+from zenflow_compile.runtime import collectives
 from zenflow_compile.runtime.engine import ZenFlowRuntime
+
+
+#: Parameter dtypes ZenFlow trains (fp32 masters); integer and bool tensors are skipped, as by torch.optim.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _is_real(value) -> bool:
@@ -52,19 +58,30 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     Args: as torch.optim.AdamW (lr, betas, eps, weight_decay), plus `max_grad_norm` (global-norm clipping
     computed from the gradient-norm proxy; None = off) and either `config=ZenFlowConfig(...)` or the
     ZenFlow keys themselves (topk_ratio, update_interval, overlap_step, ...). `reduce_bucket_size`
-    (elements, default 25M): gradients reach the runtime in buckets of this size (one call per bucket from a
-    compiled backward or from the eager hooks; a bucket's gradients live until it is handed over) and, under
-    data parallelism, are reduced in buckets of this size.
+    (elements, default 25M): a compiled backward hands gradients to the runtime in buckets of this size (a
+    bucket's gradients live until it is handed over) and, under data parallelism, they are reduced in
+    buckets of this size.
+
+    Gradients. Eagerly, `.grad` works as with torch.optim.AdamW up to `step()`: hooks, `clip_grad_norm_`,
+    edits and `zero_grad(set_to_none=False)` change what the update uses, and `step()` takes `.grad` as it
+    stands. Under `torch.compile(backend="zenflow")` the backward hands gradients over itself and `.grad`
+    stays None (a parameter with a gradient hook keeps its `.grad`, so the hook applies); clip with
+    `max_grad_norm` and read the step's global norm (before clipping) from `stats()["grad_norm"]`. Under
+    compiled autograd (`torch._dynamo.config.compiled_autograd`) the compiled backward fills `.grad` and
+    `step()` takes it as eagerly.
 
     Data parallel (docs/semantics.md): under torch.distributed with more than one rank in `process_group` (None = the
     default group, if initialised), gradients are averaged across ranks inside the backward, every rank
-    makes the same selection, and each rank holds the host state of a share of the matrices. Do not wrap the
-    model in DDP. Parameters are broadcast from rank 0 at construction. `state_dict()` is this rank's share;
+    makes the same selection, and each rank holds the host state of a share of the matrices; as when
+    compiled, `.grad` is None after the backward (tensor hooks still apply). Do not wrap the model in
+    DistributedDataParallel (refused: compiled, at compile time; eagerly, at the first step). Parameters are
+    broadcast from rank 0 at construction. `state_dict()` is this rank's share;
     `consolidated_state_dict()` gathers a full one.
 
     Follows torch.optim conventions: parameters that never get a gradient (frozen, unused, integer tensors)
     are never touched and cost nothing; one that starts requiring grad later trains from then on; values
-    written into a parameter between steps are what its next update starts from. Works with
+    written into a parameter between steps are what its next update starts from; edits of `param_groups`
+    (a parameter removed, added or moved to another group) take effect at the next `step()`. Works with
     `torch.amp.GradScaler` (`scaler.step(opt)`): the loss scale is divided out and an inf/NaN gradient skips
     the step and is reported to the scaler.
     """
@@ -110,12 +127,18 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         data_parallel = collectives.data_parallel_group(process_group)
         self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size)
         self._constructed = False
-        self._param_ids: dict[int, int] = {}  # id(param) -> runtime id
-        self._hook_handles: dict[int, Any] = {}  # id(param) -> its post-accumulate-grad hook
-        self._grad_bucket = GradBucket(self._runtime, reduce_bucket_size, self._param_ids)
+        self._param_ids: dict[int, int] = {}  # id(param) -> runtime id, for the parameters in param_groups
+        self._group_of: dict[int, int] = {}  # runtime id -> its param group
+        self._shapes: dict[int, torch.Size] = {}  # id(param) -> its shape when registered (its state's)
+        self._removed = WeakIdKeyDictionary()  # parameters removed from param_groups (their state is gone)
+        self._groups_seen: Optional[list] = None  # the param groups' ids when last followed (see step())
+        self._followed: tuple[list, list] = ([], [])  # (parameters in group order, their runtime ids)
+        self._hook_handles: dict[int, Any] = {}  # data parallel: id(param) -> its post-accumulate-grad hook
+        self._dp_hooks = None if self._runtime.reducer is None else DataParallelHooks(self._runtime, self._param_ids)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         weakref.finalize(self, _close, self._runtime, self._hook_handles)
+        self._runtime.check_written_params = _written_params_check(weakref.ref(self))
         self._agree_across_ranks(self._params_in_order())
         self._constructed = True
 
@@ -148,14 +171,72 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         merged = {**self.defaults, **param_group}
         _check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], None)
         super().add_param_group({**param_group, "params": params})
+        self._register(params, group_index)
+        self._groups_seen = None
+
+    def _register(self, params: list, group_index: int) -> None:
         for param in params:
             if not param.is_floating_point():
                 continue  # never gets a gradient (e.g. a quantized frozen weight); torch.optim skips it too
-            self._param_ids[id(param)] = self._runtime.add_param(param, group_index)
-            if param.requires_grad:
+            pid = self._param_ids[id(param)] = self._runtime.add_param(param, group_index)
+            self._group_of[pid] = group_index
+            self._shapes[id(param)] = param.shape
+            if param.requires_grad and self._dp_hooks is not None:
                 self._hook(param)
-        if self._constructed:  # a group added later: every rank adds it (a collective)
+        if self._constructed:  # added later: every rank adds them (a collective)
             self._agree_across_ranks(params)
+
+    def _follow_param_groups(self) -> tuple[list, list]:
+        """(the parameters in param_groups, their runtime ids), after taking in any edit of the groups made
+        since the last step (as torch.optim reads its groups at every step). Per step: one id per parameter."""
+        seen = [list(map(id, group["params"])) for group in self.param_groups]
+        if seen != self._groups_seen:
+            self._take_in_group_edits()
+            self._groups_seen = seen
+        return self._followed
+
+    def _take_in_group_edits(self) -> None:
+        """Parameters added to a group are registered (checked as by add_param_group), removed ones are no
+        longer optimized (their state is dropped), moved ones take their new group's hyperparameters."""
+        group_of: dict[int, int] = {}
+        params_in_order, pids_in_order = [], []
+        for group_index, group in enumerate(self.param_groups):
+            params = list(group["params"])
+            added = [p for p in params if not (isinstance(p, torch.Tensor) and id(p) in self._param_ids)]
+            if added:
+                for param in added:
+                    if isinstance(param, torch.Tensor) and param in self._removed:
+                        raise ValueError(
+                            f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} was put back into param "
+                            f"group {group_index} after it had been removed from the param groups, which dropped "
+                            "its optimizer state (torch.optim.AdamW would resume its moments). Fix: to pause a "
+                            "parameter, keep it in its group and freeze it (requires_grad_(False)); or give it "
+                            "to a new optimizer")
+                _check_params(added, group_index, self._param_ids, self._runtime)
+                self._register(added, group_index)
+            for param in params:
+                pid = self._param_ids.get(id(param))
+                if pid is None:
+                    continue  # an integer tensor
+                if pid in group_of:
+                    raise ValueError(
+                        f"ZenFlowAdamW: a parameter of shape {tuple(param.shape)} is in param groups "
+                        f"{group_of[pid]} and {group_index}. Fix: each parameter in one group only")
+                group_of[pid] = group_index
+                params_in_order.append(param)
+                pids_in_order.append(pid)
+        if group_of != self._group_of:
+            removed = [self._runtime.params[pid][0] for pid in self._group_of if pid not in group_of]
+            self._runtime.follow_param_groups(group_of)
+            for param in removed:
+                del self._param_ids[id(param)]
+                del self._shapes[id(param)]
+                handle = self._hook_handles.pop(id(param), None)
+                if handle is not None:
+                    handle.remove()
+                self._removed[param] = True
+            self._group_of = group_of
+        self._followed = (params_in_order, pids_in_order)
 
     def _agree_across_ranks(self, params: list) -> None:
         """Data parallel: every rank must hold the same optimizer (else a clear error on every rank, not a
@@ -171,44 +252,75 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         data_parallel.broadcast_parameters([p for p in params if p.is_floating_point()])
 
     def _hook(self, param: torch.Tensor) -> None:
-        bucket = self._grad_bucket
-        hook = bucket.hook if self._runtime.reducer is None else bucket.hook_data_parallel
-        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(hook)
+        self._hook_handles[id(param)] = param.register_post_accumulate_grad_hook(self._dp_hooks.hook)
 
     def param_id(self, param: torch.Tensor) -> int:
         return self._param_ids[id(param)]
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scaler=None):
-        """One optimizer step. `grad_scaler` is passed by `torch.amp.GradScaler.step(opt)`, not by users."""
+        """One optimizer step on the gradients since the last one (`.grad` eagerly, the hand-offs of a compiled
+        backward); with none at all it does nothing, as torch.optim.AdamW. `grad_scaler` is passed by
+        `torch.amp.GradScaler.step(opt)`, not by users."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._collect_unhooked_grads()
-        self._grad_bucket.finish()
-        scale = None if grad_scaler is None else grad_scaler._get_scale_async()
-        stepped = self._runtime.step(self.param_groups, grad_scale=scale)
+        params, pids = self._follow_param_groups()
+        scale = self._loss_scale(grad_scaler)
+        try:
+            if self._dp_hooks is None:
+                handed = hand_over_grads(self._runtime, params, pids)
+            else:
+                handed = self._hand_over_late_grads(params, pids)
+        except RuntimeError as error:  # a parameter replaced by one its state cannot take: say which
+            self._runtime.check_written_params(params)
+            raise error
+        stepped = True
+        if handed or self._runtime.holds_step_grads:
+            stepped = self._runtime.step(self.param_groups, grad_scale=scale)
+        if self._dp_hooks is not None:
+            self._dp_hooks.step_done()
         if grad_scaler is not None:
-            found_inf = torch.full((), 0.0 if stepped else 1.0, device=scale.device)
-            grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {scale.device: found_inf}
+            device = grad_scaler._get_scale_async().device
+            found_inf = torch.full((), 0.0 if stepped else 1.0, device=device)
+            grad_scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {device: found_inf}
         return loss
 
-    def _collect_unhooked_grads(self) -> None:
-        """Gradients that reached `.grad` without a hook (a parameter unfrozen after construction): hand them
-        to the runtime, and hook the parameter for the next steps."""
-        for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None and id(param) in self._param_ids:
-                    if id(param) not in self._hook_handles:
-                        self._hook(param)
-                    self._grad_bucket.hook(param)
+    def _loss_scale(self, grad_scaler) -> Optional[torch.Tensor]:
+        """The scale the step's gradients carry: GradScaler's, unless `scaler.unscale_(opt)` already divided it
+        out of `.grad` (the usual clipping recipe); gradients a compiled backward handed over were never in
+        `.grad` for it to unscale."""
+        if grad_scaler is None:
+            return None
+        if grad_scaler._per_optimizer_states[id(self)]["stage"] is not OptState.UNSCALED:
+            return grad_scaler._get_scale_async()
+        if self._runtime.holds_step_grads:
+            raise ValueError(
+                "scaler.unscale_(opt) found no .grad to unscale: this step's gradients were handed to "
+                "ZenFlowAdamW during the backward (a model compiled with backend='zenflow', or data parallel), "
+                "so a clip_grad_norm_ after it clipped nothing. Fix: drop scaler.unscale_(opt) and the "
+                "clip_grad_norm_ call, and clip with ZenFlowAdamW(max_grad_norm=...), which sees the unscaled "
+                "global norm (opt.stats()['grad_norm'])")
+        return None
+
+    def _hand_over_late_grads(self, params: list, pids: list) -> bool:
+        """Data parallel: gradients that are in `.grad` at step() although the hooks take each one during the
+        backward: a parameter that started requiring grad after construction (hooked from now on) or a
+        `.grad` set without a backward. They are reduced now. One written after a backward that already
+        reduced that parameter's gradient is refused."""
+        self._dp_hooks.check_no_late_grads(params, lambda i: self._describe(params[i]))
+        for param in params:
+            if param.grad is not None and id(param) not in self._hook_handles and param.requires_grad:
+                self._hook(param)
+        return hand_over_grads(self._runtime, params, pids)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard the gradients received since the last step (as torch.optim does with `.grad`)."""
+        """Clear `.grad` (as torch.optim does) and drop what a compiled backward handed over since the last step."""
         super().zero_grad(set_to_none)
-        self._grad_bucket.drop()
         self._runtime.discard_step_grads()
+        if self._dp_hooks is not None:
+            self._dp_hooks.step_done()
 
     def synchronize(self) -> None:
         """Apply any in-flight CPU update to the device parameters (before eval or save)."""
@@ -216,8 +328,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """steps, skipped_steps, cpu_updates, reselections, bytes each way, stall and CPU-update seconds,
-        current_interval (steps since the last update boundary) and selection_churn."""
-        return self._runtime.stats()
+        current_interval (steps since the last update boundary), selection_churn, and grad_norm: the last
+        step's global gradient norm before clipping (unscaled; inf or nan for a skipped step; None before the
+        first step)."""
+        stats = self._runtime.stats()
+        stats["grad_norm"] = self._runtime.grad_norm
+        return stats
 
     def selected_columns(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """The device-resident (selected) columns of a matrix parameter, None before the first selection."""
@@ -277,6 +393,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return full
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Restore a `state_dict()`. As torch.optim restores the saved lr, betas, eps and weight_decay, the saved
+        `max_grad_norm` is restored too (set `opt.max_grad_norm` after loading to change it)."""
         if "zenflow" not in state_dict:
             raise ValueError("not a ZenFlowAdamW state_dict (no 'zenflow' entry); a torch.optim.AdamW "
                              "checkpoint cannot be resumed exactly by ZenFlow")
@@ -294,6 +412,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._runtime.quiesce()
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self._runtime.import_globals(state_dict["zenflow"], owners)
+        if "max_grad_norm" in state_dict["zenflow"]:
+            self.max_grad_norm = state_dict["zenflow"]["max_grad_norm"]
         for i, param in enumerate(self._params_in_order()):
             if i in state_dict["state"]:
                 self._runtime.import_state(self.param_id(param), state_dict["state"][i])
@@ -315,8 +435,49 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         params = self._params_in_order()
         return {self.param_id(params[int(i)]): owner for i, owner in saved["owners"].items()}
 
+    def _describe(self, param: torch.Tensor) -> str:
+        """How error messages name a parameter: its place in the param groups and its shape."""
+        for g, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p is param:
+                    return f"parameter {i} of param group {g} (shape {tuple(param.shape)})"
+        return f"a parameter of shape {tuple(param.shape)}"
+
+    # -- copies -------------------------------------------------------------------------------------------
+    def __reduce_ex__(self, protocol):
+        """copy.deepcopy(opt) and pickling (torch.save({"model": m, "opt": opt})) rebuild the optimizer over the
+        copied parameters from `state_dict()`: the copy resumes exactly where this one is (a state_dict
+        resume). Refused where that cannot hold: data parallel, or between a backward and step()."""
+        if self._runtime.data_parallel is not None:
+            raise TypeError(
+                "a data-parallel ZenFlowAdamW cannot be copied or pickled: its state is this rank's share and "
+                "rebuilding it is a collective over every rank. Fix: save opt.state_dict() (this rank's share) "
+                "or opt.consolidated_state_dict(), and load it into a ZenFlowAdamW built on every rank")
+        if self._runtime.holds_step_grads:
+            raise RuntimeError(
+                "ZenFlowAdamW cannot be copied or pickled between a backward and step(): that backward's "
+                "gradients were already handed to the optimizer and the copy would not have them. Fix: copy "
+                "after step() (or after zero_grad()), or save opt.state_dict()")
+        groups = [{**group, "params": list(group["params"])} for group in self.param_groups]
+        options = dict(self.defaults, max_grad_norm=self.max_grad_norm, config=self.config,
+                       reduce_bucket_size=self._runtime.bucket_numel)
+        return _rebuild, (type(self), groups, options, self.state_dict())
+
+    def __copy__(self):
+        raise TypeError(
+            "copy.copy(ZenFlowAdamW) is refused: a shallow copy would share the parameters, and each parameter "
+            "belongs to one ZenFlow optimizer. Fix: copy.deepcopy({'model': model, 'opt': opt}) (copies both), "
+            "or opt.state_dict() loaded into a ZenFlowAdamW over other parameters")
+
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
+
+
+def _rebuild(cls, groups: list[dict], options: dict, state_dict: dict) -> "ZenFlowAdamW":
+    """A copy's (or an unpickled optimizer's) reconstruction: see `ZenFlowAdamW.__reduce_ex__`."""
+    optimizer = cls(groups, **options)
+    optimizer.load_state_dict(state_dict)
+    return optimizer
 
 
 def _close(runtime: ZenFlowRuntime, hook_handles: dict) -> None:
@@ -340,8 +501,9 @@ def _check_params(params: list, group_index: int, known: dict, runtime: ZenFlowR
             raise ValueError(f"ZenFlowAdamW: {where} appears more than once in the optimizer's parameters. "
                              "Fix: pass each parameter once (e.g. deduplicate tied weights)")
         seen.add(id(param))
-        if not param.is_floating_point():
-            continue
+        if not (param.is_floating_point() or param.is_complex()):
+            continue  # integer and bool tensors never get a gradient
+        _check_dtype(param.dtype, where)
         if param.dim() >= 2 and param.numel() == 0:
             raise ValueError(f"ZenFlowAdamW: {where} is an empty matrix; ZenFlow views a matrix as [rows, "
                              "columns] and needs at least one of each. Fix: leave empty parameters out")
@@ -349,3 +511,52 @@ def _check_params(params: list, group_index: int, known: dict, runtime: ZenFlowR
             raise ValueError(f"ZenFlowAdamW: {where} is not contiguous (strides {param.stride()}). Fix: make it "
                              "contiguous first (param.data = param.data.contiguous())")
         runtime.check_device(param)
+
+
+def _check_dtype(dtype: torch.dtype, where: str, cast: bool = False) -> None:
+    if dtype in SUPPORTED_DTYPES:
+        return
+    how = "was cast to" if cast else "is"
+    if dtype.is_complex:
+        why = ("ZenFlow selects and updates real columns and would not train it; torch.optim.AdamW treats a "
+               "complex parameter as its real and imaginary parts")
+        fix = ("register it as a real parameter (torch.view_as_real(...) of it, viewed back with "
+               "torch.view_as_complex in forward), or give it to a torch.optim.AdamW of its own")
+    elif dtype == torch.float64:
+        why = "ZenFlow keeps fp32 masters and would update it at fp32 precision, not fp64's"
+        fix = ("train in fp32 (model.float()) or bf16/fp16, or give the fp64 parameters to a torch.optim.AdamW "
+               "of their own")
+    else:
+        why = f"ZenFlow trains {', '.join(map(str, SUPPORTED_DTYPES))} parameters (fp32 masters)"
+        fix = "cast it to one of those, or give it to an optimizer of its own"
+    raise ValueError(f"ZenFlowAdamW: {where} {how} {dtype}: {why}. Fix: {fix}")
+
+
+def _written_params_check(optimizer_ref: "weakref.ReferenceType[ZenFlowAdamW]"):
+    """The runtime's check of parameters someone else wrote (a new storage or dtype included), before it adopts
+    their values: a dtype ZenFlow does not train, or a matrix whose memory is no longer [rows, columns] in
+    order (`model.to(memory_format=torch.channels_last)`), is refused naming the parameter. (Holds the
+    optimizer weakly: the runtime must not keep it alive.)"""
+
+    def check(params: list[torch.Tensor]) -> None:
+        optimizer = optimizer_ref()
+        if optimizer is None:
+            return
+        for param in params:
+            where = optimizer._describe(param)
+            _check_dtype(param.dtype, where, cast=True)
+            shape = optimizer._shapes.get(id(param), param.shape)
+            if param.shape != shape:
+                raise ValueError(
+                    f"ZenFlowAdamW: {where} was {tuple(shape)} when the optimizer took it (param.data was "
+                    "replaced by a tensor of another shape); its optimizer state has the old shape. Fix: "
+                    "build a new optimizer over the resized parameters (or resize them before building it)")
+            if param.dim() >= 2 and not param.is_contiguous():
+                raise ValueError(
+                    f"ZenFlowAdamW: {where} is no longer contiguous (strides {param.stride()}; e.g. after "
+                    "model.to(memory_format=torch.channels_last)): ZenFlow updates a matrix in place as [rows, "
+                    "columns] of contiguous memory. Fix: keep the parameters contiguous "
+                    "(model.to(memory_format=torch.contiguous_format)); a channels_last input works with "
+                    "contiguous weights")
+
+    return check

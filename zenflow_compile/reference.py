@@ -10,7 +10,8 @@ Its decisions in detail (the rest of the project follows them):
 - Global norm = sqrt(sum over params with a grad of sum(g.float()**2)), in fp32. Not finite: the step is
   skipped entirely (nothing changes, t and all counters stay), stats()["skipped_steps"] += 1.
 - A parameter whose .grad is None is skipped for the step entirely (as torch.optim.AdamW does): no update,
-  no accumulation, no scores, not counted in the Zen-auto / drift decisions. A matrix gets its first
+  no accumulation, no scores, not counted in the Zen-auto / drift decisions. A step with no gradient at all
+  does nothing (t, boundaries and counters stay). A matrix gets its first
   selection at the first step t >= W at which it has a grad.
 - Clipping (max_grad_norm): coef = min(1, max_grad_norm / (norm + 1e-6)); every g is scaled by coef before
   scores, K_t / U_t and the accumulator use it.
@@ -199,6 +200,8 @@ class ZenFlowReference(torch.optim.Optimizer):
         t = z["t"]
         self._adopt_external_writes()
         live = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if not live:  # no gradient since the last step: nothing happens, as with torch.optim.AdamW
+            return loss
         grads = {}
         total = torch.zeros((), dtype=torch.float32)
         for _, p in live:

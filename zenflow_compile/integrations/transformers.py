@@ -9,11 +9,13 @@
                       optimizers=(opt, scheduler), callbacks=[ZenFlowCallback()], ...)
     trainer.train()
 
-Why Trainer needs it. ZenFlow takes each gradient where it is produced, so parameters never carry a ``.grad``:
-- Trainer's own ``clip_grad_norm_`` sees no gradient and clips nothing. The callback hands
-  ``args.max_grad_norm`` to ZenFlow's clipping (the global norm from the column scores, docs/semantics.md) and sets
-  ``args.max_grad_norm = 0`` for the duration of ``train()`` so Trainer skips its clip (restored at the end).
-  Trainer's logged ``grad_norm`` would be 0 (no ``.grad``), so it is dropped from the logs.
+Why Trainer needs it. Under ``torch_compile`` the compiled backward hands each gradient to ZenFlow where it is
+produced, so parameters carry no ``.grad``:
+- Trainer's own ``clip_grad_norm_`` would see no gradient and clip nothing. The callback hands
+  ``args.max_grad_norm`` to ZenFlow's clipping (the global norm from the column scores, the same in eager and
+  compiled training) and sets ``args.max_grad_norm = 0`` for the duration of ``train()`` so Trainer skips its
+  clip (restored at the end). Training logs get ``grad_norm`` from ZenFlow: the global norm, before
+  clipping, of the last step (``opt.stats()["grad_norm"]``), what Trainer logs for torch optimizers.
 - With ``overlap_step`` a CPU update may still be in flight at a step's end. The callback calls
   ``opt.synchronize()`` before every evaluation and checkpoint Trainer is about to make, and at the end of
   training (so ``trainer.evaluate()`` / ``save_model()`` afterwards see every update), never otherwise.
@@ -169,7 +171,10 @@ class ZenFlowCallback(TrainerCallback):
         if self.log_stats:
             extra = {f"zenflow/{k}": v for k, v in self.optimizer.stats().items()
                      if isinstance(v, Number) and not isinstance(v, bool)}
+        grad_norm = self.optimizer.stats()["grad_norm"]
         for target in filter(lambda d: d is not None, (logs, entry)):
-            if "loss" in target:  # a training log: Trainer's grad_norm is the norm of absent .grad (0)
+            if "loss" in target:  # a training log: the step's norm, as Trainer logs it from its own clipping
                 target.pop("grad_norm", None)
+                if grad_norm is not None:
+                    target["grad_norm"] = grad_norm
             target.update(extra)
