@@ -229,7 +229,7 @@ class ZenFlowRuntime:
 
     def _open_step(self) -> None:
         if not self._step_open:  # once per step: a worker failure surfaces at the step's first gradient
-            self._check_failure()
+            self.check_failure()
             # The accumulate task of two steps ago read the buffers this step fills.
             pending = self._accumulate_done[self.grad_slot]
             if pending is not None:
@@ -271,7 +271,7 @@ class ZenFlowRuntime:
 
         `grad_scale`: the loss scale the gradients carry (torch.amp.GradScaler), divided out here.
         """
-        self._check_failure()
+        self.check_failure()
         self._check_hyperparameters(param_groups)
         if self.reducer is not None:
             self.reducer.finish_all()
@@ -667,7 +667,9 @@ class ZenFlowRuntime:
         """A checkpoint load replaced every state: the optimizer is consistent again."""
         self._failure = None
 
-    def _check_failure(self) -> None:
+    def check_failure(self) -> None:
+        """Raise if the optimizer failed (a worker's error, an interrupted step), also on a step with
+        nothing to do: a failed optimizer refuses to go on until a checkpoint is loaded."""
         if self._failure is not None:
             raise RuntimeError(self._failure_message())
         for worker in (self.accumulate_worker, self.update_worker):
@@ -678,7 +680,7 @@ class ZenFlowRuntime:
 
     def synchronize(self) -> None:
         """Wait for all CPU work and apply any in-flight update to the device parameters."""
-        self._check_failure()
+        self.check_failure()
         self._drain()
         self._adopt_external_writes()
         if self.update_pending:
@@ -799,7 +801,7 @@ class ZenFlowRuntime:
 
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
-        self._check_failure()
+        self.check_failure()
         self._drain()
         self._adopt_external_writes()
 

@@ -21,7 +21,7 @@ How the user's config is read. The whole JSON is first validated by DeepSpeed's 
 - "auto" (Hugging Face's placeholder, filled by its Trainer) in the batch sizes, `gradient_clipping` or the
   optimizer / scheduler params is an error naming the key; DeepSpeed's config classes read it elsewhere as
   their default (for `zero_optimization.reduce_bucket_size`: ZenFlow's default bucket);
-- `gradient_clipping` -> `max_grad_norm` (ZenFlow clips from its norm proxy; parameters have no `.grad`);
+- `gradient_clipping` -> `max_grad_norm` (ZenFlow clips from its norm proxy, compiled or eager);
 - `zero_optimization.zenflow` -> `ZenFlowConfig`; `steps_per_epoch` is the number of optimizer steps in one
   pass over `training_data` (DeepSpeed's dataloader length // gradient_accumulation_steps). This project's
   own keys (`max_update_interval`, `interval_aware_update`, `interval_second_moment`: not DeepSpeed's, whose
@@ -43,10 +43,11 @@ What the engine is given instead (why): DeepSpeed must not touch ZenFlow's state
 - no `optimizer` block but a client optimizer callable, so DeepSpeed never builds cpu_adam / FusedAdam; it
   calls the callable after it has cast and moved the module, so ZenFlow sees the final dtype and device;
 - `zero_optimization: {"stage": 0}`: no ZeRO optimizer, no flattening, no ZenFlowZeroOptimizer;
-- `gradient_clipping: 0`: DeepSpeed's `clip_fp32_gradients` would read `.grad`, which ZenFlow never fills;
+- `gradient_clipping: 0`: ZenFlow clips (above); DeepSpeed's `clip_fp32_gradients` would clip an eager `.grad`
+  a second time, or read one the compiled backward never fills;
 - no `compile` block: DeepSpeed's DeepCompile accepts only inductor/eager; `compile()` here picks the backend;
 - per engine instance (`ZenFlowDeepSpeedEngine`): `enable_backward_allreduce = False` (DeepSpeed's
-  all-reduce zero-fills every missing `.grad` and reduces it; ZenFlow's gradients never reach `.grad`);
+  all-reduce zero-fills every missing `.grad` and reduces it; ZenFlow reduces across ranks itself);
   `_do_optimizer_sanity_check` returns "no wrapper", because with a `bf16`/`fp16` block and a client
   optimizer at stage 0 DeepSpeed would wrap it in FP16_UnfusedOptimizer / BF16_Optimizer (its own masters);
   `load_checkpoint` restores the optimizer through `ZenFlowAdamW.load_state_dict` (DeepSpeed would pass its
@@ -345,8 +346,8 @@ def _define_engine_class():
                 # through ZenFlowAdamW's grad_scaler protocol) does the same job without them.
                 self.torch_autocast_z0_gradscaler = _fp16_grad_scaler(self._config.float16_config,
                                                                       get_accelerator().device_name())
-            # The rewritten backward (and, eagerly, ZenFlow's hooks) takes every gradient: DeepSpeed's
-            # all-reduce would zero-fill and reduce `.grad`s that never exist.
+            # ZenFlow reduces across ranks itself (compiled: in the rewritten backward; eagerly: its
+            # data-parallel hooks): DeepSpeed's all-reduce would zero-fill and reduce `.grad`s a second time.
             self.enable_backward_allreduce = False
             _report_skipped_steps(self.optimizer)
 

@@ -279,6 +279,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         stepped = True
         if handed or self._runtime.holds_step_grads:
             stepped = self._runtime.step(self.param_groups, grad_scale=scale)
+        else:
+            self._runtime.check_failure()  # (nothing to do, but a failed optimizer still says so)
         if self._dp_hooks is not None:
             self._dp_hooks.step_done()
         if grad_scaler is not None:
