@@ -20,7 +20,8 @@ All follow torch.optim.AdamW exactly: decoupled weight decay, then moments, then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
@@ -30,15 +31,32 @@ from zenflow_compile.triton_kernels import adamw_selected_columns_, column_sq_no
 from zenflow_compile.triton_kernels.adamw_columns import ReferencePlan
 from zenflow_compile.triton_kernels._triton import triton_available
 
-if TYPE_CHECKING:
-    from zenflow_compile.runtime.param_state import DeviceUpdate
+
+@dataclass
+class DeviceUpdate:
+    """One parameter's arguments to the fused device AdamW (selected columns or a whole vector)."""
+
+    grad: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    param: torch.Tensor
+    columns: torch.Tensor
+    # A one-element view of `step` when every entry of `step` holds the same count (else None): on CPU those
+    # parameters take torch's fused AdamW with no per-step count check. Every update adds 1 to every entry,
+    # so this holds until the state is laid out again.
+    count_head: Optional[torch.Tensor] = None
+    # False for a matrix: a reselection may rewrite its columns' counts in place (`MatrixState.select`), so a
+    # plan must not rely on `count_head` staying true for a stacked matrix.
+    counts_fixed: bool = True
 
 
 class DeviceAdamWArgs:
     """One param group's per-parameter argument lists to `device_adamw_`, built once from the states'
     `DeviceUpdate`s and reused step after step while their layout holds (the tensors are updated in place)."""
 
-    def __init__(self, updates: "list[DeviceUpdate]"):
+    def __init__(self, updates: list[DeviceUpdate]):
         self.grads = [u.grad for u in updates]
         self.masters = [u.master for u in updates]
         self.exp_avgs = [u.exp_avg for u in updates]

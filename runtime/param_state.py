@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from zenflow_compile.runtime import kernels
+from zenflow_compile.runtime.kernels import DeviceUpdate
 from zenflow_compile.runtime.transfers import Transfers, wait_events
 
 HostRun = tuple[int, int, torch.Tensor]  # rows [start, end) of the host buffers and their shared count
@@ -80,26 +81,6 @@ class CanonicalState:
     def unknown(cls, rows: int, cols: int) -> "CanonicalState":
         """All NaN: a rank that does not hold a matrix's host part fills in only what it knows."""
         return cls(*(torch.full((rows, cols), math.nan) for _ in range(3)), torch.full((cols,), math.nan))
-
-
-@dataclass
-class DeviceUpdate:
-    """One parameter's arguments to the fused device AdamW (selected columns or a whole vector)."""
-
-    grad: torch.Tensor
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    step: torch.Tensor
-    param: torch.Tensor
-    columns: torch.Tensor
-    # A one-element view of `step` when every entry of `step` holds the same count (else None): on CPU those
-    # parameters take torch's fused AdamW with no per-step count check. Every update adds 1 to every entry,
-    # so this holds until the state is laid out again.
-    count_head: Optional[torch.Tensor] = None
-    # False for a matrix: a reselection may rewrite its columns' counts in place (`MatrixState.select`), so a
-    # plan must not rely on `count_head` staying true for a stacked matrix.
-    counts_fixed: bool = True
 
 
 def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
