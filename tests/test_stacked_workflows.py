@@ -160,22 +160,28 @@ def test_model_cast_between_steps_equals_reference(first, then, overlap, when, d
     like any write it is adopted elementwise where it differs from what the optimizer left (an upcast changes
     nothing: the fp32 masters were overwritten with their bf16 roundings and a pending update was dropped,
     0.008); and it is adopted at that backward's first gradient, so an upcast's gradient is not rounded to the
-    old dtype on the way in (4.6e-5 when it was adopted at the step). Cast between a backward and the step,
-    the gradient that backward handed over moves to the new buffers (its copies down waited for first)."""
+    old dtype on the way in (4.6e-5 when it was adopted at the step). Cast between a compiled backward and
+    the step, the gradients that backward handed over move to the new buffers (their copies down waited for
+    first; eagerly they are still in `.grad` and torch casts them)."""
     keys = dict(KEYS, overlap_step=overlap)
     master_atol = ATOL
     a, b = models(lambda: Blocks().to(first))
     opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
     ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
     dtype = first
+    # (between a backward and the step only a compiled backward has handed gradients over; the reference's
+    # model is then compiled by Inductor too, so both backwards round alike)
+    compiled = when == "before-step"
+    run_a = torch.compile(a, backend="zenflow") if compiled else a
+    run_b = torch.compile(b, backend="inductor") if compiled else b
     for step in range(7):
         cast = step == 4
         if cast and when == "before-backward":
             a.to(then)
             b.to(then)
             dtype = then
-        for model, o in ((a, opt), (b, ref)):
-            loss_of(model, blocks_batch(step, dtype)).backward()
+        for model, run, o in ((a, run_a, opt), (b, run_b, ref)):
+            loss_of(run, blocks_batch(step, dtype)).backward()
             if cast and when == "before-step":
                 model.to(then)  # (torch casts .grad along with the parameter)
             o.step()

@@ -23,12 +23,13 @@ CONFIGS = {
                        select_interval=4),
     "auto-overlap": dict(topk_ratio=0.25, update_interval="auto", overlap_step=True),
 }
-def run_pair(config, *, dtype=torch.float32, device=None, steps=8, backwards_per_step=1):
+def run_pair(config, *, dtype=torch.float32, device=None, steps=8, backwards_per_step=1, compiled=False):
     model, ref_model = tiny_model(dtype, device=device), tiny_model(dtype, device=device)
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **config)
     ref = ZenFlowReference(ref_model.parameters(), lr=1e-2, **config)
     batches = make_batches(steps * backwards_per_step, dtype, device=device)
-    log = train_steps(model, opt, batches, backwards_per_step)
+    run = torch.compile(model, backend="zenflow") if compiled else model
+    log = train_steps(run, opt, batches, backwards_per_step)
     ref_log = train_steps(ref_model, ref, batches, backwards_per_step)
     opt.synchronize()
     ref.synchronize()
@@ -97,8 +98,12 @@ def test_matches_reference_and_counts_the_copies(name, dtype, device):
     assert stats["stall_seconds"] >= 0.0
 
 
-def test_gradient_accumulation_matches_reference(device):
-    assert_matches_reference(*run_pair(CONFIGS["overlap-on"], steps=6, backwards_per_step=2), torch.float32)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_gradient_accumulation_matches_reference(compiled, device):
+    """Several backwards per step: eagerly they sum in `.grad`; compiled, each backward hands its gradients
+    over and the later ones are copied down into extra pinned buffers, summed on the host at the step."""
+    opt, *rest = run_pair(CONFIGS["overlap-on"], steps=6, backwards_per_step=3, compiled=compiled)
+    assert_matches_reference(opt, *rest, torch.float32)
 
 
 @pytest.mark.cuda
