@@ -1,4 +1,4 @@
-"""The data-parallel group of one ZenFlowAdamW : collectives, ownership of host state, byte counts.
+"""The data-parallel group of one ZenFlowAdamW: collectives, ownership of host state, byte counts.
 
 Everything here is plain torch.distributed (NCCL on CUDA, gloo on CPU). What ZenFlow adds is who owns what:
 

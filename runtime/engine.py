@@ -1,7 +1,8 @@
-"""ZenFlowRuntime: the state and schedule of one ZenFlowAdamW (docs/semantics.md), shared by eager and compiled use.
+"""ZenFlowRuntime: the state and schedule of one ZenFlowAdamW (docs/semantics.md), eager and compiled.
 
-Gradients arrive per parameter, per backward (`accumulate_grad`, from the compiled graph's custom op or
-from an eager post-accumulate-grad hook). `step()` then makes the step's decisions in this order:
+Gradients arrive in buckets (`accumulate_grads`: from the compiled graph's custom op per backward, or from
+`ZenFlowAdamW.step()`, which hands over the eager `.grad`s; data parallel: `accumulate_grad` from the
+post-accumulate-grad hooks, into the reducer). `step()` then makes the step's decisions in this order:
 global norm (skip if non-finite, else clip coefficient) -> first selection at t == W -> device AdamW on the
 selected columns and vectors -> hand the unselected columns' gradient to the accumulate worker -> update
 boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
@@ -181,9 +182,9 @@ class ZenFlowRuntime:
 
     # -- gradients ----------------------------------------------------------------------------------------
     def accumulate_grad(self, pid: int, grad: torch.Tensor, scores: Optional[torch.Tensor]) -> None:
-        """One backward's gradient of one parameter (eager hook, or the compiled graph without data
-        parallelism). Data parallel: it joins the reducer's open bucket (`scores` are of the local gradient,
-        unused)."""
+        """One backward's gradient of one parameter (the data-parallel eager hooks; `reduce_grads` of a graph
+        compiled for a data-parallel owner, run by one without). Data parallel: it joins the reducer's open
+        bucket (`scores` are of the local gradient, unused)."""
         if not self._step_open:  # (called per parameter and backward: the common case stays short)
             self._open_step()
         state = self.states.get(pid) or self._state(pid)
@@ -195,7 +196,7 @@ class ZenFlowRuntime:
     def accumulate_grads(self, pids: list[int], grads: list[torch.Tensor],
                          scores: "list[Optional[torch.Tensor]] | None" = None) -> None:
         """One bucket of backward gradients (the compiled graph's `zenflow::accumulate_grads`, or the eager
-        hooks' bucket), as `accumulate_grad` for each but batched (`runtime/handoff.py`); the plan for a
+        `.grad`s handed over at `step()`), as `accumulate_grad` for each but batched (`runtime/handoff.py`); the plan for a
         bucket's states is built once per layout. `scores`: per gradient, its column scores or None."""
         if not self._step_open:
             self._open_step()

@@ -1,8 +1,8 @@
 """The hand-off of one bucket of gradients to their states, batched: a fixed number of torch calls per group
 of like parameters instead of a few per parameter.
 
-A bucket (the compiled graph's `zenflow::accumulate_grads`, or the eager hooks' bucket) holds the gradients
-of one backward for many parameters. Per parameter, `MatrixState.receive_grad` / `VectorState.receive_grad`
+A bucket (the compiled graph's `zenflow::accumulate_grads`, or the eager `.grad`s that `ZenFlowAdamW.step()`
+hands over) holds the gradients of one backward (eagerly: of the step) for many parameters. Per parameter, `MatrixState.receive_grad` / `VectorState.receive_grad`
 make ~4 small torch calls plus a Python call chain; on a model of many small tensors (LoRA adapters,
 biases, norms) that host time, not the kernels, is the step's cost. `HandoffPlan` groups the bucket's
 states once per layout (`stacked_state.like_groups`):

@@ -729,10 +729,11 @@ class MatrixState:
     def publish_host_weights(matrices: "list[MatrixState]") -> None:
         """After a CPU update: cast the new masters into each matrix's free weights buffer for the next
         upload (one batched copy)."""
+        free = [m.host_weights[m.weights_slot ^ 1] for m in matrices]
         for m in matrices:
             wait_events([m.upload_done[m.weights_slot ^ 1]])
-        matrices[0].transfers.host_access(writes=[m.host_weights[m.weights_slot ^ 1] for m in matrices])
-        torch._foreach_copy_([m.host_weights[m.weights_slot ^ 1] for m in matrices], [m.host_master for m in matrices])
+        matrices[0].transfers.host_access(writes=free)
+        torch._foreach_copy_(free, [m.host_master for m in matrices])
         for m in matrices:
             m.weights_slot ^= 1
 
