@@ -9,9 +9,8 @@ double buffers, checked for ordering), `cuda`. Default: cpu and emulated, plus c
 import pytest
 import torch
 
-from emulated_device import EmulatedStreams
+from emulated_device import emulated_async_device
 from helpers import TEST_DEVICES
-from zenflow_compile.runtime import transfers
 
 
 @pytest.fixture(params=[pytest.param(name, marks=pytest.mark.cuda) if name == "cuda" else name
@@ -33,26 +32,17 @@ def device(request):
     if name == "cpu":
         yield torch.device("cpu")
         return
-    emulated = EmulatedStreams()
-    with transfers.emulate_async_device(emulated):
-        try:
-            yield torch.device("cpu")
-        finally:
-            emulated.close()
-    emulated.check()
+    with emulated_async_device():
+        yield torch.device("cpu")
 
 
 @pytest.fixture
 def emulated_device():
     """The emulated asynchronous device alone (tests of the device path itself), whatever ZENFLOW_TEST_DEVICE
     says."""
-    emulated = EmulatedStreams()
-    with transfers.emulate_async_device(emulated):
-        try:
-            yield emulated
-        finally:
-            emulated.close()
-    emulated.check()  # (a test that provokes a violation on purpose clears `violations` once it saw it)
+    # (a test that provokes a violation on purpose clears `violations` once it saw it)
+    with emulated_async_device() as emulated:
+        yield emulated
 
 
 @pytest.fixture

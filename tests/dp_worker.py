@@ -9,6 +9,7 @@ emulated asynchronous device (emulated_device.py), and an ordering violation fai
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import os
@@ -23,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zenflow_compile  # noqa: E402
 import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
-from emulated_device import EmulatedStreams  # noqa: E402
+from emulated_device import emulated_async_device  # noqa: E402
 from helpers import loss_fn, make_batches, model_for, tiny_model  # noqa: E402
-from zenflow_compile.runtime import transfers  # noqa: E402
 
 
 def micro_batch(global_batch, rank: int, world_size: int):
@@ -127,16 +127,13 @@ def main() -> None:
     timeout = datetime.timedelta(seconds=float(os.environ.get("ZENFLOW_TEST_TIMEOUT", "60")))
     dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
                             world_size=world_size, timeout=timeout)
-    emulated = EmulatedStreams() if os.environ.get("ZENFLOW_WORKER_DEVICE") == "emulated" else None
+    emulated = os.environ.get("ZENFLOW_WORKER_DEVICE") == "emulated"
     try:
-        with transfers.emulate_async_device(emulated):
+        with emulated_async_device() if emulated else contextlib.nullcontext():
             for scenario in scenarios:
                 run(scenario, rank, world_size, out_dir)
                 if scenario.get("die_rank") is None:
                     dist.barrier()
-        if emulated is not None:
-            emulated.close()
-            emulated.check()
     finally:
         if not any(s.get("die_rank") is not None for s in scenarios):
             dist.destroy_process_group()

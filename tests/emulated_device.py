@@ -30,6 +30,7 @@ test on every run, whatever the delays.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
@@ -41,6 +42,8 @@ from typing import Optional
 
 import networkx as nx
 import torch
+
+from zenflow_compile.runtime import transfers
 
 
 class OrderingViolation(AssertionError):
@@ -120,7 +123,7 @@ class _HostBuffer:
 class _Event:
     """A completion marker: done once every operation queued before it on its stream has run."""
 
-    def __init__(self, device: "EmulatedStreams", timing: bool):
+    def __init__(self, device: "EmulatedStreams"):
         self._device = device
         self.node: Optional[int] = None
         self.completed_at: Optional[float] = None
@@ -149,7 +152,14 @@ class _Event:
         return (end.completed_at - self.completed_at) * 1e3
 
 
-class _ComputeStream:
+class _Stream:
+    def wait_stream(self, other) -> None:
+        event = _Event(self._device)
+        event.record(other)
+        self.wait_event(event)
+
+
+class _ComputeStream(_Stream):
     """The compute stream: the training thread, which runs compute work inline."""
 
     actor = "compute"
@@ -164,13 +174,8 @@ class _ComputeStream:
         self._device.hb.point(self.actor, "wait event", after=[event.node])
         event._done.wait()  # the compute work that follows runs inline, now
 
-    def wait_stream(self, other) -> None:
-        event = _Event(self._device, timing=False)
-        event.record(other)
-        self.wait_event(event)
 
-
-class _SideStream:
+class _SideStream(_Stream):
     """A copy stream: a worker thread running its queue in order."""
 
     def __init__(self, device: "EmulatedStreams", name: str):
@@ -198,11 +203,6 @@ class _SideStream:
         done = event._done
         self._queue.put(done.wait)
 
-    def wait_stream(self, other) -> None:
-        event = _Event(self._device, timing=False)
-        event.record(other)
-        self.wait_event(event)
-
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
@@ -220,7 +220,6 @@ class EmulatedStreams:
         self.hb = HappensBefore()
         self.compute = _ComputeStream(self)
         self.violations: list[str] = []
-        self.copies = 0
         self._streams: list[_SideStream] = []
         self._host_buffers: dict[int, _HostBuffer] = {}  # storage address -> buffer
         self._device_writes: dict[int, tuple] = {}  # id(device tensor) -> (weakref, node of its last write)
@@ -237,7 +236,7 @@ class EmulatedStreams:
         return self.compute
 
     def event(self, timing: bool = False) -> _Event:
-        return _Event(self, timing)
+        return _Event(self)  # (every event keeps its completion time)
 
     def host_zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.zeros(shape, dtype=dtype)
@@ -272,7 +271,6 @@ class EmulatedStreams:
         kept: list = []  # strong references from keep_alive, until the copy has landed
         self._latest_copy[stream] = (watched, kept)
         delay = self.delay_ms * self._random.uniform(0.5, 1.5) / 1e3
-        self.copies += 1
 
         def land():
             time.sleep(delay)
@@ -377,6 +375,19 @@ class EmulatedStreams:
         """Raise the first ordering violation seen anywhere (a stream thread's too)."""
         if self.violations:
             raise OrderingViolation(f"{len(self.violations)} ordering violation(s); first: {self.violations[0]}")
+
+
+@contextlib.contextmanager
+def emulated_async_device(delay_ms: Optional[float] = None):
+    """CPU tensors served by a new EmulatedStreams within the block; on the way out its copies land and the
+    first ordering violation seen anywhere is raised."""
+    emulated = EmulatedStreams(delay_ms=delay_ms)
+    with transfers.emulate_async_device(emulated):
+        try:
+            yield emulated
+        finally:
+            emulated.close()
+    emulated.check()
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:

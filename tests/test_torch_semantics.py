@@ -203,14 +203,21 @@ def test_compiled_parameter_gradient_hooks_apply_as_eagerly(hook):
     assert torch.equal(a.emb.weight[:8], frozen)
 
 
-def test_compiled_hook_registered_after_compiling_is_refused_naming_the_fix():
+def after_one_step(compiled: bool):
+    """(model, its ZenFlowAdamW, what runs it: the model, or it compiled with backend="zenflow", the batch)
+    after one step."""
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)
-    compiled = torch.compile(model, backend="zenflow")
+    run = torch.compile(model, backend="zenflow") if compiled else model
     batch = make_batches(1)[0]
-    loss_fn(compiled, batch).backward()
+    loss_fn(run, batch).backward()
     opt.step()
     opt.zero_grad()
+    return model, opt, run, batch
+
+
+def test_compiled_hook_registered_after_compiling_is_refused_naming_the_fix():
+    model, opt, compiled, batch = after_one_step(compiled=True)
     model.fc1.weight.register_hook(lambda g: g * 0)
     with pytest.raises(RuntimeError, match=r"fc1\.weight.*register_hook.*torch\._dynamo\.reset\(\)"):
         compiled(batch[0])
@@ -266,13 +273,7 @@ def test_a_parameter_removed_mid_interval_equals_the_reference():
 
 
 def test_compiled_removed_parameter_that_still_requires_grad_is_a_clear_error():
-    model = tiny_model()
-    opt = ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)
-    compiled = torch.compile(model, backend="zenflow")
-    batch = make_batches(1)[0]
-    loss_fn(compiled, batch).backward()
-    opt.step()
-    opt.zero_grad()
+    model, opt, compiled, batch = after_one_step(compiled=True)
     _remove(opt, model.fc1.weight)
     opt.step()  # (the edit is taken in at a step)
     with pytest.raises(ValueError, match=r"fc1\.weight.*removed from the optimizer's param_groups.*requires_grad_"):
@@ -333,12 +334,7 @@ def test_integer_parameters_are_still_skipped_as_torch_optim_does():
 
 
 def test_a_parameter_cast_to_fp64_after_construction_is_refused_at_the_step():
-    model = tiny_model()
-    opt = ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)
-    batch = make_batches(1)[0]
-    loss_fn(model, batch).backward()
-    opt.step()
-    opt.zero_grad()
+    model, opt, _, batch = after_one_step(compiled=False)
     model.double()
     loss_fn(model, batch).backward()
     with pytest.raises(ValueError, match=r"parameter 0 of param group 0 \(shape \(32, 16\)\) was cast to torch\.float64"):
@@ -417,12 +413,7 @@ def test_channels_last_after_the_first_step_is_refused_then_contiguous_resumes(c
 
 
 def test_transposed_storage_and_a_new_shape_are_refused_at_the_step():
-    model = tiny_model()
-    opt = ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)
-    batch = make_batches(1)[0]
-    loss_fn(model, batch).backward()
-    opt.step()
-    opt.zero_grad()
+    model, opt, _, batch = after_one_step(compiled=False)
     model.fc1.weight.data = model.fc1.weight.data.t().contiguous().t()
     loss_fn(model, batch).backward()
     with pytest.raises(ValueError, match=r"parameter 1 of param group 0 \(shape \(24, 16\)\) is no longer contiguous "
