@@ -110,6 +110,17 @@ def test_readme_first_command_pins_and_extras_exist():
     assert set(imports) <= {"argparse", "torch", "zenflow_compile"}, imports
 
 
+def test_every_base_dependency_is_imported_by_the_package():
+    """What a plain install pulls in, the package uses (numpy: torch's own need at import, above)."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    base = re.search(r"^dependencies = \[(.*?)\]", pyproject, flags=re.M | re.S).group(1)
+    names = {re.match(r'\s*"([\w-]+)', line).group(1) for line in base.splitlines() if line.strip()} - {"numpy"}
+    sources = "\n".join(p.read_text() for d in ("zenflow_compile", "passes", "runtime", "triton_kernels")
+                        for p in (ROOT / d).rglob("*.py"))
+    unused = sorted(n for n in names if not re.search(rf"^\s*(?:import|from) {n}\b", sources, flags=re.M))
+    assert not unused, f"declared in pyproject's dependencies but imported by no module of the package: {unused}"
+
+
 def test_paths_named_in_the_docs_exist():
     named = set(re.findall(r"(?<![\w/])((?:examples|benchmarks|tests|zenflow_compile|runtime|passes|triton_kernels)"
                            r"/[\w/.-]+\.(?:py|json|png))", README + ARCHITECTURE))
