@@ -722,6 +722,10 @@ class ZenFlowRuntime:
         stats["update_pending"] = self.update_pending
         # Host memory held for optimizer state (data parallel: this rank's share).
         stats["host_state_bytes"] = sum(t.numel() * t.element_size() for m in self.matrices for t in m.host_buffers())
+        # Device memory held for optimizer state: selected columns' and vectors' state, gradients, scores,
+        # indices (the uploads' staging tensors live only until their merge).
+        stats["device_state_bytes"] = sum(t.numel() * t.element_size() for s in self.states.values()
+                                          for t in s.device_buffers())
         if self.data_parallel is not None:
             stats.update(self.data_parallel.stats())
         return stats

@@ -169,6 +169,10 @@ class VectorState:
     def written_externally(self) -> bool:
         return self.watch.written_externally()
 
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The device memory this vector's state holds (all of it)."""
+        return [self.master, self.exp_avg, self.exp_avg_sq, self.step, self.grad, self.score, self.column]
+
     def adopt_param_values(self) -> None:
         self.clock.bump()  # the parameter's storage (its view in device_update) or the grad buffer may be new
         current = self.param.detach().reshape(-1, 1)
@@ -385,6 +389,12 @@ class MatrixState:
         self._distribute(selected, state, host_columns=host_columns)
         self.unapplied = False
         self.watch.remember()
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        """The device memory this matrix's state holds: its selected columns' state and gradient, its column
+        scores and the column indices."""
+        return [self.dev_master, self.dev_exp_avg, self.dev_exp_avg_sq, self.dev_step, self.dev_grad, self.scores,
+                self.selected_on_device, self.host_columns_on_device]
 
     def host_buffers(self) -> list[torch.Tensor]:
         """The host memory this matrix holds (none on a rank that does not own its host part)."""

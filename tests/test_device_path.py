@@ -160,3 +160,32 @@ def test_the_overlap_hides_copy_and_cpu_delays_that_a_synchronous_schedule_pays(
     # Synchronous: each boundary waits at least for its copies down and its CPU update.
     assert stall[False] >= 0.005 * boundaries[False]
     assert stall[True] < 0.25 * stall[False]
+
+
+@pytest.mark.parametrize("topk_ratio", [0.1, 0.25])
+def test_device_state_bytes_is_the_selected_share_of_adamw_state(topk_ratio, device):
+    """stats()["device_state_bytes"] is what the optimizer's state holds on the device, recomputed from the
+    shapes: per matrix [R, k] master, moments and gradient, k counts, C scores and C column indices; per
+    vector everything. For matrices that is about topk_ratio x AdamW's 12 bytes per parameter (plus the
+    selected columns' gradient)."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(128, 64), torch.nn.LayerNorm(64)).to(device)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=topk_ratio, update_interval=2)
+    for x in torch.randn(3, 8, 256).to(device):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    expected, matrix_params, vector_total = 0, 0, 0
+    for p in model.parameters():
+        if p.dim() >= 2:
+            rows, cols = p.shape[0], p.numel() // p.shape[0]
+            k = max(1, int(topk_ratio * cols))
+            expected += rows * k * (3 * 4 + p.element_size()) + k * 4 + cols * 4 + cols * 8
+            matrix_params += p.numel()
+        else:
+            vector_bytes = p.numel() * (3 * 4 + p.element_size()) + 4 + 4 + 8  # (+ its count, score, index)
+            expected += vector_bytes
+            vector_total += vector_bytes
+    stats = opt.stats()
+    assert stats["device_state_bytes"] == expected
+    assert topk_ratio <= (expected - vector_total) / (12 * matrix_params) < 1.6 * topk_ratio
