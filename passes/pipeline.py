@@ -28,12 +28,10 @@ import math
 
 import torch.fx
 
+from zenflow_compile.passes.backward_graph import ParamGrad, find_param_grads, is_backward_graph
 from zenflow_compile.passes.context import ZenFlowPassContext
-from zenflow_compile.passes.drop_param_grads import drop_param_grads
-from zenflow_compile.passes.find_param_grads import ParamGrad, find_param_grads, is_backward_graph
-from zenflow_compile.passes.insert_grad_accumulate import insert_grad_accumulate
-from zenflow_compile.passes.insert_grad_reduce import insert_grad_reduce
-from zenflow_compile.passes.insert_norm_proxy import insert_norm_proxy
+from zenflow_compile.passes.grad_handoff import drop_param_grads, insert_grad_accumulate, insert_grad_reduce
+from zenflow_compile.passes.norm_proxy import insert_norm_proxy
 
 __all__ = ["ZenFlowPassContext", "rewrite_backward", "is_backward_graph"]
 

@@ -5,10 +5,13 @@ All tests share one temporary TORCHINDUCTOR_CACHE_DIR (compiled C++ kernels are 
 are not unless the keys match) with both caches explicitly on.
 """
 
+import importlib
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +20,9 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import fresh_cache
 
 import zenflow_compile.backend  # noqa: F401  (registers the backend)
+from zenflow_compile.backend import ZenFlowGraphPass
 from zenflow_compile.config import ZenFlowConfig
+from zenflow_compile.passes import ZenFlowPassContext
 from zenflow_compile.runtime import registry
 
 
@@ -168,3 +173,50 @@ def test_same_program_in_a_new_process_hits_the_cache(shared_fresh_cache):
 
     assert run() == (0, 1, 2)
     assert run() == (1, 0, 2)
+
+
+# ------------------------------------------------------------------------------------ the passes' source
+# pyproject maps passes/, runtime/ and triton_kernels/ into the package; a copy laid out as installed, run from
+# its own folder, is imported ahead of the editable install.
+INSTALLED_PACKAGES = ("zenflow_compile", "zenflow_compile.passes", "zenflow_compile.runtime",
+                      "zenflow_compile.triton_kernels")
+
+PRINT_UUID = textwrap.dedent("""
+    import sys
+    import zenflow_compile.backend as backend
+    from zenflow_compile.passes import ZenFlowPassContext
+    assert backend.__file__.startswith(sys.argv[1]), backend.__file__
+    print(backend.ZenFlowGraphPass(ZenFlowPassContext(((2, 2), None))).uuid())
+""")
+
+
+def installed_copy(dest: Path) -> Path:
+    for name in INSTALLED_PACKAGES:
+        source = Path(importlib.import_module(name).__file__).parent
+        shutil.copytree(source, dest.joinpath(*name.split(".")), dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return dest
+
+
+def uuid_in_a_new_process(package_root: Path) -> str:
+    # run from the copy: `python -c` puts the working directory first on sys.path, and a checkout's has the package
+    result = subprocess.run([sys.executable, "-c", PRINT_UUID, str(package_root)], capture_output=True,
+                            text=True, cwd=package_root, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.split()[-1]
+
+
+def test_editing_a_pass_changes_the_cache_key(tmp_path):
+    """Any edit of a pass module (even a comment: the key cannot tell), or a new one, gives the pass another
+    `uuid()`, so neither cache serves a graph that the old passes rewrote."""
+    root = installed_copy(tmp_path)
+    passes = root / "zenflow_compile" / "passes"
+    unchanged = uuid_in_a_new_process(root)
+    assert unchanged == ZenFlowGraphPass(ZenFlowPassContext(((2, 2), None))).uuid()  # the copy hashes alike
+
+    handoff = passes / "grad_handoff.py"
+    handoff.write_text(handoff.read_text() + "\n# an edit\n")
+    edited = uuid_in_a_new_process(root)
+    (passes / "another_pass.py").write_text('"""A pass added later."""\n')
+    added = uuid_in_a_new_process(root)
+    assert len({unchanged, edited, added}) == 3

@@ -20,7 +20,7 @@ from torch._dynamo.backends.common import aot_autograd
 from zenflow_compile import backend as zf_backend
 from zenflow_compile.config import ZenFlowConfig
 from zenflow_compile.passes import ZenFlowPassContext, is_backward_graph, rewrite_backward
-from zenflow_compile.passes.find_param_grads import ZenFlowGraphError
+from zenflow_compile.passes.backward_graph import ZenFlowGraphError
 from zenflow_compile.runtime import registry
 from zenflow_compile.runtime.ops import ACCUMULATE_GRADS
 

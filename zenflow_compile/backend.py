@@ -48,8 +48,8 @@ from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get
 from zenflow_compile import inspect as zf_inspect
 from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig, unknown_key_hints
 from zenflow_compile.grad_hooks import any_user_grad_hooks, user_grad_hooks
+from zenflow_compile.passes.backward_graph import graph_outputs, is_backward_graph
 from zenflow_compile.passes.context import DEFAULT_BUCKET_NUMEL, ZenFlowPassContext
-from zenflow_compile.passes.find_param_grads import graph_outputs, is_backward_graph
 from zenflow_compile.passes.pipeline import rewrite_backward
 from zenflow_compile.runtime import registry
 from zenflow_compile.runtime.stacked_state import STACK_MAX_NUMEL

@@ -40,7 +40,7 @@ from torch.fx._utils import lazy_format_graph_code
 
 if TYPE_CHECKING:
     from zenflow_compile.passes.context import ZenFlowPassContext
-    from zenflow_compile.passes.find_param_grads import ParamGrad
+    from zenflow_compile.passes.backward_graph import ParamGrad
 
 __all__ = ["BackwardGraph", "capture", "backward_graphs", "readable", "normalize_code"]
 

@@ -6,10 +6,13 @@ Vector (dim < 2): the squared L2 norm, shape [1]. Always fp32 (the importance sc
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 import torch.fx
+from torch.utils._pytree import tree_map_only
 
-from zenflow_compile.passes.graph_utils import insert_call, insertion_point
+from zenflow_compile.passes.backward_graph import insertion_point
 
 __all__ = ["insert_norm_proxy"]
 
@@ -34,3 +37,14 @@ def insert_norm_proxy(graph: torch.fx.Graph, grad: torch.fx.Node) -> torch.fx.No
         total = insert_call(graph, aten.sum.default, (squared,), after=squared)
         scores = insert_call(graph, aten.reshape.default, (total, [1]), after=total)
     return scores
+
+
+def insert_call(graph: torch.fx.Graph, target: Callable[..., Any], args: tuple, *,
+                after: torch.fx.Node) -> torch.fx.Node:
+    """Insert `target(*args)` right after `after`, with `meta["val"]` computed on the args' fake values
+    (Inductor's lowering and later post-grad passes read it)."""
+    with graph.inserting_after(after):
+        node = graph.call_function(target, args)
+    fake_args = tree_map_only(torch.fx.Node, lambda n: n.meta["val"], args)
+    node.meta["val"] = target(*fake_args)
+    return node

@@ -1,4 +1,4 @@
-"""Find, in a backward graph, the output node that is each ZenFlow parameter's gradient.
+"""Read a backward graph: which output is each ZenFlow parameter's gradient, and where new nodes can go.
 
 AOTAutograd's partitioned backward graph returns one value per forward input (None where there is no
 gradient), in forward-input order; tangents come in as placeholders named `tangents_*` (AOTAutograd's own
@@ -15,7 +15,8 @@ from torch._functorch._aot_autograd.utils import _is_tangent
 
 from zenflow_compile.passes.context import ZenFlowPassContext
 
-__all__ = ["ParamGrad", "ZenFlowGraphError", "is_backward_graph", "find_param_grads"]
+__all__ = ["ParamGrad", "ZenFlowGraphError", "is_backward_graph", "graph_outputs", "find_param_grads",
+           "insertion_point"]
 
 
 class ZenFlowGraphError(RuntimeError):
@@ -66,3 +67,11 @@ def find_param_grads(graph: torch.fx.Graph, ctx: ZenFlowPassContext) -> list[Par
                 f"has shape {tuple(expected)}: the gradient-to-parameter mapping is wrong")
         found.append(ParamGrad(index, node))
     return found
+
+
+def insertion_point(node: torch.fx.Node) -> torch.fx.Node:
+    """The node after which work on `node`'s value can go: `node` itself, or the last placeholder when
+    `node` is a placeholder (placeholders stay together at the top of the graph)."""
+    if node.op != "placeholder":
+        return node
+    return list(node.graph.find_nodes(op="placeholder"))[-1]
