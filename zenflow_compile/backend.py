@@ -45,7 +45,9 @@ import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get_custom_graph_passes
 
-from zenflow_compile import inspect as zf_inspect
+# By module path: `from zenflow_compile import inspect` would read the package, which is still running its
+# __init__ (that imports this module): an import loop.
+import zenflow_compile.inspect as zf_inspect
 from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig, unknown_key_hints
 from zenflow_compile.grad_hooks import any_user_grad_hooks, user_grad_hooks
 from zenflow_compile.passes.backward_graph import graph_outputs, is_backward_graph
