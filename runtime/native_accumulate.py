@@ -10,23 +10,26 @@ it in registers (`at::vec`) and updates the accumulators in one pass, over every
 Results are bitwise those of the chunked path (same fma order as torch's CPU `add_` and `addcmul_`).
 
 How it gets into the process, never in the user's way:
-- Nothing happens at import. The first call of `op()` starts one daemon thread that compiles the source
-  below with the system C++ compiler in a subprocess (~10 s; it inherits the calling thread's core
-  affinity, so from the accumulate worker it runs on the worker cores) into torch's extension cache
-  (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions/...), under a name keyed by the source, torch
-  version, compiler and flags; the file is written under a temporary name and renamed, so concurrent
-  processes never load a half-written library. A cached library is just loaded (`torch.ops.load_library`).
-- Until the library is loaded, and wherever it cannot be (no compiler, a failed build, not Linux, or
-  `ZENFLOW_NATIVE_ACCUMULATE=0`), `op()` returns None and the caller keeps the chunked torch path; why is
-  logged once at INFO. Training never waits for the build.
+- Nothing happens at import. The first call of `op()` starts one daemon thread, which loads the library
+  from torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions/...) or, if it
+  is not there, first builds it with torch's own `cpp_extension.load` (ninja and the system C++ compiler,
+  ~10 s) in a child process, `nice`d, on the calling thread's cores. The extension's name is a hash of the
+  source, torch version and flags: any change builds a new library beside the old one.
+- Concurrent processes: torch's build holds a lock file in the extension's directory while it runs; the
+  others wait for it, then load. The build runs in a child process so that it finishes and removes the lock
+  even if this process exits first (a dying thread would leave the lock, and later processes would wait
+  on it). A lock left by a killed build ends the wait after BUILD_TIMEOUT_S; the reason names it.
+- Until the library is loaded, and wherever it cannot be (no compiler, no ninja, a failed build, not
+  Linux, or `ZENFLOW_NATIVE_ACCUMULATE=0`), `op()` returns None and the caller keeps the chunked torch path;
+  why is logged once at INFO. Training never waits for the build.
 - No Python bindings: the kernel registers `torch.ops.zenflow_native.accumulate_scaled_` (schema-checked,
-  the GIL released while it runs), so no pybind11 and no ninja are needed.
+  the GIL released while it runs), so no pybind11 is compiled.
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -175,6 +178,18 @@ TORCH_LIBRARY_IMPL(zenflow_native, CPU, m) {
 }
 """
 
+# The child process: torch's build (under its lock file); the parent loads the library.
+_BUILD_SCRIPT = """
+import json, os, signal, sys
+signal.alarm(int(sys.argv[2]))  # bounds a wait on a lock file left by a killed build
+os.nice(10)  # below the training process; ninja and the compiler inherit it
+from torch.utils.cpp_extension import load
+try:
+    load(**json.loads(sys.argv[1]))
+except Exception as error:
+    sys.exit(f"{type(error).__name__}: {error}")
+"""
+
 
 class _Native:
     """The kernel's process-wide state: not started, building, ready (op set) or unavailable (reason set)."""
@@ -186,7 +201,6 @@ class _Native:
         self.op: Optional[Callable[..., None]] = None
         self.reason: Optional[str] = None
         self.library: Optional[Path] = None
-        self.build_process: Optional[subprocess.Popen] = None
 
 
 _native = _Native()
@@ -242,13 +256,11 @@ class _Unavailable(Exception):
 
 def _build_and_load() -> None:
     try:
-        library = _build_plan()
-        if not library["path"].exists():
-            _compile(library)
-        torch.ops.load_library(str(library["path"]))
-        _native.library = library["path"]
+        library = _cached_or_built()
+        torch.ops.load_library(str(library))
+        _native.library = library
         _native.op = getattr(torch.ops, LIBRARY_NAMESPACE).accumulate_scaled_.default
-        log.info("zenflow_compile: native bf16/fp16 gradient accumulation loaded from %s", library["path"])
+        log.info("zenflow_compile: native bf16/fp16 gradient accumulation loaded from %s", library)
         _native.done.set()
     except _Unavailable as error:
         _give_up(str(error))
@@ -256,74 +268,65 @@ def _build_and_load() -> None:
         _give_up(f"{type(error).__name__}: {error}")
 
 
-def _build_plan() -> dict:
-    """Compiler command and cache location; the name is keyed by everything the binary depends on."""
-    if not sys.platform.startswith("linux"):
-        raise _Unavailable(f"built only on Linux (this is {sys.platform})")
-    if "OpenMP" not in torch.__config__.parallel_info():
-        raise _Unavailable("torch's parallel backend is not OpenMP (the kernel's thread count would not follow "
-                           "the worker's)")
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler or not shutil.which(compiler):
-        raise _Unavailable("no C++ compiler found (set CXX or install g++)")
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as error:
-        raise _Unavailable(f"{compiler} --version failed: {error}")
+def _extension() -> tuple[str, Path, list[str]]:
+    """The extension's name (keyed by everything the library depends on), directory and compiler flags."""
     from torch.utils import cpp_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _CAPABILITY_FLAGS:
         capability = "DEFAULT"  # portable build: at::vec's generic implementation
-    flags = ["-O3", "-std=c++20", "-fPIC", "-shared", "-ffp-contract=off", "-w",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_CAPABILITY_FLAGS.get(capability, [])]
-    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
-    libraries = [f"-L{p}" for p in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu"]
-    key = hashlib.sha256("\0".join([SOURCE, torch.__version__, str(torch.version.git_version), compiler, version,
-                                     *flags, *libraries]).encode()).hexdigest()[:16]
-    name = f"zenflow_accumulate_{key}"
-    directory = Path(cpp_extension._get_build_directory("zenflow_accumulate", verbose=False))
-    return dict(name=name, path=directory / f"{name}.so", source=directory / f"{name}.cpp", compiler=compiler,
-                flags=flags, libraries=libraries)
+    flags = ["-O3", "-ffp-contract=off", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}",
+             *_CAPABILITY_FLAGS.get(capability, [])]
+    key = hashlib.sha256("\0".join([SOURCE, torch.__version__, str(torch.version.git_version), *flags]).encode())
+    name = f"zenflow_accumulate_{key.hexdigest()[:16]}"
+    return name, Path(cpp_extension._get_build_directory(name, verbose=False)), flags
 
 
-def _compile(library: dict) -> None:
-    suffix = f".tmp{os.getpid()}.{threading.get_ident()}"
-    source_tmp = library["source"].with_name(library["source"].name + suffix)
-    source_tmp.write_text(SOURCE)
-    os.replace(source_tmp, library["source"])
-    output_tmp = library["path"].with_name(library["path"].name + suffix)
-    command = [library["compiler"], *library["flags"], str(library["source"]), "-o", str(output_tmp),
-               *library["libraries"]]
-    if shutil.which("nice"):
-        command = ["nice", "-n", "10", *command]  # below the training process
-    log.info("zenflow_compile: building the native accumulation kernel in the background: %s", library["path"])
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)  # its own group: stopped with its children at exit
-    _native.build_process = process
+def _cached_or_built() -> Path:
+    """The library in torch's extension cache, built first if it is not there."""
+    if not sys.platform.startswith("linux"):
+        raise _Unavailable(f"built only on Linux (this is {sys.platform})")
+    if "OpenMP" not in torch.__config__.parallel_info():
+        raise _Unavailable("torch's parallel backend is not OpenMP (the kernel's thread count would not follow "
+                           "the worker's)")
+    from torch.utils.cpp_extension import LIB_EXT
+
+    name, directory, flags = _extension()
+    library, lock = directory / f"{name}{LIB_EXT}", directory / "lock"
+    if library.exists() and not lock.exists():
+        return library
+
+    path = _tool_path()
+    compiler = os.environ.get("CXX", "c++")  # what torch's build runs
+    if not shutil.which(compiler, path=path):
+        raise _Unavailable(f"no C++ compiler found ({compiler!r}; set CXX or install g++)")
+    if not shutil.which("ninja", path=path):
+        raise _Unavailable("ninja not found (torch's extension build needs it: pip install ninja)")
+    source = directory / f"{name}.cpp"
+    if not source.exists():  # written whole, then renamed: a concurrent build never reads half a file
+        partial = source.with_name(f"{source.name}.{os.getpid()}.tmp")
+        partial.write_text(SOURCE)
+        os.replace(partial, source)
+    log.info("zenflow_compile: building the native accumulation kernel in the background: %s", library)
+    arguments = dict(name=name, sources=[str(source)], extra_cflags=flags, build_directory=str(directory),
+                     is_python_module=False)
+    seconds = str(max(1, round(BUILD_TIMEOUT_S)))
+    build = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, json.dumps(arguments), seconds], capture_output=True,
+                           text=True, env={**os.environ, "PATH": path})
+    if build.returncode == -signal.SIGALRM:
+        raise _Unavailable(f"no library after {BUILD_TIMEOUT_S:.0f} s: the build is still running or a killed "
+                           f"build left its lock file (remove {lock} if no build is running)")
+    if build.returncode != 0:
+        tail = "\n".join(build.stderr.strip().splitlines()[-15:])
+        raise _Unavailable(f"the build failed (exit {build.returncode}): {tail}")
+    return library
+
+
+def _tool_path() -> str:
+    """PATH with the pip `ninja` package's binary first: found even where its venv is not activated."""
+    path = os.environ.get("PATH", os.defpath)
     try:
-        output, _ = process.communicate(timeout=BUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        _stop_build()
-        output_tmp.unlink(missing_ok=True)
-        raise _Unavailable(f"the build took over {BUILD_TIMEOUT_S:.0f} s and was stopped")
-    finally:
-        _native.build_process = None
-    if process.returncode != 0:
-        output_tmp.unlink(missing_ok=True)
-        tail = "\n".join(output.strip().splitlines()[-15:])
-        raise _Unavailable(f"the build failed (exit {process.returncode}): {tail}")
-    os.replace(output_tmp, library["path"])  # atomic: other processes see no file or a whole one
-
-
-@atexit.register
-def _stop_build() -> None:
-    """Stop a build still running (the compiler and its children), so none outlives the process."""
-    process = _native.build_process
-    if process is not None and process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        process.wait()
+        import ninja
+    except ImportError:
+        return path  # a system ninja, if any
+    return os.pathsep.join([ninja.BIN_DIR, path])

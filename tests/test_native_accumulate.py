@@ -1,11 +1,11 @@
 """The native bf16/fp16 accumulation kernel (runtime/native_accumulate.py) behind
 `kernels.accumulate_scaled_many_`: the same numbers as the chunked torch path and a float64 recomputation,
-its refusals, and how it is built and loaded (never at import, never in the way, cached, a failed build
-falls back).
+its refusals, and how it is built and loaded (never at import, never in the way, cached, safe across
+processes, a failed or impossible build falls back).
 
 The kernel is built once for the session (the `native_op` fixture, ~10 s on 2 cores without a cache) into
-torch's extension cache; the subprocess tests build nothing (cache hit, a disabled switch, a failing
-compiler in an empty cache)."""
+torch's extension cache. The subprocess tests use their own empty cache (TORCH_EXTENSIONS_DIR); one of them
+builds a variant of the kernel, the others build nothing or fail on purpose."""
 
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ COEFS = (1.0, 0.37)
 
 @pytest.fixture(scope="session")
 def native_op():
-    if native_accumulate.op() is None and not (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")):
-        pytest.skip("no C++ compiler: the runtime keeps the chunked path (tested below)")
     op = native_accumulate.wait_until_ready(native_accumulate.BUILD_TIMEOUT_S)
-    assert op is not None, f"the native kernel did not load: {native_accumulate.unavailable_reason()}"
+    reason = native_accumulate.unavailable_reason() or ""
+    if op is None and ("no C++ compiler" in reason or "ninja not found" in reason):
+        pytest.skip(f"{reason}: the runtime keeps the chunked path (tested below)")
+    assert op is not None, f"the native kernel did not load: {reason or 'still building'}"
     return op
 
 
@@ -158,39 +159,113 @@ def _run_python(code: str, **env) -> subprocess.CompletedProcess:
     return proc
 
 
-_PROBE = """
-    import logging, threading, torch
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from zenflow_compile.runtime import kernels, native_accumulate
-    assert not any(t.name == "zenflow-native-build" for t in threading.enumerate()), "started at import"
-    acc, grad = torch.zeros(100), torch.full((100,), 0.5, dtype=torch.bfloat16)
-    kernels.accumulate_scaled_many_([acc], [grad], 2.0)  # starts the build or load, runs the chunked path
-    op = native_accumulate.wait_until_ready(120)
-    kernels.accumulate_scaled_many_([acc], [grad], 2.0)
-    assert torch.equal(acc, torch.full((100,), 2.0)), acc
-    print("native:", op is not None, "| reason:", native_accumulate.unavailable_reason())
-"""
+def _probe(setup: str = "") -> str:
+    """A process that accumulates before and after the kernel is ready (`setup` runs before the first call)."""
+    return textwrap.dedent("""
+        import logging, threading, torch
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        from zenflow_compile.runtime import kernels, native_accumulate
+        assert not any(t.name == "zenflow-native-build" for t in threading.enumerate()), "started at import"
+    """) + textwrap.dedent(setup) + textwrap.dedent("""
+        acc, grad = torch.zeros(100), torch.full((100,), 0.5, dtype=torch.bfloat16)
+        kernels.accumulate_scaled_many_([acc], [grad], 2.0)  # starts the build or load, runs the chunked path
+        op = native_accumulate.wait_until_ready(120)
+        kernels.accumulate_scaled_many_([acc], [grad], 2.0)
+        assert torch.equal(acc, torch.full((100,), 2.0)), acc
+        print("native:", op is not None, "| reason:", native_accumulate.unavailable_reason())
+    """)
 
 
-def test_cached_kernel_is_loaded_without_a_build(native_op):
-    proc = _run_python(_PROBE)
+# Another kernel source: another extension, built in the test's own cache.
+_VARIANT = 'native_accumulate.SOURCE += "\\n// a variant\\n"\n'
+_NO_BUILD_TOOLS = 'import sys; sys.modules["ninja"] = None  # no pip ninja either\n'
+
+
+def _compiles(directory) -> int:
+    """How many times ninja compiled the extension in `directory` (its log's entries for the object file)."""
+    entries = [line.split("\t") for line in (directory / ".ninja_log").read_text().splitlines()
+               if not line.startswith("#")]
+    return sum(entry[3].endswith(".o") for entry in entries)
+
+
+def test_cached_kernel_is_loaded_without_a_build(native_op, tmp_path):
+    """A second process loads the session's library as it is: no compiler or ninja reachable, nothing rebuilt."""
+    library = native_accumulate.library_path()
+    built_at = library.stat().st_mtime_ns
+    proc = _run_python(_probe(_NO_BUILD_TOOLS), PATH=str(tmp_path), CXX=str(tmp_path / "c++"))
     assert "native: True" in proc.stdout
-    assert "loaded from" in proc.stderr and "building" not in proc.stderr, proc.stderr
+    assert f"loaded from {library}" in proc.stderr and "building" not in proc.stderr, proc.stderr
+    assert library.stat().st_mtime_ns == built_at
 
 
 def test_switched_off_keeps_the_chunked_path(tmp_path):
-    proc = _run_python(_PROBE, ZENFLOW_NATIVE_ACCUMULATE="0", TORCH_EXTENSIONS_DIR=str(tmp_path))
+    proc = _run_python(_probe(), ZENFLOW_NATIVE_ACCUMULATE="0", TORCH_EXTENSIONS_DIR=str(tmp_path))
     assert "native: False | reason: ZENFLOW_NATIVE_ACCUMULATE=0" in proc.stdout
     assert "using the chunked torch path" in proc.stderr
     assert not list(tmp_path.iterdir())  # nothing built
 
 
 def test_failed_build_falls_back_and_says_why(tmp_path):
-    """A compiler that fails, in an empty cache: the accumulation stays right, the reason is logged once."""
-    failing = shutil.which("false")
-    if failing is None:
-        pytest.skip("no `false` binary to stand in for a failing compiler")
-    proc = _run_python(_PROBE, CXX=failing, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    """A compiler that fails on the source, in an empty cache: torch's build fails, the accumulation stays
+    right, the compiler's message is logged once, and the lock is released."""
+    real = shutil.which(os.environ.get("CXX", "c++"))
+    if real is None:
+        pytest.skip("no C++ compiler")
+    failing = tmp_path / "bin" / "g++"
+    failing.parent.mkdir()
+    failing.write_text(f'#!/bin/sh\ncase " $* " in *" -c "*) echo "error: broken on purpose" >&2; exit 1;; esac\n'
+                       f'exec {real} "$@"\n')
+    failing.chmod(0o755)
+    cache = tmp_path / "cache"
+    proc = _run_python(_probe(), CXX=str(failing), TORCH_EXTENSIONS_DIR=str(cache))
     assert "native: False | reason: the build failed (exit 1)" in proc.stdout
+    assert "error: broken on purpose" in proc.stdout
     assert proc.stderr.count("using the chunked torch path") == 1
-    assert not list(tmp_path.rglob("*.so"))  # no partial library left to load
+    assert not list(cache.rglob("*.so")) and not list(cache.rglob("lock"))
+
+
+def test_without_ninja_keeps_the_chunked_path(tmp_path):
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    proc = _run_python(_probe(_NO_BUILD_TOOLS), PATH=str(tmp_path), CXX=compiler,
+                       TORCH_EXTENSIONS_DIR=str(tmp_path / "cache"))
+    assert "native: False | reason: ninja not found" in proc.stdout
+    assert not list((tmp_path / "cache").rglob("*.cpp"))  # gave up before writing anything
+
+
+def test_a_lock_left_by_a_killed_build_ends_the_wait(tmp_path):
+    proc = _run_python(_probe("""
+        native_accumulate.BUILD_TIMEOUT_S = 2
+        name, directory, _ = native_accumulate._extension()
+        (directory / "lock").touch()  # as torch's build leaves it when killed
+    """), TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert "native: False | reason: no library after 2 s" in proc.stdout
+    assert f"remove {next(tmp_path.glob('*/lock'))}" in proc.stdout
+
+
+def test_processes_share_one_build_that_outlives_its_starter(native_op, tmp_path):
+    """A changed source builds a new extension. The process that starts its build exits at once; a second one
+    arriving meanwhile waits on torch's lock and loads the same library: one compile, no lock left behind."""
+    starter = _VARIANT + textwrap.dedent("""
+        import time
+        native_accumulate.op()
+        name, directory, _ = native_accumulate._extension()
+        deadline = time.monotonic() + 120
+        while not (directory / "lock").exists() and time.monotonic() < deadline:  # the build takes torch's lock
+            time.sleep(0.01)
+        print("exiting while the build runs" if (directory / "lock").exists() else "no build seen")
+    """)
+    code = textwrap.dedent("""
+        import logging
+        logging.basicConfig(level=logging.INFO)
+        from zenflow_compile.runtime import native_accumulate
+    """) + starter
+    assert "exiting while the build runs" in _run_python(code, TORCH_EXTENSIONS_DIR=str(tmp_path)).stdout
+    (directory,) = tmp_path.iterdir()
+    assert directory.name != native_accumulate.library_path().parent.name  # not the session's library
+    assert (directory / "lock").exists()  # the build goes on without the process that started it
+    proc = _run_python(_probe(_VARIANT), TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert "native: True" in proc.stdout, proc.stderr
+    assert _compiles(directory) == 1
+    assert not (directory / "lock").exists() and not list(directory.glob("*.tmp"))
