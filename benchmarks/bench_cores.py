@@ -6,7 +6,7 @@
     python benchmarks/bench_cores.py --smoke --out smoke.json         # tiny, seconds: checks the harness
 
 The CPU update is the runtime's real host work for one interval, looped in a real `CpuWorker` (the thread the
-runtime runs it on): `--interval` accumulations + one boundary update (bench_host.HostWork: MatrixState and
+runtime runs it on): `--interval` accumulations + one boundary update (bench_host.HostWork: the runtime's slabs and
 runtime.kernels.cpu_adamw_) over `--params` parameters (bf16 gradients, fp32 state). The training loop runs
 on the main thread with the process's default torch threads, as a user's loop would:
   compute      forward + backward + fused AdamW of an MLP (1024 -> 4096 -> 1024, batch 64): all-thread matmuls

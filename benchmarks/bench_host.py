@@ -9,7 +9,7 @@ What is measured (on the host, no GPU needed; the GPU's part of the offload is D
                every matrix, once per step of the interval (bf16/fp16 gradients: the native kernel, whose
                build the script waits for first; --no-native: the chunked torch path)
   adamw        the CPU AdamW kernel alone on the host columns: `runtime.kernels.cpu_adamw_` over the runs
-               that `MatrixState.host_adamw_batch` yields (what the runtime's update task calls)
+               that `Slab.host_runs` yields (what the runtime's update task calls)
   update       the runtime's whole boundary update, the calls of its update task in order: host_adamw_batch
                (mean gradient) + cpu_adamw_ + zeroing the accumulator + publish_host_weights (cast for upload)
   ds_cpu_adam  DeepSpeed's DeepSpeedCPUAdam.step() on the same master and gradient tensors (its own moments);
@@ -48,7 +48,7 @@ from typing import Callable, Optional
 import torch
 
 from zenflow_compile.runtime import cpu_affinity, kernels, native_accumulate
-from zenflow_compile.runtime.param_state import AccumulateBatch, MatrixState
+from zenflow_compile.runtime.slab import Member, MemberState, Slab, slab_key
 from zenflow_compile.runtime.transfers import Transfers
 from zenflow_compile.runtime.worker import CpuWorker
 
@@ -84,26 +84,28 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"bad size {text!r}: expected a parameter count like 10M, 0.5B or 2000000")
 
 
-def build_states(num_params: int, grad_dtype: torch.dtype) -> list[MatrixState]:
-    """Real runtime state: MatrixStates over CPU parameters, no column selected (all host-resident)."""
+def build_states(num_params: int, grad_dtype: torch.dtype) -> list[Slab]:
+    """Real runtime state: slabs over CPU parameters (one each, as the runtime lays out large matrices), no
+    column selected (all host-resident)."""
     rows, cols = MATRIX_SHAPE
     if num_params < rows * cols:
         rows = max(1, num_params // cols)
     count = max(1, round(num_params / (rows * cols)))
     transfers = Transfers(torch.device("cpu"))
     generator = torch.Generator().manual_seed(0)
-    states = []
+    slabs = []
     for i in range(count):
         param = (torch.randn(rows, cols, generator=generator) * 0.02).to(grad_dtype)
-        state = MatrixState(param, pid=i, group_index=0, transfers=transfers)
-        for buffer in state.host_grads:
+        member = Member(param, pid=i, group_index=0, owner=0, owns_host=True)
+        slab = Slab(slab_key(member, 0), [member], [MemberState.fresh(param)], transfers, accumulate_squares=False)
+        for buffer in slab.host_grads:
             buffer.copy_(torch.randn(buffer.shape, generator=generator) * 1e-3)
-        states.append(state)
-    return states
+        slabs.append(slab)
+    return slabs
 
 
 def bytes_needed(num_params: int, grad_bytes: int) -> int:
-    # MatrixState: master, m, v, 2 accumulators (fp32) + 2 grads + 2 weights (grad dtype);
+    # A slab's host part: master, m, v, 2 accumulators (fp32) + 2 grads + 2 weights (grad dtype);
     # DeepSpeed's and torch's moments (fp32 x 2 each); the parameter itself
     return num_params * (5 * 4 + 4 * grad_bytes + 4 * 4 + grad_bytes)
 
@@ -123,9 +125,9 @@ def mem_available() -> Optional[int]:
 class HostWork:
     """Every measured operation over one set of states; each is a zero-argument callable."""
 
-    def __init__(self, states: list[MatrixState], interval: int, ds_optimizer_class=None):
+    def __init__(self, states: list[Slab], interval: int, ds_optimizer_class=None):
         self.states, self.interval = states, interval
-        self.num_params = sum(s.num_host * s.rows for s in states)
+        self.num_params = sum(s.n * s.u * s.R for s in states)
         self.step = 0
         # (a) and (b) work on the same tensors as the runtime: the host masters, the accumulator as gradient
         self.params = []
@@ -137,24 +139,23 @@ class HostWork:
                      weight_decay=HYPER["weight_decay"])
         self.torch_fused = torch.optim.AdamW(self.params, fused=True, **hyper)
         self.ds = ds_optimizer_class(self.params, adamw_mode=True, **hyper) if ds_optimizer_class else None
-        # The accumulate worker's task per host-gradient slot, built once as the runtime builds it.
-        self.accumulate_batches = [AccumulateBatch(states, grad_slot, 0) for grad_slot in (0, 1)]
 
     def accumulate(self) -> None:
         """One step's host accumulation (the accumulate worker's task)."""
-        self.accumulate_batches[self.step % 2].run(1.0, copies=[])  # (the device is the host: no copies)
+        for s in self.states:  # (the device is the host: no copies to wait for)
+            s.accumulate(None, self.step % 2, 0, 1.0, copies=[])
         self.step += 1
 
     def adamw(self) -> None:
         """The CPU AdamW kernel over the host runs (accumulator as the gradient, no division)."""
-        batch = [(s.host_master[a:b], s.accumulators[0][a:b], s.host_exp_avg[a:b], s.host_exp_avg_sq[a:b], count)
-                 for s in self.states for a, b, count in s.host_runs]
+        batch = [run[:5] for s in self.states for run in s.host_runs(list(range(s.n)), True, s.accumulators[0], None)]
         kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **HYPER)
 
     def update(self) -> None:
-        """The runtime's boundary update task, call for call (MatrixState.update_host_columns, as runtime/engine.py's
+        """The runtime's boundary update task, call for call (Slab.update_host_columns, as runtime/engine.py's
         _launch_cpu_update calls it)."""
-        MatrixState.update_host_columns(self.states, 0, [self.interval] * len(self.states), HYPER)
+        for s in self.states:
+            s.update_host_columns({1: [(i, self.interval) for i in range(s.n)]}, 0, HYPER)
 
     def ds_cpu_adam(self) -> None:
         self.ds.step()

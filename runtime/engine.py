@@ -1,8 +1,8 @@
 """ZenFlowRuntime: the state and schedule of one ZenFlowAdamW (docs/semantics.md), eager and compiled.
 
-Gradients arrive in buckets (`accumulate_grads`: from the compiled graph's custom op per backward, or from
-`ZenFlowAdamW.step()`, which hands over the eager `.grad`s; data parallel: `accumulate_grad` from the
-post-accumulate-grad hooks, into the reducer). `step()` then makes the step's decisions in this order:
+Gradients arrive in buckets (`take_grads`: from the compiled graph's custom op per backward, from
+`ZenFlowAdamW.step()`, which hands over the eager `.grad`s, or from the data-parallel hooks, into the
+reducer) and go into their slabs (`runtime/slab.py`). `step()` then makes the step's decisions in this order:
 global norm (skip if non-finite, else clip coefficient) -> first selection at t == W -> device AdamW on the
 selected columns and vectors -> hand the unselected columns' gradient to the accumulate worker -> update
 boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
@@ -10,9 +10,10 @@ reselection (after waiting for and applying the boundary's own update, so state 
 
 Data parallel (`data_parallel` set): gradients arrive averaged across ranks (`GradReducer`); the
 step all-reduces the column scores first, so the norm, clipping, Zen-auto and every selection are computed
-from the same numbers on every rank and every rank issues the same collectives in the same order. Host
-state is partitioned by matrix (`DataParallel.assign_owner`): only a matrix's owner accumulates and runs
-its CPU AdamW; at the apply the owner broadcasts the updated columns.
+from the same numbers on every rank and every rank issues the same collectives in the same order (slabs are
+keyed by their members' owner, so every rank builds the same slabs in the same order). Host state is
+partitioned by matrix (`DataParallel.assign_owner`): only a matrix's owner accumulates and runs its CPU AdamW;
+at the apply the owner broadcasts the updated columns.
 
 Determinism: the device only ever receives a CPU update at a fixed point of the schedule (the boundary
 after its launch, or its own boundary without overlap), so results never depend on thread timing; if the
@@ -31,16 +32,11 @@ from typing import Callable, Optional
 
 import torch
 
-from zenflow_compile.config import ZenFlowConfig
-from zenflow_compile.runtime import kernels
-from zenflow_compile.runtime import param_state, registry
+from zenflow_compile.runtime import checkpoint, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
-from zenflow_compile.runtime.handoff import HandoffPlan
-from zenflow_compile.runtime.stacked_state import stack_like_states, stacked_merges
-from zenflow_compile.runtime.param_state import (CanonicalState, MatrixState, VectorState, top_k_columns,
-                                                 top_k_columns_many)
-from zenflow_compile.runtime.transfers import StallClock, Transfers
+from zenflow_compile.runtime.slab import Member, MemberState, Slab, adopt_changed, slab_key, top_k_columns
+from zenflow_compile.runtime.transfers import StallClock, Transfers, wait_events
 from zenflow_compile.runtime.worker import CpuWorker, joined, wait_for
 
 
@@ -54,6 +50,13 @@ def _hyperparameters(group: dict) -> dict:
                 weight_decay=float(group["weight_decay"]))
 
 
+def _rows(slab: Slab) -> Optional[list[int]]:
+    """The members of `slab` that took a gradient this step: None for all of them."""
+    if slab.members_taken == slab.n:
+        return None
+    return [i for i, m in enumerate(slab.members) if m.num_grads]
+
+
 @dataclasses.dataclass
 class _StepReadout:
     """What the step's one host read brought back (see `ZenFlowRuntime._read_step_values`)."""
@@ -64,21 +67,58 @@ class _StepReadout:
     selecting_scores: dict = dataclasses.field(default_factory=dict)  # pid -> host scores, first selections
 
 
+class _BucketPlan:
+    """How one bucket's gradients go into their slabs: whole slabs in one batched call each, the rest member by
+    member. Built once per bucket composition and layout."""
+
+    def __init__(self, members: list[Member]):
+        by_slab: dict[int, list[int]] = {}
+        slabs = {}
+        for position, member in enumerate(members):
+            by_slab.setdefault(id(member.slab), []).append(position)
+            slabs[id(member.slab)] = member.slab
+        self.whole, self.singles = [], []
+        for key, positions in by_slab.items():
+            slab = slabs[key]
+            if len(positions) == slab.n:
+                positions.sort(key=lambda p: members[p].index)
+                self.whole.append((slab, positions))
+            else:
+                self.singles += [(slab, members[p].index, p) for p in positions]
+
+    def take(self, grads: list, scores: Optional[list], grad_slot: int) -> int:
+        sent = 0
+        for slab, positions in self.whole:
+            if slab.members_taken or any(grads[p].dtype != slab.dtype for p in positions):
+                for p, member in zip(positions, slab.members):  # a later backward of the step
+                    sent += slab.take_grad(member.index, grads[p], None if scores is None else scores[p], grad_slot)
+                continue
+            sent += slab.take_grads([grads[p] for p in positions],
+                                    None if scores is None else [scores[p] for p in positions], grad_slot)
+        for slab, i, p in self.singles:
+            sent += slab.take_grad(i, grads[p], None if scores is None else scores[p], grad_slot)
+        return sent
+
+
 class ZenFlowRuntime:
-    def __init__(self, config: ZenFlowConfig, max_grad_norm: Optional[float],
+    def __init__(self, config, max_grad_norm: Optional[float],
                  data_parallel: Optional[DataParallel] = None, reduce_bucket_numel: int = 25_000_000):
         self.config = config
         self.max_grad_norm = max_grad_norm
         self.data_parallel = data_parallel
         self.rank = data_parallel.rank if data_parallel is not None else 0
         self.bucket_numel = reduce_bucket_numel  # gradient hand-off buckets (compiled graphs; reducer)
-        self.reducer = (GradReducer(data_parallel, reduce_bucket_numel, self._receive_reduced)
+        self.reducer = (GradReducer(data_parallel, reduce_bucket_numel, self._take_reduced)
                         if data_parallel is not None else None)
         self.owners: dict[int, int] = {}  # data parallel: pid -> rank holding its host state (set at creation)
         self.params: dict[int, tuple[torch.Tensor, int]] = {}  # every owned parameter: id -> (param, group)
         # Optimizer state exists only for parameters that got a gradient: a frozen (or never used) parameter
         # costs no host memory and no transfers, and is never written.
-        self.states: dict[int, MatrixState | VectorState] = {}
+        self.members: dict[int, Member] = {}  # pid -> its place in a slab, in registration (pid) order
+        self.slabs: list[Slab] = []
+        self._plans: dict[tuple, _BucketPlan] = {}  # bucket's pids -> plan, for the current slabs
+        self._norm_orders: dict[tuple, Optional[torch.Tensor]] = {}  # see _norm_order, for the current slabs
+        self._watched = None  # (params, what their watches saw), for the current members
         self.step_count = 0  # t: completed (non-skipped) steps
         self.selection_start = 0  # first step run under the current selection
         self.selection_epoch = 0  # select_strategy="epoch": epoch-grid points passed at the last selection
@@ -93,19 +133,6 @@ class ZenFlowRuntime:
         self._update_future: Optional[Future] = None
         self._step_open = False
         self._failure: Optional[tuple[str, str]] = None  # (what failed, its cause), see _fail
-        # Built once per layout (param_state.PerLayout), used every step:
-        self.layout_clock = param_state.LayoutClock()  # this optimizer's states' layout changes
-        self._device_args = param_state.PerLayout(self._device_adamw_args, self.layout_clock)
-        self._accumulate_batches = param_state.PerLayout(lambda matrices: {}, self.layout_clock)  # slots -> batch
-        self._zen_auto_plan = param_state.PerLayout(self._zen_auto_segments, self.layout_clock)
-        self._stacked_merges = param_state.PerLayout(stacked_merges, self.layout_clock)
-        # (every ParamWatch.remember() comes with a layout change: what each watch saw is fixed per layout)
-        self._watched_params = param_state.PerLayout(
-            lambda states: ([s.watch.param for s in states], [s.watch.seen for s in states],
-                            [s.watch.seen[2] for s in states]), self.layout_clock)
-        self._handoff_plans: dict[tuple, HandoffPlan] = {}  # bucket's pids -> plan, for one layout generation
-        self._handoff_generation = None
-        self._stacked_generation = None  # the layout generation stack_like_states last saw
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
@@ -140,32 +167,73 @@ class ZenFlowRuntime:
         self._drain()  # CPU work in flight reads the states
         for pid in [pid for pid in self.params if pid not in group_of]:
             del self.params[pid]
-            self.states.pop(pid, None)
             registry.unregister_param(pid)
         for pid, group_index in group_of.items():
             param, _ = self.params[pid]
             self.params[pid] = (param, group_index)
-            if pid in self.states:
-                self.states[pid].group_index = group_index
-        self.layout_clock.bump()
+        changed = [m for m in self.members.values() if m.pid not in group_of or m.group_index != group_of[m.pid]]
+        if not changed:
+            return
+        slabs = {id(m.slab): m.slab for m in changed}
+        keep = [m for slab in slabs.values() for m in slab.members if m.pid in group_of]
+        states = [m.slab.export_member(m.index, self.acc_slot, with_step_grad=self.grad_slot) for m in keep]
+        for pid in [m.pid for m in changed if m.pid not in group_of]:
+            del self.members[pid]
+        for member in keep:
+            member.group_index = group_of[member.pid]
+        self._replace_slabs(list(slabs.values()), keep, states)
 
-    def _state(self, pid: int) -> MatrixState | VectorState:
-        """The parameter's optimizer state, created from its current values at its first gradient."""
-        state = self.states.get(pid)
-        if state is None:
-            param, group_index = self.params[pid]
-            owner = self._owner(pid, param)
-            if param.dim() >= 2:
-                state = MatrixState(param, pid, group_index, self.transfers, owner=owner,
-                                    owns_host=owner == self.rank,
-                                    accumulate_squares=self.config.interval_second_moment, clock=self.layout_clock)
-            else:
-                state = VectorState(param, pid, group_index, owner=owner, clock=self.layout_clock)
-            self.states[pid] = state
-            # Registration order (ids grow with it), not gradient order: the global norm sums the scores in
-            # this order, so a resumed run (states created by load_state_dict) must use the same one.
-            self.states = dict(sorted(self.states.items()))
-        return state
+    def _member(self, pid: int) -> Member:
+        member = self.members.get(pid)
+        return member if member is not None else self._create_members([pid])[0]
+
+    def _create_members(self, pids: list[int]) -> list[Member]:
+        """State for the parameters of `pids` that have none yet, from their current values (a parameter's state
+        is created at its first gradient), in new slabs; returns every pid's member."""
+        new = []
+        for pid in dict.fromkeys(pids):
+            if pid not in self.members:
+                param, group_index = self.params[pid]
+                owner = self._owner(pid, param)
+                member = Member(param, pid, group_index, owner, owns_host=owner == self.rank)
+                if member.is_matrix and not param.is_contiguous():
+                    raise ValueError(
+                        f"ZenFlowAdamW needs contiguous parameters; got one of shape {tuple(param.shape)} with "
+                        f"strides {param.stride()}. Make it contiguous (param.data = param.data.contiguous()) first.")
+                new.append(member)
+        if new:
+            self._add_slabs(new, [MemberState.fresh(m.param) for m in new])
+        return [self.members[pid] for pid in pids]
+
+    def _add_slabs(self, members: list[Member], states: list[MemberState], together: Optional[list] = None) -> None:
+        """New slabs for `members` (their states laid out), one per key; `together`: per member, a group id
+        (members of different groups never share a slab: those of one old slab stay together)."""
+        groups: dict[tuple, list[int]] = {}
+        for position, member in enumerate(members):
+            k = member.cols if not member.is_matrix else states[position].selected.numel()
+            key = slab_key(member, k)
+            groups.setdefault((key, None if together is None else together[position]), []).append(position)
+        for (key, _), positions in groups.items():
+            slab = Slab(key, [members[p] for p in positions], [states[p] for p in positions], self.transfers,
+                        accumulate_squares=self.config.interval_second_moment)
+            self.slabs.append(slab)
+        for member in members:
+            self.members[member.pid] = member
+        # Registration order (ids grow with it): the global norm sums the members in this order.
+        self.members = dict(sorted(self.members.items()))
+        self._layout_changed()
+
+    def _replace_slabs(self, old: list[Slab], members: list[Member], states: list[MemberState]) -> None:
+        """`old` slabs give way to new ones for `members` (laid out from `states`)."""
+        gone = {id(slab) for slab in old}
+        together = [id(m.slab) for m in members]
+        self.slabs = [slab for slab in self.slabs if id(slab) not in gone]
+        self._add_slabs(members, states, together)
+
+    def _layout_changed(self) -> None:
+        self._plans.clear()
+        self._norm_orders.clear()
+        self._watched = None
 
     def _owner(self, pid: int, param: torch.Tensor) -> int:
         """The rank that holds the parameter's host state: decided when its state is created, in the same
@@ -176,57 +244,35 @@ class ZenFlowRuntime:
             self.owners[pid] = self.data_parallel.assign_owner(param.numel())
         return self.owners[pid]
 
-    @property
-    def matrices(self) -> list[MatrixState]:
-        return [s for s in self.states.values() if s.is_matrix]
-
     # -- gradients ----------------------------------------------------------------------------------------
-    def accumulate_grad(self, pid: int, grad: torch.Tensor, scores: Optional[torch.Tensor]) -> None:
-        """One backward's gradient of one parameter (the data-parallel eager hooks; `reduce_grads` of a graph
-        compiled for a data-parallel owner, run by one without). Data parallel: it joins the reducer's open
-        bucket (`scores` are of the local gradient, unused)."""
-        if not self._step_open:  # (called per parameter and backward: the common case stays short)
-            self._open_step()
-        state = self.states.get(pid) or self._state(pid)
-        if self.reducer is not None:
-            self.reducer.add(state, grad)
-            return
-        self.counters["bytes_device_to_host"] += state.receive_grad(grad, scores, self.grad_slot)
-
-    def accumulate_grads(self, pids: list[int], grads: list[torch.Tensor],
-                         scores: "list[Optional[torch.Tensor]] | None" = None) -> None:
-        """One bucket of backward gradients (the compiled graph's `zenflow::accumulate_grads`, or the eager
-        `.grad`s handed over at `step()`), as `accumulate_grad` for each but batched (`runtime/handoff.py`); the plan for a
-        bucket's states is built once per layout. `scores`: per gradient, its column scores or None."""
+    def take_grads(self, pids: list[int], grads: list[torch.Tensor],
+                   scores: "list[Optional[torch.Tensor]] | None" = None) -> None:
+        """One bucket of backward gradients: the compiled graph's `zenflow::accumulate_grads`, the eager `.grad`s
+        handed over at `step()`, a data-parallel hook's one gradient. `scores`: per gradient, its column scores
+        or None. Data parallel: they join the reducer's open bucket (local scores unused)."""
         if not self._step_open:
             self._open_step()
         if self.reducer is not None:
             for pid, grad in zip(pids, grads):
-                self.reducer.add(self.states.get(pid) or self._state(pid), grad)
+                self.reducer.add(self._member(pid), grad)
             return
-        if self._handoff_generation != self.layout_clock.generation:
-            self._stack_like_states()  # now, not at the step: the plans below are then built once
-            self._handoff_plans.clear()
-            self._handoff_generation = self.layout_clock.generation
         key = tuple(pids)
-        plan = self._handoff_plans.get(key)
+        plan = self._plans.get(key)
         if plan is None:
-            states = [self.states.get(pid) or self._state(pid) for pid in pids]  # (may create states)
-            plan = self._handoff_plans[key] = HandoffPlan(states)
-            self._handoff_generation = self.layout_clock.generation
+            members = self._create_members(list(pids))
+            plan = self._plans[key] = _BucketPlan(members)
         with torch.no_grad():  # (a backward with create_graph=True runs its hooks with grad mode on)
-            self.counters["bytes_device_to_host"] += plan.receive(grads, scores, self.grad_slot)
+            self.counters["bytes_device_to_host"] += plan.take(grads, scores, self.grad_slot)
 
     def reduce_grads(self, pids: list[int], grads: list[torch.Tensor]) -> None:
         """Data parallel, compiled: one bucket of gradients (graph order), reduced asynchronously. A graph
         compiled for a data-parallel owner can be reused (Dynamo shares graphs across instances) by an
-        optimizer without one: its gradients are then taken one by one, as the single-process graph would."""
+        optimizer without one: its gradients are then taken as the single-process graph would."""
         self._open_step()
         if self.reducer is None:
-            for pid, grad in zip(pids, grads):
-                self.accumulate_grad(pid, grad, None)
+            self.take_grads(pids, grads)
             return
-        self.reducer.launch([(self._state(pid), grad) for pid, grad in zip(pids, grads)])
+        self.reducer.launch([(self._member(pid), grad) for pid, grad in zip(pids, grads)])
 
     def _open_step(self) -> None:
         if not self._step_open:  # once per step: a worker failure surfaces at the step's first gradient
@@ -235,24 +281,23 @@ class ZenFlowRuntime:
             pending = self._accumulate_done[self.grad_slot]
             if pending is not None:
                 self._wait(pending)
+            for slab in self.slabs:
+                slab.start_step(self.grad_slot)
             self._adopt_casts()
             self._step_open = True
 
-    def _receive_reduced(self, state, replicated: Optional[torch.Tensor], host: Optional[torch.Tensor]) -> None:
-        if state.is_matrix:
-            sent = state.receive_reduced(replicated, host, self.grad_slot)
-        else:
-            sent = state.receive_grad(replicated, None, self.grad_slot)
+    def _take_reduced(self, member: Member, replicated: Optional[torch.Tensor], host: Optional[torch.Tensor]) -> None:
+        sent = member.slab.take_reduced(member.index, replicated, host, self.grad_slot)
         self.counters["bytes_device_to_host"] += sent
 
-    def _all_reduce_scores(self, stepped: list, scores: list[torch.Tensor]) -> None:
-        """Every rank's scores become the full scores of the averaged gradient: each state's owner reports
-        it (the others contribute zeros), one all-reduce for all of them."""
-        mine = [t if s.owner == self.rank else torch.zeros_like(t) for s, t in zip(stepped, scores)]
-        packed = torch.cat(mine)
+    def _all_reduce_scores(self, slabs: list[Slab]) -> None:
+        """Every rank's scores become the full scores of the averaged gradient: each slab's owner reports them
+        (the others contribute zeros), one all-reduce for all of them."""
+        mine = [s.scores if s.key.owner == self.rank else torch.zeros_like(s.scores) for s in slabs]
+        packed = torch.cat([t.reshape(-1) for t in mine])
         self.data_parallel.all_reduce(packed)
-        for t, reduced in zip(scores, packed.split([t.numel() for t in scores])):
-            t.copy_(reduced)
+        for slab, reduced in zip(slabs, packed.split([s.scores.numel() for s in slabs])):
+            slab.scores.copy_(reduced.view_as(slab.scores))
 
     @property
     def holds_step_grads(self) -> bool:
@@ -262,8 +307,8 @@ class ZenFlowRuntime:
     def discard_step_grads(self) -> None:
         if self.reducer is not None:
             self.reducer.finish_all()  # every rank runs the same collectives, used or not
-        for state in self.states.values():
-            state.num_grads = 0
+        for slab in self.slabs:
+            slab.end_step()
         self._step_open = False
 
     # -- the step -----------------------------------------------------------------------------------------
@@ -278,17 +323,17 @@ class ZenFlowRuntime:
             self.reducer.finish_all()
         self._adopt_external_writes()
         cfg, t = self.config, self.step_count
-        stepped = [s for s in self.states.values() if s.num_grads]
+        stepped = [(slab, _rows(slab)) for slab in self.slabs if slab.members_taken]
         self._fold_accumulated_grads(stepped)
-        scores = [s.step_scores(self.grad_slot) for s in stepped]
         if self.data_parallel is not None and stepped:
-            self._all_reduce_scores(stepped, scores)
-        stepped_matrices = [s for s in stepped if s.is_matrix]
+            self._all_reduce_scores([slab for slab, _ in stepped])
         warmed_up = t >= cfg.full_warm_up_rounds
+        stepped_members = [m for slab, _ in stepped for m in slab.members if m.num_grads]
         # First selection (a matrix's first gradient at t >= W), before the updates: needs its scores here.
-        selecting = [m for m in stepped_matrices if warmed_up and not m.num_selected]
-        zen_auto = [m for m in stepped_matrices if warmed_up and cfg.auto_update and m.num_selected and m.num_host]
-        readout = self._read_step_values(scores, grad_scale, zen_auto, selecting)
+        selecting = [m for m in stepped_members if warmed_up and m.is_matrix and not m.slab.k]
+        zen_auto = [(slab, rows) for slab, rows in stepped
+                    if warmed_up and cfg.auto_update and slab.is_matrix and slab.k and slab.u]
+        readout = self._read_step_values(stepped, grad_scale, zen_auto, selecting)
         self.grad_norm = readout.norm
         if not math.isfinite(readout.norm):
             self.counters["skipped_steps"] += 1
@@ -300,7 +345,7 @@ class ZenFlowRuntime:
         # places: an exception part-way (KeyboardInterrupt, out of memory, a worker failure) leaves them
         # out of step with each other, so the optimizer refuses to go on until a checkpoint is loaded.
         try:
-            self._apply_step(t, param_groups, stepped, stepped_matrices, selecting, readout, coef, warmed_up)
+            self._apply_step(t, param_groups, stepped_members, selecting, readout, coef, warmed_up)
         except BaseException as error:
             if self._failure is None:
                 self._failure = (f"ZenFlowAdamW.step() was interrupted part-way through step {t}",
@@ -309,40 +354,85 @@ class ZenFlowRuntime:
             raise
         return True
 
-    def _apply_step(self, t: int, param_groups: list[dict], stepped: list, stepped_matrices: list[MatrixState],
-                    selecting: list[MatrixState], readout: "_StepReadout", coef: float, warmed_up: bool) -> None:
+    def _apply_step(self, t: int, param_groups: list[dict], stepped_members: list[Member], selecting: list[Member],
+                    readout: "_StepReadout", coef: float, warmed_up: bool) -> None:
         """Everything a finite step changes, in order (see the module docstring)."""
         cfg = self.config
         if t == cfg.full_warm_up_rounds:
             self.selection_start = t
-        for m in selecting:
-            host_scores = readout.selecting_scores[m.pid]
-            m.select(top_k_columns(host_scores, cfg.num_selected(m.cols)), grad_slot=self.grad_slot,
-                     data_parallel=self.data_parallel)
-            if cfg.auto_update and m.num_host:
-                readout.mean_scores[m.pid] = (float(host_scores[m.selected].mean()),
-                                              float(host_scores[m.host_columns].mean()))
-
-        self._stack_like_states()
-        self._update_on_device(stepped, param_groups, coef)
-        self._submit_accumulate([m for m in stepped_matrices if m.num_host and m.owns_host], coef)
+        if selecting:
+            self._select_first(selecting, readout)
+        stepped = [(slab, _rows(slab)) for slab in self.slabs if slab.members_taken]
+        for slab, rows in stepped:
+            slab.update_on_device(rows, grad_scale=coef, **_hyperparameters(param_groups[slab.key.group_index]))
+        self._submit_accumulate([(slab, rows) for slab, rows in stepped if slab.has_host_part], coef)
+        stepped_matrices = [m for m in stepped_members if m.is_matrix]
         for m in stepped_matrices:
             m.steps_accumulated += 1
         self.steps_accumulated += 1
 
         if self._is_update_boundary(t, stepped_matrices, readout.mean_scores, coef):
-            # A boundary that may reselect: every matrix's scores come to the host in one transfer.
-            host_scores = self._host_scores(stepped_matrices) if warmed_up and self._may_reselect(t) else None
-            reselect = host_scores is not None and self._should_reselect(t, stepped_matrices, host_scores)
+            # A boundary that may reselect: every stepped matrix's scores come to the host in one transfer.
+            reselecting = [(slab, rows) for slab, rows in stepped if slab.is_matrix and slab.k and slab.u]
+            host_scores = self._host_scores(reselecting) if warmed_up and self._may_reselect(t) else None
+            reselect = host_scores is not None and self._should_reselect(reselecting, host_scores)
             self._update_boundary(param_groups, overlap=cfg.overlap_step and warmed_up and not reselect)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
-                self._reselect(t, stepped_matrices, host_scores)
+                self._reselect(t, reselecting, host_scores)
 
         self.step_count += 1
         self.counters["steps"] += 1
         self.grad_slot ^= 1
         self.discard_step_grads()
+
+    def _select_first(self, selecting: list[Member], readout: "_StepReadout") -> None:
+        """The first selection of these members (top-k of this step's scores): their state, with this step's
+        gradient, moves into slabs of k selected columns."""
+        cfg = self.config
+        old = {id(m.slab): m.slab for m in selecting}
+        members = [m for slab in old.values() for m in slab.members]
+        states = [m.slab.export_member(m.index, self.acc_slot, with_step_grad=self.grad_slot) for m in members]
+        for member, state in zip(members, states):
+            if member.pid not in readout.selecting_scores:
+                continue  # (a member of the same slab without a gradient this step stays unselected)
+            host_scores = readout.selecting_scores[member.pid]
+            state.selected = top_k_columns(host_scores, cfg.num_selected(member.cols))
+            if self.data_parallel is not None:
+                self._share_selected_columns(member, state)
+            if cfg.auto_update and state.selected.numel() < member.cols:
+                unselected = torch.ones(member.cols, dtype=torch.bool)
+                unselected[state.selected] = False
+                readout.mean_scores[member.pid] = (float(host_scores[state.selected].mean()),
+                                                   float(host_scores[unselected].mean()))
+        self._replace_slabs(list(old.values()), members, states)
+
+    def _share_selected_columns(self, member: Member, state: MemberState) -> None:
+        """Data parallel, a first selection: the owner's state and step gradient of the selected columns (and the
+        order of the others) reach every rank."""
+        columns = state.selected
+        grad = state.step_grad if state.step_grad is not None else torch.zeros(member.rows, member.cols,
+                                                                                dtype=member.param.dtype)
+        parts = [state.master[:, columns], state.exp_avg[:, columns], state.exp_avg_sq[:, columns],
+                 state.step[columns].reshape(1, -1), grad[:, columns].float()]
+        packed = torch.cat(parts).to(member.param.device)
+        self.data_parallel.broadcast(packed, member.owner)
+        unselected = torch.ones(member.cols, dtype=torch.bool)
+        unselected[columns] = False
+        rest = unselected.nonzero().flatten()
+        order = rest[torch.sort(torch.nan_to_num(state.step[rest]), stable=True).indices].to(member.param.device)
+        self.data_parallel.broadcast(order, member.owner)
+        state.host_columns = order.cpu()
+        if member.owns_host:
+            return
+        packed, R = packed.cpu(), member.rows
+        state.master[:, columns] = packed[:R]
+        state.exp_avg[:, columns] = packed[R:2 * R]
+        state.exp_avg_sq[:, columns] = packed[2 * R:3 * R]
+        state.step[columns] = packed[3 * R]
+        if state.step_grad is None:
+            state.step_grad = torch.zeros(member.rows, member.cols, dtype=member.param.dtype)
+        state.step_grad[:, columns] = packed[3 * R + 1:].to(state.step_grad.dtype)
 
     def _check_hyperparameters(self, param_groups: list[dict]) -> None:
         """Before anything changes: values the config cannot work with (param groups change at any time)."""
@@ -353,123 +443,143 @@ class ZenFlowRuntime:
                         f"interval_second_moment needs betas[1] > 0; param group {g} has betas "
                         f"{tuple(group['betas'])}. Set betas[1] > 0, or interval_second_moment=False")
 
+    def _watched_params(self):
+        if self._watched is None:
+            members = list(self.members.values())
+            self._watched = ([m.param for m in members], [m.watch.seen for m in members])
+        return self._watched
+
     def _adopt_external_writes(self) -> None:
         """The parameter is the source of truth (docs/semantics.md). Values written into it by anyone else
         since the optimizer's last write (its version counter or storage changed) become the master."""
-        states = list(self.states.values())
-        params, seen, _ = self._watched_params.get(states)
+        params, seen = self._watched_params()
         # (one pass of builtins over every parameter: the common case, nothing written, costs ~0.1 us each)
         if list(zip(map(_VERSION, params), map(torch.Tensor.data_ptr, params), map(_DTYPE, params))) == seen:
             return
-        written = [s for s in states if s.written_externally()]
-        if written:
-            self.check_written_params([s.param for s in written])
-            self._drain()  # CPU work in flight reads and writes the host masters
-            for state in written:
-                state.adopt_param_values()
+        written = [m for m in self.members.values() if m.watch.written_externally()]
+        if not written:
+            return
+        self.check_written_params([m.param for m in written])
+        self._drain()  # CPU work in flight reads and writes the host masters
+        cast = [m for m in written if m.param.dtype != m.slab.dtype]
+        for member in written:
+            if member.param.dtype == member.slab.dtype:
+                member.slab.adopt_param_values(member.index)
+        if cast:
+            self._adopt_cast(cast)
+        self._watched = None
+
+    def _adopt_cast(self, cast: list[Member]) -> None:
+        """Parameters cast since the last look (model.to(dtype)): their slabs are laid out again in the new
+        dtypes. As with any write, a parameter's values become the master elementwise where they differ from what
+        the optimizer left in it (in the old dtype): an upcast keeps every master bit, a downcast adopts the
+        values it rounded. What the old buffers hold moves over: the accumulators, a pending CPU update (still
+        applied at the next apply), and any gradient this step's backwards already handed over (the step's
+        first gradient adopts a cast before any arrives; a cast between a backward and the step is adopted at
+        the step)."""
+        old = {id(m.slab): m.slab for m in cast}
+        members = [m for slab in old.values() for m in slab.members]
+        states = []
+        for member in members:
+            slab, i = member.slab, member.index
+            for events in slab.offload_done:
+                wait_events(events)
+            left = slab.left_in_param(i)
+            state = slab.export_member(i, self.acc_slot, with_step_grad=self.grad_slot)
+            current = member.as_columns().detach().cpu()
+            adopt_changed(current, left, state.master)
+            state.applied = current  # what the device holds
+            states.append(state)
+        self._replace_slabs(list(old.values()), members, states)
+        for member in members:
+            member.watch.remember()
 
     def _adopt_casts(self) -> None:
         """A parameter cast since the last step (model.to(dtype)) gets its state's buffers in the new dtype
         before the step's first gradient lands in them (else an upcast's gradient is rounded to the old dtype
         on the way in); any other write is adopted at the step, as usual."""
-        states = list(self.states.values())
-        params, _, dtypes = self._watched_params.get(states)
-        if list(map(_DTYPE, params)) != dtypes:
+        params, seen = self._watched_params()
+        if list(map(_DTYPE, params)) != [s[2] for s in seen]:
             self._adopt_external_writes()
 
-    def _stack_like_states(self) -> None:
-        """Like states share stacked device storage (`runtime/stacked_state.py`), redone after any layout
-        change: at the next hand-off (before its plans are built) or at the step before the device update
-        (after this step's first selections), whichever comes first. Values are copied, so a bucket already
-        handed over in this backward keeps its gradients."""
-        if self._stacked_generation != self.layout_clock.generation:
-            # (on CUDA, restacking the offload buffers first waits for the copies in flight: a counted wait)
-            stack_like_states(list(self.states.values()), waiting=self._counted_wait)
-            self._stacked_generation = self.layout_clock.generation
-
-    def _update_on_device(self, stepped: list, param_groups: list[dict], coef: float) -> None:
-        """The selected columns and the vectors: one fused device AdamW per param group."""
-        for group_index, args in self._device_args.get(stepped):
-            kernels.device_adamw_(args, grad_scale=coef, **_hyperparameters(param_groups[group_index]))
-
-    @staticmethod
-    def _device_adamw_args(stepped: list) -> list:
-        """[(param group, its device AdamW's argument lists)] for these states."""
-        by_group: dict[int, list] = {}
-        for state in stepped:
-            update = state.device_update()
-            if update is not None:
-                by_group.setdefault(state.group_index, []).append(update)
-        return [(g, kernels.DeviceAdamWArgs(updates)) for g, updates in by_group.items()]
-
-    def _submit_accumulate(self, matrices: list[MatrixState], coef: float) -> None:
-        if not matrices:
+    def _submit_accumulate(self, stepped: list[tuple[Slab, Optional[list[int]]]], coef: float) -> None:
+        """The accumulate worker folds this step's offloaded gradients into the interval's accumulators, one task
+        for every slab, once the step's copies have landed (their events taken now: the next step replaces
+        them)."""
+        if not stepped:
             return
         grad_slot, acc_slot = self.grad_slot, self.acc_slot
-        batches = self._accumulate_batches.get(matrices)
-        batch = batches.get((grad_slot, acc_slot))
-        if batch is None:
-            batch = batches[grad_slot, acc_slot] = param_state.AccumulateBatch(matrices, grad_slot, acc_slot)
-        copies = batch.copies_in_flight()  # this step's copies down, taken now: the lists are replaced next step
-        future = self.accumulate_worker.submit(lambda: batch.run(coef, copies))
+        work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]
+
+        def accumulate():
+            for slab, rows, copies in work:
+                slab.accumulate(rows, grad_slot, acc_slot, coef, copies)
+
+        future = self.accumulate_worker.submit(accumulate)
         self._accumulate_done[grad_slot] = future
         self._last_accumulate = future
 
     # -- boundaries ---------------------------------------------------------------------------------------
-    def _fold_accumulated_grads(self, stepped: list) -> None:
-        """Gradient accumulation (several backwards in one step): the accumulate worker sums the offloaded
-        host parts and scores them (the norm needs the scores of the summed gradient); the training thread
-        only waits, counted."""
-        folding = [s for s in stepped if s.is_matrix and s.num_grads > 1 and s.owns_host and s.num_host]
+    def _fold_accumulated_grads(self, stepped: list[tuple[Slab, Optional[list[int]]]]) -> None:
+        """Gradient accumulation (several backwards in one step): the accumulate worker sums the offloaded host
+        parts and scores them (the norm needs the scores of the summed gradient); the training thread only
+        waits, counted. Then the scores of every such member are made exact."""
+        several = [(slab, [i for i, m in enumerate(slab.members) if m.num_grads > 1])
+                   for slab, _ in stepped if slab.several_backwards]
+        several = [(slab, rows) for slab, rows in several if rows]
+        if not several:
+            return
+        folding = [(slab, rows) for slab, rows in several if slab.has_host_part]
         if folding:
             grad_slot = self.grad_slot
-            self._wait(self.accumulate_worker.submit(lambda: [m.host_step_scores(grad_slot) for m in folding]))
+            self._wait(self.accumulate_worker.submit(
+                lambda: [slab.host_step_scores(grad_slot, rows) for slab, rows in folding]))
+        for slab, rows in several:
+            slab.exact_scores(self.grad_slot, rows)
 
-    def _read_step_values(self, scores: list[torch.Tensor], grad_scale: Optional[torch.Tensor],
-                          zen_auto: list[MatrixState], selecting: list[MatrixState]) -> "_StepReadout":
-        """The step's one host read: the squared norm (one reduction over every score), the loss scale,
-        Zen-auto's mean scores (selected, unselected) per matrix, and the scores of the matrices selecting
-        for the first time."""
-        if not scores:
+    def _read_step_values(self, stepped: list, grad_scale: Optional[torch.Tensor], zen_auto: list,
+                          selecting: list[Member]) -> "_StepReadout":
+        """The step's one host read: the squared norm (the stepped members' squared norms summed in registration
+        order), the loss scale, Zen-auto's mean scores (selected, unselected) per matrix, and the scores of the
+        matrices selecting for the first time."""
+        if not stepped:
             return _StepReadout(norm=0.0, scale=1.0)
-        parts = [torch.cat(scores).sum().float().reshape(1)]
+        sums = [slab.scores.sum(1) if rows is None else slab.scores.sum(1)[rows] for slab, rows in stepped]
+        per_member = torch.cat(sums)
+        order = self._norm_order(stepped, per_member.device)
+        parts = [(per_member if order is None else per_member[order]).sum().float().reshape(1)]
         if grad_scale is not None:
             parts.append(grad_scale.to(parts[0].device).float().reshape(1))
-        if zen_auto:
-            parts.append(self._zen_auto_means(zen_auto))
-        parts += [m.scores for m in selecting]
+        means_of = []
+        for slab, rows in zen_auto:
+            selected_mean = slab.scores.gather(1, slab.selected).mean(1)
+            unselected_mean = slab.scores.gather(1, slab.host_columns).mean(1)
+            both = torch.stack([selected_mean, unselected_mean], 1)  # [n, 2]
+            parts.append((both if rows is None else both[rows]).reshape(-1))
+            means_of += slab.members if rows is None else [slab.members[i] for i in rows]
+        parts += [m.slab.scores[m.index] for m in selecting]
         values = self._read_to_host(torch.cat(parts))
         scale = 1.0 if grad_scale is None else float(values[1])
         readout = _StepReadout(norm=math.sqrt(float(values[0])) / scale, scale=scale)
         offset = 1 if grad_scale is None else 2
-        means = values[offset:offset + 2 * len(zen_auto)].tolist()
-        readout.mean_scores = {m.pid: (means[2 * i], means[2 * i + 1]) for i, m in enumerate(zen_auto)}
-        offset += 2 * len(zen_auto)
+        means = values[offset:offset + 2 * len(means_of)].tolist()
+        readout.mean_scores = {m.pid: (means[2 * i], means[2 * i + 1]) for i, m in enumerate(means_of)}
+        offset += 2 * len(means_of)
         for m in selecting:
             readout.selecting_scores[m.pid] = values[offset:offset + m.cols]
             offset += m.cols
         return readout
 
-    def _zen_auto_means(self, matrices: list[MatrixState]) -> torch.Tensor:
-        """[2n]: each matrix's mean score over its selected, then its unselected columns, in a fixed number
-        of ops: the scores concatenated, permuted so that every (matrix, side) is one contiguous segment, and
-        segment means (deterministic on CUDA, unlike an index_add). The permutation is rebuilt only when the
-        matrices or a layout change."""
-        # (a reselection may rewrite the selections in place, without a layout change)
-        order, lengths = self._zen_auto_plan.get(matrices, extra=self.counters["reselections"])
-        scores = torch.cat([m.scores for m in matrices])
-        return torch.segment_reduce(scores[order], "mean", lengths=lengths)
-
-    @staticmethod
-    def _zen_auto_segments(matrices: list[MatrixState]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(permutation of the concatenated scores, segment lengths) for `_zen_auto_means`."""
-        order, lengths, offset = [], [], 0
-        for m in matrices:
-            order += [m.selected + offset, m.host_columns + offset]
-            lengths += [m.num_selected, m.num_host]
-            offset += m.cols
-        device = matrices[0].scores.device
-        return torch.cat(order).to(device), torch.tensor(lengths, device=device)
+    def _norm_order(self, stepped: list, device: torch.device) -> Optional[torch.Tensor]:
+        """The permutation that puts the stepped members' squared norms (slab by slab) in registration order
+        (None: they are), made once per layout and set of stepped members."""
+        key = tuple((id(slab), rows if rows is None else tuple(rows)) for slab, rows in stepped)
+        if key not in self._norm_orders:
+            pids = [slab.members[i].pid for slab, rows in stepped for i in (range(slab.n) if rows is None else rows)]
+            order = sorted(range(len(pids)), key=pids.__getitem__)
+            self._norm_orders[key] = (None if order == list(range(len(order)))
+                                      else torch.tensor(order, device=device))
+        return self._norm_orders[key]
 
     def _read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A blocking device -> host read (on CUDA, a synchronisation): every one the step makes goes
@@ -477,14 +587,15 @@ class ZenFlowRuntime:
         self.counters["host_reads"] += 1
         return self.transfers.read_to_host(tensor)
 
-    def _host_scores(self, matrices: list[MatrixState]) -> dict[int, torch.Tensor]:
-        """Every matrix's step scores on the host, in one transfer."""
-        if not matrices:
-            return {}
-        flat = self._read_to_host(torch.cat([m.scores for m in matrices]))
-        return dict(zip((m.pid for m in matrices), flat.split([m.cols for m in matrices])))
+    def _host_scores(self, slabs: list[tuple[Slab, Optional[list[int]]]]) -> list[torch.Tensor]:
+        """Every slab's step scores ([n, C]) on the host, in one transfer."""
+        if not slabs:
+            return []
+        flat = self._read_to_host(torch.cat([slab.scores.reshape(-1) for slab, _ in slabs]))
+        return [part.view(slab.n, slab.C) for part, (slab, _) in
+                zip(flat.split([slab.scores.numel() for slab, _ in slabs]), slabs)]
 
-    def _is_update_boundary(self, t: int, stepped_matrices: list[MatrixState],
+    def _is_update_boundary(self, t: int, stepped_matrices: list[Member],
                             mean_scores: dict[int, tuple[float, float]], coef: float) -> bool:
         cfg = self.config
         if t < cfg.full_warm_up_rounds:
@@ -498,8 +609,8 @@ class ZenFlowRuntime:
                 selected_mean, unselected_mean = mean_scores[m.pid]
                 m.sum_selected_score += selected_mean * coef * coef
                 m.sum_unselected_score += unselected_mean * coef * coef
-        accumulating = [m for m in self.matrices if m.steps_accumulated > 0]
-        ripe = sum(1 for m in accumulating if not m.num_host
+        accumulating = [m for m in self.members.values() if m.is_matrix and m.steps_accumulated > 0]
+        ripe = sum(1 for m in accumulating if not m.slab.u
                    or m.sum_unselected_score >= m.sum_selected_score / m.steps_accumulated)
         return (not accumulating or ripe >= cfg.auto_ratio * len(accumulating)
                 or self.steps_accumulated >= cfg.max_update_interval)
@@ -513,19 +624,20 @@ class ZenFlowRuntime:
             return t - self.selection_start + 1 >= cfg.reselect_every
         return True
 
-    def _should_reselect(self, t: int, stepped_matrices: list[MatrixState],
-                         host_scores: dict[int, torch.Tensor]) -> bool:
+    def _should_reselect(self, slabs: list, host_scores: list[torch.Tensor]) -> bool:
         cfg = self.config
         if cfg.select_strategy == "epoch" or cfg.reselect_every is not None:
             return True  # _may_reselect decided
         # "auto": reselect once matrices holding half of the columns kept fewer than half of S in the top-k.
-        drifted_columns = 0
-        tops = top_k_columns_many([host_scores[m.pid] for m in stepped_matrices],
-                                  [m.num_selected for m in stepped_matrices])
-        for m, top in zip(stepped_matrices, tops):
-            if 2 * int(torch.isin(top, m.selected).sum()) < m.num_selected:
-                drifted_columns += m.cols
-        total_columns = sum(m.cols for m in stepped_matrices)
+        drifted_columns = total_columns = 0
+        for (slab, rows), scores in zip(slabs, host_scores):
+            members = range(slab.n) if rows is None else rows
+            top = top_k_columns(scores, slab.k)
+            kept = (top.unsqueeze(2) == slab.selected_cpu.unsqueeze(1)).any(2).sum(1)  # [n]
+            for i in members:
+                if 2 * int(kept[i]) < slab.k:
+                    drifted_columns += slab.C
+                total_columns += slab.C
         return total_columns > 0 and 2 * drifted_columns >= total_columns
 
     def _epoch_grid_point(self, t: int) -> int:
@@ -543,7 +655,7 @@ class ZenFlowRuntime:
         self._update_future = self._launch_cpu_update(param_groups)
         self.steps_accumulated = 0
         self.acc_slot ^= 1
-        for m in self.matrices:
+        for m in self.members.values():
             m.sum_selected_score = m.sum_unselected_score = 0.0
             m.steps_accumulated = 0
         self.update_pending = overlap
@@ -552,55 +664,50 @@ class ZenFlowRuntime:
             self._apply_host_columns()
 
     def _launch_cpu_update(self, param_groups: list[dict]) -> Future:
-        acc_slot = self.acc_slot
-        # One fused CPU AdamW per (param group, lr multiplier). The multiplier is 1, or with the opt-in
-        # interval_aware_update the matrix's m accumulated steps (its update stands for m steps).
-        by_group: dict[tuple[int, int], list[MatrixState]] = {}
-        for m in self.matrices:
-            if m.num_host and m.steps_accumulated:  # a matrix that got no gradient all interval is skipped
-                scale = m.steps_accumulated if self.config.interval_aware_update else 1
-                by_group.setdefault((m.group_index, scale), []).append(m)
-        hyper = {}  # the group's values at launch
-        for g, scale in by_group:
-            hyper[g, scale] = _hyperparameters(param_groups[g])
-            hyper[g, scale]["lr"] *= scale
-        num_steps = {m.pid: m.steps_accumulated for members in by_group.values() for m in members}
-        for members in by_group.values():
-            for m in members:
-                m.unapplied = True  # its new columns reach the device at the next apply
-
-        owned = {key: [m for m in members if m.owns_host] for key, members in by_group.items()}
+        """One task on the update worker: per slab, one fused CPU AdamW per lr multiplier (1, or with the opt-in
+        interval_aware_update the member's accumulated steps: its update stands for them), with each group's
+        values at launch. A matrix that got no gradient all interval is skipped."""
+        acc_slot, work = self.acc_slot, []
+        for slab in self.slabs:
+            if not (slab.is_matrix and slab.u):
+                continue
+            by_scale: dict[float, list[tuple[int, int]]] = {}
+            for i, m in enumerate(slab.members):
+                if m.steps_accumulated:
+                    scale = m.steps_accumulated if self.config.interval_aware_update else 1
+                    by_scale.setdefault(scale, []).append((i, m.steps_accumulated))
+            if not by_scale:
+                continue
+            slab.unapplied = True  # its new columns reach the device at the next apply (every rank)
+            if slab.has_host_part:
+                work.append((slab, by_scale, _hyperparameters(param_groups[slab.key.group_index])))
 
         def cpu_update():
-            for g, members in owned.items():
-                if members:
-                    MatrixState.update_host_columns(members, acc_slot, [num_steps[m.pid] for m in members],
-                                                    hyper[g])
+            for slab, by_scale, hyper in work:
+                slab.update_host_columns(by_scale, acc_slot, hyper)
 
         return self.update_worker.submit(cpu_update, after=self._last_accumulate)
 
     def _apply_host_columns(self) -> None:
-        """Write the last launched CPU update into the device parameters of the matrices it updated."""
-        unapplied = [m for m in self.matrices if m.unapplied]
+        """Write the last launched CPU update into the device parameters of the slabs it updated."""
+        unapplied = [slab for slab in self.slabs if slab.unapplied]
         # Data parallel: the other ranks wait in the broadcast for the owners' CPU updates (counted as stall).
         waiting = self._counted_wait() if self.data_parallel is not None and unapplied else contextlib.nullcontext()
         with waiting:
-            if self.data_parallel is None:  # like CPU matrices in a few stacked calls
-                merges, unapplied = self._stacked_merges.get(unapplied)
-                for merge in merges:
-                    self.counters["bytes_host_to_device"] += merge.apply()
-            for m in unapplied:
-                self.counters["bytes_host_to_device"] += m.apply_host_columns(kernels.merge_columns_,
-                                                                              self.data_parallel)
+            for slab in unapplied:
+                self.counters["bytes_host_to_device"] += slab.apply_host_columns(self.data_parallel)
         self.update_pending = False
 
-    def _reselect(self, t: int, matrices: list[MatrixState], host_scores: dict[int, torch.Tensor]) -> None:
+    def _reselect(self, t: int, slabs: list, host_scores: list[torch.Tensor]) -> None:
         moved = total = 0
-        chosen = top_k_columns_many([host_scores[m.pid] for m in matrices],
-                                    [self.config.num_selected(m.cols) for m in matrices])
-        for m, columns in zip(matrices, chosen):
-            total += m.num_selected
-            moved += m.select(columns, data_parallel=self.data_parallel)
+        for (slab, rows), scores in zip(slabs, host_scores):
+            chosen = top_k_columns(scores, slab.k)
+            if rows is not None:  # a member without a gradient this step keeps its columns
+                keep = [i for i in range(slab.n) if i not in rows]
+                chosen[keep] = slab.selected_cpu[keep]
+            total += slab.k * (slab.n if rows is None else len(rows))
+            moved += slab.reselect(chosen, data_parallel=self.data_parallel)
+        self._layout_changed()
         self.selection_start = t + 1
         self.selection_epoch = self._epoch_grid_point(t)
         self.counters["reselections"] += 1
@@ -721,88 +828,39 @@ class ZenFlowRuntime:
         stats["current_interval"] = self.steps_accumulated
         stats["update_pending"] = self.update_pending
         # Host memory held for optimizer state (data parallel: this rank's share).
-        stats["host_state_bytes"] = sum(t.numel() * t.element_size() for m in self.matrices for t in m.host_buffers())
+        stats["host_state_bytes"] = sum(t.numel() * t.element_size() for s in self.slabs for t in s.host_buffers())
         # Device memory held for optimizer state: selected columns' and vectors' state, gradients, scores,
         # indices (the uploads' staging tensors live only until their merge).
-        stats["device_state_bytes"] = sum(t.numel() * t.element_size() for s in self.states.values()
+        stats["device_state_bytes"] = sum(t.numel() * t.element_size() for s in self.slabs
                                           for t in s.device_buffers())
         if self.data_parallel is not None:
             stats.update(self.data_parallel.stats())
         return stats
 
     def selected_columns(self, pid: int) -> Optional[torch.Tensor]:
-        state = self.states.get(pid)
-        if state is None or not state.is_matrix or (state.num_selected == 0):
+        member = self.members.get(pid)
+        if member is None or not member.is_matrix or not member.slab.k:
             return None
-        return state.selected.clone()
+        return member.slab.selected_cpu[member.index].clone()
 
     def has_state(self, pid: int) -> bool:
-        return pid in self.states
+        return pid in self.members
 
     def export_state(self, pid: int) -> dict:
-        """Checkpoint entry of one parameter (call after `quiesce`): canonical layout, host tensors. Data
-        parallel, a matrix whose host part another rank owns: only what this rank holds (its device part)."""
-        state = self.states[pid]
-        if state.is_matrix and not state.owns_host:
-            return self._export_device_part(state)
-        canonical = state.canonical()
-        entry = dict(master=canonical.master, exp_avg=canonical.exp_avg, exp_avg_sq=canonical.exp_avg_sq,
-                     step=canonical.step)
-        if state.is_matrix:
-            accumulator = torch.zeros(state.rows, state.cols)
-            accumulator[:, state.host_columns] = state.accumulators[self.acc_slot].t()
-            entry.update(self._selection_entry(state), accumulator=accumulator)
-            if state.accumulate_squares:
-                square_accumulator = torch.zeros(state.rows, state.cols)
-                square_accumulator[:, state.host_columns] = state.square_accumulators[self.acc_slot].t()
-                entry.update(square_accumulator=square_accumulator)
-            if state.unapplied:  # overlap: what the device holds until the pending update is applied
-                entry.update(unapplied=True, device_columns=state.device_columns())
-        return entry
+        """Checkpoint entry of one parameter (call after `quiesce`): natural layout, host tensors."""
+        return checkpoint.export_entry(self.members[pid], self.acc_slot)
 
-    @staticmethod
-    def _selection_entry(state: MatrixState) -> dict:
-        """A matrix's selection and interval bookkeeping, as every checkpoint entry of a matrix holds it."""
-        selected = torch.zeros(state.cols, dtype=torch.bool)
-        selected[state.selected] = True
-        return dict(selected=selected, steps_accumulated=state.steps_accumulated,
-                    zen_auto=torch.tensor([state.sum_selected_score, state.sum_unselected_score],
-                                          dtype=torch.float64))
-
-    @classmethod
-    def _export_device_part(cls, state: MatrixState) -> dict:
-        return dict(cls._selection_entry(state), host_owner=state.owner, host_columns=state.host_columns.clone(),
-                    selected_master=state.dev_master.cpu(),
-                    selected_exp_avg=state.dev_exp_avg.cpu(), selected_exp_avg_sq=state.dev_exp_avg_sq.cpu(),
-                    selected_step=state.dev_step.cpu(), unapplied=state.unapplied)
-
-    def import_state(self, pid: int, entry: dict) -> None:
-        state = self._state(pid)
-        if "host_owner" in entry:  # a data-parallel share: this rank's device part only
-            canonical = CanonicalState.unknown(state.rows, state.cols)
-            selected = entry["selected"].nonzero().flatten()
-            for full, part in ((canonical.master, "selected_master"), (canonical.exp_avg, "selected_exp_avg"),
-                               (canonical.exp_avg_sq, "selected_exp_avg_sq")):
-                full[:, selected] = entry[part].float()
-            canonical.step[selected] = entry["selected_step"].float()
-        else:
-            canonical = CanonicalState(*(entry[k].float() for k in ("master", "exp_avg", "exp_avg_sq", "step")))
-            selected = entry["selected"].nonzero().flatten() if state.is_matrix else None
-        if not state.is_matrix:
-            state.load_canonical(canonical)
-            return
-        state.load_canonical(canonical, selected, entry.get("host_columns"))
-        if state.owns_host:
-            state.accumulators[0].copy_(entry["accumulator"][:, state.host_columns].t())
-            if state.accumulate_squares:
-                state.square_accumulators[0].copy_(entry["square_accumulator"][:, state.host_columns].t())
-        state.sum_selected_score, state.sum_unselected_score = entry["zen_auto"].tolist()
-        state.steps_accumulated = int(entry["steps_accumulated"])
-        if entry.get("unapplied", False):
-            if state.owns_host:
-                state.load_device_columns(entry["device_columns"])
-            else:
-                state.unapplied = True  # it receives the owner's pending update at the next apply
+    def import_states(self, entries: dict[int, dict]) -> None:
+        """Checkpoint entries (pid -> entry), after `import_globals`: every state laid out anew."""
+        members, states = [], []
+        for pid, entry in entries.items():
+            param, group_index = self.params[pid]
+            owner = self._owner(pid, param)
+            member = Member(param, pid, group_index, owner, owns_host=owner == self.rank)
+            members.append(member)
+            states.append(checkpoint.state_from_entry(member, entry))
+        if members:
+            self._add_slabs(members, states)
 
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
@@ -812,8 +870,8 @@ class ZenFlowRuntime:
 
     def export_globals(self) -> dict:
         return dict(step_count=self.step_count, selection_start=self.selection_start,
-                    selection_epoch=self.selection_epoch, steps_accumulated=self.steps_accumulated, update_pending=self.update_pending,
-                    counters=dict(self.counters), config=self.config.to_dict(),
+                    selection_epoch=self.selection_epoch, steps_accumulated=self.steps_accumulated,
+                    update_pending=self.update_pending, counters=dict(self.counters), config=self.config.to_dict(),
                     max_grad_norm=self.max_grad_norm)
 
     def import_globals(self, saved: dict, owners: Optional[dict[int, int]] = None) -> None:
@@ -829,7 +887,8 @@ class ZenFlowRuntime:
         self.update_pending = saved["update_pending"]
         self.counters.update(saved["counters"])
         # States are re-created from the checkpoint (with the checkpoint's owners, if it is a rank's share).
-        self.states = {}
+        self.members, self.slabs = {}, []
+        self._layout_changed()
         self.owners = dict(owners or {})
         if self.data_parallel is not None:
             self.data_parallel.reset_ownership()

@@ -1,9 +1,10 @@
 """The runtime's kernels, each choice behind one function.
 
-- `device_adamw_`: AdamW of the selected columns and the vector parameters of one param group, in place on
-  the device; every column owns its update count. Triton's multi-parameter kernel (one launch per dtype
-  pair) on CUDA, or under TRITON_INTERPRET=1; its plain-torch twin otherwise.
-- `merge_columns_`: write the CPU-updated columns into a device parameter (Triton / index_copy_).
+- `device_adamw_`: AdamW of a slab's selected columns, in place on the device; every column owns its update
+  count. Triton's multi-parameter kernel (one launch over the slab's rows) on CUDA, or under
+  TRITON_INTERPRET=1; the slab's plain-torch twin otherwise (torch's fused CPU AdamW while the slab's counts
+  agree).
+- `write_columns_`: write columns into the parameters of a slab (the device AdamW's, the CPU-updated ones).
 - `column_scores`: per-column squared norms of a gradient, for the eager path (the compiled backward
   computes them itself, fused by Inductor into the kernels that produce the gradient).
 - `accumulate_scaled_`: the host accumulator's `acc += coef * grad` (fp32 accumulator, fp32/bf16/fp16
@@ -20,7 +21,6 @@ All follow torch.optim.AdamW exactly: decoupled weight decay, then moments, then
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,71 +28,64 @@ from torch.optim.adamw import adamw as _torch_adamw
 
 from zenflow_compile.runtime import native_accumulate
 from zenflow_compile.triton_kernels import adamw_selected_columns_, column_sq_norms, merge_host_columns_
-from zenflow_compile.triton_kernels.adamw_columns import ReferencePlan
+from zenflow_compile.triton_kernels.adamw_columns import adamw_slab_
 from zenflow_compile.triton_kernels._triton import triton_available
 
 
-@dataclass
-class DeviceUpdate:
-    """One parameter's arguments to the fused device AdamW (selected columns or a whole vector)."""
-
-    grad: torch.Tensor
-    master: torch.Tensor
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
-    step: torch.Tensor
-    param: torch.Tensor
-    columns: torch.Tensor
-    # A one-element view of `step` when every entry of `step` holds the same count (else None): on CPU those
-    # parameters take torch's fused AdamW with no per-step count check. Every update adds 1 to every entry,
-    # so this holds until the state is laid out again.
-    count_head: Optional[torch.Tensor] = None
-    # False for a matrix: a reselection may rewrite its columns' counts in place (`MatrixState.select`), so a
-    # plan must not rely on `count_head` staying true for a stacked matrix.
-    counts_fixed: bool = True
-
-
-class DeviceAdamWArgs:
-    """One param group's per-parameter argument lists to `device_adamw_`, built once from the states'
-    `DeviceUpdate`s and reused step after step while their layout holds (the tensors are updated in place)."""
-
-    def __init__(self, updates: list[DeviceUpdate]):
-        self.grads = [u.grad for u in updates]
-        self.masters = [u.master for u in updates]
-        self.exp_avgs = [u.exp_avg for u in updates]
-        self.exp_avg_sqs = [u.exp_avg_sq for u in updates]
-        self.steps = [u.step for u in updates]
-        self.params = [u.param for u in updates]
-        self.columns = [u.columns for u in updates]
-        self.count_heads = [u.count_head for u in updates]
-        self.counts_fixed = [u.counts_fixed for u in updates]
-        self._reference_plan: Optional[ReferencePlan] = None
-
-    def reference_plan(self) -> ReferencePlan:
-        """The torch twin's partition of these arguments (fused CPU AdamW where the counts are known to agree),
-        made at the first step that needs it."""
-        if self._reference_plan is None:
-            self._reference_plan = ReferencePlan(self.grads, self.masters, self.exp_avgs, self.exp_avg_sqs,
-                                                 self.steps, self.params, self.columns, count_heads=self.count_heads,
-                                                 counts_fixed=self.counts_fixed)
-        return self._reference_plan
-
-
-def device_adamw_(args: DeviceAdamWArgs, *, lr: float, beta1: float, beta2: float, eps: float,
-                  weight_decay: float, grad_scale: float) -> None:
-    if not args.params:
-        return
-    hyperparameters = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
-    if triton_available(args.params[0].device):
-        adamw_selected_columns_(args.grads, args.masters, args.exp_avgs, args.exp_avg_sqs, args.steps, args.params,
-                                args.columns, validate=False,  # the runtime builds these arguments itself
+def device_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  counts: torch.Tensor, params: list[torch.Tensor], columns: torch.Tensor, *,
+                  rows: Optional[list[int]], whole: bool, grad_scale, lr: float, beta1: float, beta2: float,
+                  eps: float, weight_decay: float, master_rows: Optional[list[torch.Tensor]] = None) -> None:
+    """AdamW of a slab's selected columns ([n, R, k] state, [n, k] per-column counts), written into columns
+    `columns` ([n, k]) of the members' parameters ([R, C] views); `rows`: the members that take part (None:
+    all); `whole`: the columns are all of each parameter's, in order; `master_rows`: `master.unbind(0)`, if the
+    caller keeps it."""
+    hyperparameters = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+    if triton_available(master.device):  # one launch over the members' rows, gathering nothing
+        members = range(len(params)) if rows is None else rows
+        adamw_selected_columns_([grad[i] for i in members], [master[i] for i in members],
+                                [exp_avg[i] for i in members], [exp_avg_sq[i] for i in members],
+                                [counts[i] for i in members], [params[i] for i in members],
+                                [columns[i] for i in members], validate=False, grad_scale=grad_scale,
                                 **hyperparameters)
-    else:  # the torch twin, its per-step partition made once
-        args.reference_plan().run(**hyperparameters)
+        return
+    if rows is not None:  # some members: their rows gathered, updated, scattered back
+        index = torch.tensor(rows, device=master.device)
+        state = [t.index_select(0, index) for t in (master, exp_avg, exp_avg_sq, counts)]
+        adamw_slab_(grad.index_select(0, index), *state, grad_scale=grad_scale, **hyperparameters)
+        for full, part in zip((master, exp_avg, exp_avg_sq, counts), state):
+            full.index_copy_(0, index, part)
+        write_columns_([params[i] for i in rows], columns.index_select(0, index), state[0], whole=whole)
+        return
+    adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, grad_scale=grad_scale, **hyperparameters)
+    if whole and master_rows is not None:
+        torch._foreach_copy_(params, master_rows)
+    else:
+        write_columns_(params, columns, master, whole=whole)
 
 
-def merge_columns_(param: torch.Tensor, columns: torch.Tensor, values: torch.Tensor) -> None:
-    merge_host_columns_(param, columns, values)
+def write_columns_(params: list[torch.Tensor], columns: torch.Tensor, values: torch.Tensor,
+                   whole: bool = False) -> None:
+    """params[i][:, columns[i]] = values[i] (cast to the parameters' dtype) for n like [R, C] parameters,
+    `columns` [n, m], `values` [n, R, m] (any strides), in a fixed number of calls: one batched copy when
+    `whole` (the columns are all of them, in order), an index_copy_ for one parameter, else the parameters
+    gathered into one [n, R, C] buffer, the columns scattered in and the buffer copied back (the parameters of
+    a shared slab are small)."""
+    if whole:
+        torch._foreach_copy_(params, list(values.unbind(0)))
+        return
+    if triton_available(values.device):
+        for param, cols, vals in zip(params, columns.unbind(0), values.unbind(0)):
+            merge_host_columns_(param, cols, vals.t())
+        return
+    dtype = params[0].dtype
+    if len(params) == 1:
+        params[0].index_copy_(1, columns[0], values[0] if values.dtype == dtype else values[0].to(dtype))
+        return
+    buffer = torch.stack(params)
+    buffer.scatter_(2, columns.unsqueeze(1).expand(-1, buffer.shape[1], -1),
+                    values if values.dtype == dtype else values.to(dtype))
+    torch._foreach_copy_(params, list(buffer.unbind(0)))
 
 
 def column_scores(grad2d: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:

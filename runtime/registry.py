@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-if TYPE_CHECKING:
-    from zenflow_compile.runtime.engine import ZenFlowRuntime
+# The owner of a parameter id: a ZenFlowRuntime (runtime/engine.py, which imports this module).
+Runtime = Any
 
 _next_id = itertools.count()
 _id_of_param: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_runtime_of_id: dict[int, "weakref.ReferenceType[ZenFlowRuntime]"] = {}
+_runtime_of_id: dict[int, "weakref.ReferenceType[Runtime]"] = {}
 # Bumped by every (un)registration, so callers can cache "which ids do these tensors have" cheaply.
 _generation = 0
 
@@ -34,7 +34,7 @@ def generation() -> int:
     return _generation
 
 
-def register_param(param: torch.Tensor, runtime: "ZenFlowRuntime") -> int:
+def register_param(param: torch.Tensor, runtime: "Runtime") -> int:
     """Give `param` an id owned by `runtime`. A parameter can be owned by one optimizer only."""
     if param in _id_of_param:
         other = runtime_of(_id_of_param[param])
@@ -72,7 +72,7 @@ def param_id(param: torch.Tensor) -> Optional[int]:
     return pid
 
 
-def runtime_of(pid: int) -> Optional["ZenFlowRuntime"]:
+def runtime_of(pid: int) -> Optional["Runtime"]:
     ref = _runtime_of_id.get(pid)
     return None if ref is None else ref()
 
@@ -213,13 +213,13 @@ def _resolve_slots(slots: list[int], param_ids: tuple) -> tuple[list[int], list[
 def accumulate_grads_from_graph(slots: list[int], grads: list[torch.Tensor],
                                 column_scores: list[torch.Tensor]) -> None:
     """The compiled backward's hand-off of one bucket: resolve each slot through the call that is being
-    differentiated; each owner gets its gradients (in bucket order) in one `accumulate_grads` call."""
+    differentiated; each owner gets its gradients (in bucket order) in one `take_grads` call."""
     pids, groups = _resolve_bucket(slots, "accumulate_grads")
     if len(groups) == 1 and len(groups[0]) == len(pids):  # the common case: one optimizer takes the whole bucket
-        _live_runtime(pids[0]).accumulate_grads(pids, grads, column_scores)
+        _live_runtime(pids[0]).take_grads(pids, grads, column_scores)
         return
     for positions in groups:
-        _live_runtime(pids[positions[0]]).accumulate_grads(
+        _live_runtime(pids[positions[0]]).take_grads(
             [pids[i] for i in positions], [grads[i] for i in positions], [column_scores[i] for i in positions])
 
 
@@ -230,7 +230,7 @@ def reduce_grads_from_graph(slots: list[int], grads: list[torch.Tensor]) -> None
         _live_runtime(pids[positions[0]]).reduce_grads([pids[i] for i in positions], [grads[i] for i in positions])
 
 
-def _live_runtime(pid: int) -> "ZenFlowRuntime":
+def _live_runtime(pid: int) -> "Runtime":
     runtime = runtime_of(pid)
     if runtime is None:
         raise RuntimeError(
@@ -238,13 +238,3 @@ def _live_runtime(pid: int) -> "ZenFlowRuntime":
             "while a backward that uses it was still pending. Run the backward before deleting the optimizer.")
     return runtime
 
-
-def accumulate_grad(pid: int, grad: torch.Tensor, column_scores: Optional[torch.Tensor] = None) -> None:
-    """Hand one backward pass's gradient of parameter `pid` to its runtime (the eager hooks' entry).
-
-    `column_scores` is the per-column squared L2 norm of `grad` viewed as [rows, columns] (fp32, one value
-    for a vector parameter), when the caller already computed it (the compiled graph does, fused into the
-    backward, and hands whole buckets over through `accumulate_grads_from_graph`); None makes the runtime
-    compute it.
-    """
-    _live_runtime(pid).accumulate_grad(pid, grad, column_scores)

@@ -22,7 +22,7 @@ class RecordingRuntime:
         self.config = ZenFlowConfig()
         self.calls = []
 
-    def accumulate_grads(self, pids, grads, scores):
+    def take_grads(self, pids, grads, scores=None):
         self.calls.append((list(pids), [g.clone() for g in grads], [s.clone() for s in scores]))
 
 
@@ -199,7 +199,7 @@ def test_a_data_parallel_graph_reused_by_a_single_process_optimizer_takes_each_g
     run_backward(lambda _: torch.ops.zenflow.reduce_grads(grads, [0, 1]),
                  tuple(opt.param_id(p) for p in params))
     for p, g in zip(twins, grads):
-        registry.accumulate_grad(reference.param_id(p), g, None)
+        reference._runtime.take_grads([reference.param_id(p)], [g])
     opt.step()
     reference.step()
     for a, b, before in zip(params, twins, initial):

@@ -40,7 +40,7 @@ class RecordingRuntime:
         self.pids = []
         self.buckets = 0
 
-    def accumulate_grads(self, pids, grads, scores):
+    def take_grads(self, pids, grads, scores=None):
         self.pids.extend(pids)
         self.buckets += 1
 

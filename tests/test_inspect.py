@@ -30,7 +30,7 @@ class RecordingRuntime:
         self.bucket_numel = bucket_numel
         self.pids = []
 
-    def accumulate_grads(self, pids, grads, scores):
+    def take_grads(self, pids, grads, scores=None):
         self.pids.extend(pids)
 
 

@@ -32,9 +32,9 @@ class RecordingRuntime:
         self.config = config or ZenFlowConfig()
         self.bucket_numel = bucket_numel
         self.calls = []  # (pid, grad, scores), in hand-off order
-        self.buckets = []  # the pids of each accumulate_grads call
+        self.buckets = []  # the pids of each take_grads call
 
-    def accumulate_grads(self, pids, grads, scores):
+    def take_grads(self, pids, grads, scores=None):
         self.buckets.append(list(pids))
         self.calls.extend((pid, g.clone(), None if s is None else s.clone()) for pid, g, s in zip(pids, grads, scores))
 

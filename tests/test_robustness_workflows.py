@@ -147,7 +147,7 @@ def test_a_compiled_backward_interrupted_between_buckets_is_dropped_by_zero_grad
     compiled = torch.compile(model, backend="zenflow")
     for step in range(STEPS):
         if step in (3, 6):
-            calls = _fail_once(monkeypatch, ZenFlowRuntime, "accumulate_grads", KeyboardInterrupt, at=2)
+            calls = _fail_once(monkeypatch, ZenFlowRuntime, "take_grads", KeyboardInterrupt, at=2)
             with pytest.raises(KeyboardInterrupt):
                 loss_fn(compiled, batches[step]).backward()
             monkeypatch.undo()

@@ -28,9 +28,8 @@ from typing import List, Optional, Sequence, Tuple, Union
 import torch
 
 from ._triton import HAVE_TRITON, TORCH_TO_TL, DualKernel, constexpr, f32, split_f64, tl, triton_available
-from .rows import Rows, rows_of_one_tensor, runs_of_rows
 
-__all__ = ["adamw_selected_columns_", "adamw_selected_columns_reference_", "ReferencePlan"]
+__all__ = ["adamw_selected_columns_", "adamw_selected_columns_reference_", "adamw_slab_"]
 
 _BLOCK_R = 32
 # Checked without triton too: the torch twin serves the same dtypes (TORCH_TO_TL is empty without triton).
@@ -231,252 +230,43 @@ def _check(i, grad, master, exp_avg, exp_avg_sq, step, param, cols, gcols, devic
         bad(f"grad_columns must be int64 [{k}], got {gcols.dtype} {tuple(gcols.shape)}")
 
 
+def adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, *, lr, beta1, beta2, eps, weight_decay,
+                grad_scale=1.0) -> None:
+    """The kernel's math in plain torch over a slab: `grad`, `master`, `exp_avg`, `exp_avg_sq` [n, R, k] (or
+    [R, k]) and per-column counts `counts` [n, k] (or [k]), in place. On the CPU, where reading the counts costs
+    nothing, a slab whose counts all agree takes torch's fused CPU AdamW as one tensor."""
+    g = grad if grad.dtype == torch.float32 else grad.float()
+    if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
+        g = g * grad_scale
+    if master.device.type == "cpu" and counts.numel() and bool((counts == counts.reshape(-1)[0]).all()):
+        count = counts.reshape(-1)[:1] + 1  # the kernel's count, already incremented
+        torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [count.reshape(())], lr=lr, beta1=beta1,
+                            beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+        counts.add_(1)
+        return
+    counts.add_(1)
+    n64 = counts.double()
+    step_size = (lr / (1 - beta1 ** n64)).float().unsqueeze(-2)  # [n, 1, k]: per column, over the rows
+    bc2_sqrt = (1 - beta2 ** n64).sqrt().float().unsqueeze(-2)
+    master.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = exp_avg_sq.sqrt().div_(bc2_sqrt).add_(eps)
+    master.sub_(step_size * exp_avg / denom)
+
+
 def adamw_selected_columns_reference_(
     grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns,
     *, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0, grad_columns=None,
 ) -> None:
-    """Plain-torch twin of `adamw_selected_columns_` (same arguments, same math), batched over the parameters:
-    torch's `_foreach` ops, and the per-column bias corrections of every parameter computed at once on their
-    concatenated update counts (a fixed number of calls per step, not per parameter)."""
-    ReferencePlan(grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns, grad_columns=grad_columns).run(
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
-
-
-class ReferencePlan:
-    """What `adamw_selected_columns_reference_` derives from its arguments' layout alone: which parameters
-    have columns, which take torch's fused CPU AdamW, how their columns are written back. A caller that
-    passes the same tensors step after step (the runtime) builds it once and calls `run` per step.
-
-    `count_heads` (optional, per parameter): a one-element view of `steps[i]` when the caller knows that every
-    entry of `steps[i]` holds the same count (and keeps it so), else None. On CPU those parameters take the
-    fused kernel with no count check; without `count_heads` the counts are compared at every `run`.
-    """
-
-    def __init__(self, grads, masters, exp_avgs, exp_avg_sqs, steps, params, columns, *, grad_columns=None,
-                 count_heads=None, counts_fixed=None):
-        live = [i for i in range(len(grads)) if columns[i].numel()]
-        self.empty = not live
-        if self.empty:
-            return
-        gcols = [None] * len(grads) if grad_columns is None else grad_columns
-        # Split once: the fused parameters (known on CPU when the caller gave count_heads) and the others.
-        # Off CPU none fuse; on CPU without count_heads one group, split at each run by its counts.
-        on_cpu = masters[live[0]].device.type == "cpu"
-        self.check_counts = on_cpu and count_heads is None
-        if on_cpu and count_heads is not None:
-            fixed = [True] * len(grads) if counts_fixed is None else counts_fixed
-            parts = _fused_and_per_column(live, [grads, masters, exp_avgs, exp_avg_sqs, steps], count_heads, fixed)
-        else:
-            parts = [(False, live)]
-        self.groups = [_PlanGroup(
-            fused=fused, grads=[grads[i] for i in members], grad_columns=[gcols[i] for i in members],
-            ws=[masters[i] for i in members], ms=[exp_avgs[i] for i in members], vs=[exp_avg_sqs[i] for i in members],
-            ns=[steps[i] for i in members], heads=[count_heads[i] for i in members] if fused else None,
-            params=[params[i] for i in members], columns=[columns[i] for i in members])
-            for fused, members in parts if members]
-
-    def run(self, *, lr, beta1, beta2, eps, weight_decay, grad_scale=1.0) -> None:
-        if self.empty:
-            return
-        hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-        scale = isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0
-        for group in self.groups:
-            gs = group.grads_fp32()
-            if scale:
-                gs = torch._foreach_mul(gs, grad_scale)
-            if self.check_counts:  # CPU, counts not known to agree: fuse where they do now
-                fused = _fused_cpu_where_counts_agree(gs, group.ws, group.ms, group.vs, group.ns, **hyper)
-                _write_all_columns(*group.select(fused, "params", "columns", "ws"))
-                if len(fused) == len(gs):
-                    continue
-                done = set(fused)
-                rest = [j for j in range(len(gs)) if j not in done]
-                ws, ms, vs, ns, params, columns = group.select(rest, "ws", "ms", "vs", "ns", "params", "columns")
-                _adamw_per_column(ws, [gs[j] for j in rest], ms, vs, ns, **hyper)
-                _write_all_columns(params, columns, ws)
-            elif group.fused:
-                torch._foreach_add_(group.uns, 1)  # the heads (views) now hold the incremented count the kernel uses
-                torch._fused_adamw_(group.uws, gs, group.ums, group.uvs, [], group.uheads, lr=lr, beta1=beta1,
-                                    beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-                group.write_columns()
-            else:
-                _adamw_per_column(group.uws, gs, group.ums, group.uvs, group.uns, **hyper)
-                group.write_columns()
-
-
-def _fused_and_per_column(live: list[int], tensor_lists: list, count_heads: list,
-                          counts_fixed: list) -> list[tuple[bool, list[int]]]:
-    """[(fused, positions), (per column, positions)]. Whole runs of stacked rows go one way: a run fuses
-    when every member's columns share one count, the members agree and their counts stay as they are until
-    the next layout (`counts_fixed`, or not a row of a stack: a stacked matrix's reselection rewrites its
-    counts in place), else the whole run takes the per-column update (exact for any counts), so neither
-    group is left with gaps in a stack."""
-    order = sorted(live, key=lambda i: (id(tensor_lists[1][i]._base), tensor_lists[1][i].storage_offset()))
-    ordered = [[tensors[i] for i in order] for tensors in tensor_lists]
-    heads = [count_heads[i] for i in order]
-    counts = [None if head is None else float(head) for head in heads]  # (CPU: reading costs nothing)
-    fused, per_column = [], []
-    # A stacked row whose counts are not fixed (a stacked matrix) never fuses, even alone in its run: its
-    # reselection rewrites the counts in place, without a layout change that would rebuild this plan.
-    fixed = [counts_fixed[i] or ordered[1][j]._base is None for j, i in enumerate(order)]
-    for a, b in runs_of_rows(ordered, can_join=lambda i: True):
-        uniform = (all(c is not None for c in counts[a:b]) and counts[a:b].count(counts[a]) == b - a
-                   and all(fixed[a:b]))
-        (fused if uniform else per_column).extend(order[a:b])
-    return [(True, fused), (False, per_column)]
-
-
-class _PlanGroup:
-    """Parameters a `ReferencePlan` updates together, with their column write-back planned once.
-
-    A fused group updates runs of parameters whose tensors are consecutive rows of shared stacks (the
-    runtime's like states, `runtime/stacked_state.py`) and whose counts agree as one tensor each (`u*`
-    lists): one kernel "tensor" and one count increment per run instead of per parameter."""
-
-    def __init__(self, *, fused, grads, grad_columns, ws, ms, vs, ns, heads, params, columns):
-        self.fused, self.grads, self.grad_columns = fused, grads, grad_columns
-        self.ws, self.ms, self.vs, self.ns, self.heads = ws, ms, vs, ns, heads
-        self.params, self.columns = params, columns
-        self.plain_grads = all(g.dtype == torch.float32 for g in grads) and all(c is None for c in grad_columns)
-        self.write_columns = _ColumnWriter(params, columns, ws).write
-        self.ugrads, self.uws, self.ums, self.uvs, self.uns, self.uheads = grads, ws, ms, vs, ns, heads
-        if ws[0].device.type == "cpu" and all(c is None for c in grad_columns):
-            self._join_stacked_runs()
-
-    def _join_stacked_runs(self) -> None:
-        # Rows of one stack next to each other, in row order (the update of each parameter is independent).
-        order = sorted(range(len(self.ws)), key=lambda i: (id(self.ws[i]._base), self.ws[i].storage_offset()))
-        lists = [[tensors[i] for i in order] for tensors in (self.grads, self.ws, self.ms, self.vs, self.ns)]
-        if self.fused:
-            counts = [float(self.heads[i]) for i in order]  # (CPU: reading costs nothing)
-            runs = runs_of_rows(lists, can_join=lambda i: counts[i] == counts[i - 1])
-        else:  # per-column counts: any run joins
-            runs = runs_of_rows(lists, can_join=lambda i: True)
-        if len(runs) == len(self.ws):
-            return
-        joined = [[rows_of_one_tensor(tensors[a:b]) if b - a > 1 else tensors[a] for a, b in runs]
-                  for tensors in lists]
-        self.ugrads, self.uws, self.ums, self.uvs, self.uns = joined
-        if self.fused:
-            self.uheads = [n.view(-1)[:1] for n in self.uns]  # (each run's counts agree: its first is the count)
-
-    def grads_fp32(self) -> list:
-        if self.plain_grads:
-            return self.ugrads  # (read only by the update: never mutated)
-        gs = []
-        for g, gc in zip(self.ugrads, self.grad_columns if self.ugrads is self.grads else [None] * len(self.ugrads)):
-            g = g if gc is None else g[:, gc]
-            gs.append(g if g.dtype == torch.float32 else g.float())
-        return gs
-
-    def select(self, positions, *names):
-        return tuple([getattr(self, name)[j] for j in positions] for name in names)
-
-
-def _adamw_per_column(ws, gs, ms, vs, ns, *, lr, beta1, beta2, eps, weight_decay) -> None:
-    """AdamW with a per-column update count: the bias corrections of every column computed at once."""
-    torch._foreach_add_(ns, 1)
-    n64 = torch.cat([n.reshape(-1) for n in ns]).double()
-    sizes = [n.numel() for n in ns]
-    # Each parameter's counts [..., k] broadcast over its rows [..., R, k] (a joined run of stacked rows
-    # [m, R, k] has counts [m, k]).
-    step_sizes = [c.view(n.shape).unsqueeze(-2) for c, n in zip((lr / (1 - beta1 ** n64)).float().split(sizes), ns)]
-    bc2_sqrts = [c.view(n.shape).unsqueeze(-2) for c, n in zip((1 - beta2 ** n64).sqrt().float().split(sizes), ns)]
-    torch._foreach_mul_(ws, 1 - lr * weight_decay)
-    torch._foreach_lerp_(ms, gs, 1 - beta1)
-    torch._foreach_mul_(vs, beta2)
-    torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
-    denoms = torch._foreach_sqrt(vs)
-    torch._foreach_div_(denoms, bc2_sqrts)  # [R, k] / [k]: per-column bias correction
-    torch._foreach_add_(denoms, eps)
-    updates = torch._foreach_mul(step_sizes, ms)
-    torch._foreach_div_(updates, denoms)
-    torch._foreach_sub_(ws, updates)
-
-
-class _ColumnWriter:
-    """param[:, columns] = master for each parameter, split once: the vectors ([N, 1] views, every column)
-    in one batched copy; matrices whose masters are consecutive rows of one stack (like parameters, see
-    `rows.py`) through one stacked scatter per run (`_StackedColumnWriter`); the others one index_copy_ each
-    (no cast where the dtypes already match)."""
-
-    def __init__(self, params: list, columns: list, masters: list):
-        self.whole_params, self.whole_masters, by_index = [], [], []
-        for param, cols, master in zip(params, columns, masters):
-            if param.shape[1] == 1 and cols.numel() == 1:
-                self.whole_params.append(param)
-                self.whole_masters.append(master)
-            else:
-                by_index.append((param, cols, master))
-        self.stacked, self.by_index = [], []
-        by_index.sort(key=lambda item: (id(item[2]._base), item[2].storage_offset()))
-        masters_in_order = [master for _, _, master in by_index]
-        for start, end in runs_of_rows([masters_in_order], can_join=lambda i: _same_layout(by_index[i - 1], by_index[i])):
-            if end - start > 1:
-                self.stacked.append(_StackedColumnWriter(by_index[start:end]))
-            else:
-                self.by_index.append(by_index[start])
-
-    def write(self) -> None:
-        for param, cols, master in self.by_index:
-            param.index_copy_(1, cols, master if master.dtype == param.dtype else master.to(param.dtype))
-        for writer in self.stacked:
-            writer.write()
-        if self.whole_params:
-            torch._foreach_copy_(self.whole_params, self.whole_masters)
-
-
-def _same_layout(a, b) -> bool:
-    (param_a, cols_a, _), (param_b, cols_b, _) = a, b
-    return (param_a.shape == param_b.shape and param_a.dtype == param_b.dtype and param_a.device == param_b.device
-            and cols_a.shape == cols_b.shape)
-
-
-class _StackedColumnWriter:
-    """n like parameters [R, C] whose masters [R, k] are the rows of one stack: the parameters are gathered
-    into a reused [n, R, C] buffer, the columns scattered in with one index_put_, and the buffer copied back
-    in one batched copy (three calls for n parameters instead of n; each parameter is small, or its state
-    would not be stacked)."""
-
-    def __init__(self, items: list):
-        self.params = [param for param, _, _ in items]
-        self.masters = rows_of_one_tensor([master for _, _, master in items])  # [n, R, k]
-        first = self.params[0]
-        self.buffer = torch.empty((len(items), *first.shape), dtype=first.dtype, device=first.device)
-        self.buffer_rows = list(self.buffer.unbind(0))
-        self.columns = Rows([cols for _, cols, _ in items])  # [n, k]
-        self.which = torch.arange(len(items), device=first.device).unsqueeze(1)  # [n, 1]
-        self.cast = self.masters.dtype != first.dtype
-
-    def write(self) -> None:
-        torch.stack(self.params, out=self.buffer)
-        values = self.masters.to(self.buffer.dtype) if self.cast else self.masters
-        self.buffer.transpose(1, 2).index_put_((self.which, self.columns.read()), values.transpose(1, 2))
-        torch._foreach_copy_(self.params, self.buffer_rows)
-
-
-def _write_all_columns(params: list, columns: list, masters: list) -> None:
-    _ColumnWriter(params, columns, masters).write()
-
-
-def _fused_cpu_where_counts_agree(gs, ws, ms, vs, ns, lr, beta1, beta2, eps, weight_decay) -> list[int]:
-    """On CPU, where reading the update counts costs nothing: torch's fused CPU AdamW kernel (one call for
-    all of them) for the parameters whose selected columns share one count (all of them, until a
-    reselection mixes counts). Returns their positions; the caller updates the others per column."""
-    sizes = torch.tensor([n.numel() for n in ns])
-    counts = torch.cat(ns)
-    owner = torch.repeat_interleave(torch.arange(len(ns)), sizes)
-    firsts = counts[sizes.cumsum(0) - sizes]
-    mixed = torch.zeros(len(ns)).index_add_(0, owner, (counts != firsts[owner]).float())
-    fused = (mixed == 0).nonzero().flatten().tolist()
-    if not fused:
-        return []
-    scalars = list((firsts[fused] + 1).unbind(0))  # the kernel's per-parameter count, already incremented
-    torch._fused_adamw_([ws[j] for j in fused], [gs[j] for j in fused], [ms[j] for j in fused],
-                        [vs[j] for j in fused], [], scalars, lr=lr, beta1=beta1, beta2=beta2,
-                        weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
-    torch._foreach_add_([ns[j] for j in fused], 1)
-    return fused
+    """Plain-torch twin of `adamw_selected_columns_` (same arguments, same math), one parameter at a time."""
+    for i in range(len(grads)):
+        if not columns[i].numel():
+            continue
+        g = grads[i] if grad_columns is None or grad_columns[i] is None else grads[i][:, grad_columns[i]]
+        adamw_slab_(g, masters[i], exp_avgs[i], exp_avg_sqs[i], steps[i], lr=lr, beta1=beta1, beta2=beta2,
+                    eps=eps, weight_decay=weight_decay, grad_scale=grad_scale)
+        params[i].index_copy_(1, columns[i], masters[i].to(params[i].dtype))
 
 
 def adamw_selected_columns_(

@@ -2,7 +2,7 @@
 
 Single process (`hand_over_grads`): `.grad` belongs to the user until `step()`, as with torch.optim. Tensor
 hooks, `clip_grad_norm_`, edits and `zero_grad(set_to_none=False)` act on it, and `step()` hands the
-`.grad` of every parameter in the param groups to `ZenFlowRuntime.accumulate_grads` in one batched call
+`.grad` of every parameter in the param groups to `ZenFlowRuntime.take_grads` in one batched call
 (`runtime/handoff.py`), leaving it in place for `zero_grad()` to clear. Gradient accumulation is autograd's
 own sum into `.grad`.
 
@@ -50,7 +50,7 @@ def hand_over_grads(runtime: "ZenFlowRuntime", params: list[torch.Tensor], pids:
     if any(layout != torch.strided for layout in map(_LAYOUT, grads)):
         for param, grad in zip(params, grads):
             _dense_only(param, grad)
-    runtime.accumulate_grads(pids, grads)
+    runtime.take_grads(pids, grads)
     return True
 
 
@@ -73,7 +73,7 @@ class DataParallelHooks:
         self.taken.add(id(param))
         runtime = self._runtime()
         if runtime is not None:
-            runtime.accumulate_grad(self._param_ids[id(param)], grad, None)
+            runtime.take_grads([self._param_ids[id(param)]], [grad])
 
     def check_no_late_grads(self, params: list[torch.Tensor], names) -> None:
         """Refuse a `.grad` found at `step()` on a parameter whose gradient the hooks already reduced: it was

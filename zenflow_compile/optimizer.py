@@ -416,9 +416,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._runtime.import_globals(state_dict["zenflow"], owners)
         if "max_grad_norm" in state_dict["zenflow"]:
             self.max_grad_norm = state_dict["zenflow"]["max_grad_norm"]
-        for i, param in enumerate(self._params_in_order()):
-            if i in state_dict["state"]:
-                self._runtime.import_state(self.param_id(param), state_dict["state"][i])
+        self._runtime.import_states({self.param_id(param): state_dict["state"][i]
+                                     for i, param in enumerate(self._params_in_order()) if i in state_dict["state"]})
         self._runtime.clear_failure()
 
     def _share_owners(self, saved: Optional[dict]) -> Optional[dict[int, int]]:

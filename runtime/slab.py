@@ -1,0 +1,743 @@
+"""Optimizer state born flat: the parameters of one slab share every state tensor, one row each.
+
+A slab holds n like parameters: one param group, one dtype, one [R, C] shape (a matrix of any dim viewed as
+[shape[0], rest]; a vector of N elements as [N, 1]), k selected columns each. Its tensors, row i being
+member i's (u = C - k host columns):
+
+    device  grad [n, R, k] (param dtype)      master, exp_avg, exp_avg_sq [n, R, k] fp32
+            counts [n, k] fp32 (per-column update counts)    selected [n, k], host_columns [n, u] int64
+            scores [n, C] fp32 (this step's squared column norms)
+    host    master, exp_avg, exp_avg_sq [n, u, R] fp32       host_counts [n, u] fp32
+            accumulators[2], square_accumulators[2] [n, u, R] fp32 (by interval parity)
+            host_grads[2] [n, u, R] (by step parity), host_weights[2] [n, u, R] (by update parity): pinned,
+            the param dtype; host_scores [n, u] pinned
+
+Host tensors are transposed, [u, R] per member, so one column is one contiguous row: the offload of the
+unselected columns is one contiguous copy, and the CPU AdamW runs over whole rows. A member's host columns
+are ordered by update count, so equal counts form runs (one fused-AdamW tensor each). A vector is a slab of
+k = C = 1: all of its state on the device.
+
+Per step a slab costs a fixed number of calls whatever n is: the hand-off stacks its gradients once and
+gathers the selected and the host columns in one call each; the device AdamW, the accumulation, the CPU
+AdamW and the merge each take the slab's tensors whole. Where only some members take part (a later
+backward of the step, a parameter without gradient, data parallelism) the same work runs on the members'
+rows. A parameter of more than `SHARED_SLAB_MAX_NUMEL` elements gets a slab of its own, so stacking never
+copies a large gradient.
+
+The layout changes only in two ways. A reselection writes the new columns into the same tensors (k and u are
+fixed by topk_ratio). Anything else (a member's first selection, a cast, a param-group edit, a checkpoint
+load) exports the members' state (`MemberState`) and builds new slabs from it.
+
+Data parallel: every rank holds the device part of every member; only a member's `owner` holds its host part,
+so a slab's key says whether this rank owns its members' host parts (`owns_host`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from zenflow_compile.runtime import kernels
+from zenflow_compile.runtime.transfers import Transfers, wait_events
+
+# Largest parameter (elements) that shares a slab with others: stacking its gradient in the hand-off copies it
+# once more, which pays while a tensor costs more in per-call host time than in bandwidth (CPU: ~5 us of host
+# time per call vs ~10 GB/s; CUDA: the same host time vs TB/s).
+SHARED_SLAB_MAX_NUMEL = {"cpu": 1 << 14, "cuda": 1 << 20}
+
+
+def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores, ties to the lower index, in ascending order (on the host). `scores`
+    may be [n, C]: the top k of each row."""
+    order = torch.sort(scores.detach().cpu(), dim=-1, descending=True, stable=True).indices
+    return order[..., :k].sort(dim=-1).values
+
+
+def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
+    """[R, C] of a parameter as the state sees it: a matrix [shape[0], rest], a vector [N, 1]."""
+    if param.dim() >= 2:
+        return param.shape[0], param.numel() // param.shape[0]
+    return param.numel(), 1
+
+
+def _plain(grad: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """`grad` detached and viewed as `shape` (no call when it already is)."""
+    if grad.requires_grad:
+        grad = grad.detach()
+    return grad if grad.shape == shape else grad.reshape(shape)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.float()
+
+
+class ParamWatch:
+    """Tells whether anyone but the optimizer wrote a parameter since the optimizer last looked.
+
+    The optimizer writes through `param.data`, which leaves the parameter's version counter alone; an in-place
+    write by anyone else (`load_state_dict`, an init routine, `p.copy_`) bumps it, and `p.data = other`
+    changes its storage.
+    """
+
+    def __init__(self, param: torch.Tensor):
+        self.param = param
+        self.remember()
+
+    def remember(self) -> None:
+        self.seen = (self.param._version, self.param.data_ptr(), self.param.dtype)
+
+    def written_externally(self) -> bool:
+        return (self.param._version, self.param.data_ptr(), self.param.dtype) != self.seen
+
+
+def adopt_changed(current: torch.Tensor, last_written: torch.Tensor, master: torch.Tensor) -> None:
+    """master := current where current differs from what the optimizer last wrote (elementwise), so untouched
+    elements keep their fp32 master bits (a bf16 parameter cannot hold them)."""
+    changed = current != last_written
+    master.copy_(torch.where(changed, current.float(), master))
+
+
+@dataclass
+class MemberState:
+    """One parameter's whole state in its natural [R, C] layout, on the host: what moves between slabs and
+    into checkpoints. NaN where this rank does not know (a host part another rank owns)."""
+
+    master: torch.Tensor  # fp32 [R, C]
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor  # fp32 [C] per-column update counts
+    selected: torch.Tensor  # int64 [k] ascending (empty: not selected yet)
+    host_columns: Optional[torch.Tensor] = None  # the host columns' order, when the counts that decide it are unknown here
+    accumulator: Optional[torch.Tensor] = None  # fp32 [R, C] (host columns)
+    square_accumulator: Optional[torch.Tensor] = None
+    applied: Optional[torch.Tensor] = None  # [R, C] param dtype: the host columns as the device holds them
+    unapplied: bool = False  # a CPU update of the host columns has not reached the device yet
+    step_grad: Optional[torch.Tensor] = None  # [R, C] param dtype: the gradient handed over this step
+    step_scores: Optional[torch.Tensor] = None  # [C] fp32: its column scores
+
+    @classmethod
+    def fresh(cls, param: torch.Tensor) -> "MemberState":
+        R, C = matrix_shape(param)
+        master = param.detach().reshape(R, C).float().cpu()
+        zeros = torch.zeros_like(master)
+        return cls(master, zeros, zeros.clone(), torch.zeros(C), torch.zeros(0, dtype=torch.long))
+
+    @classmethod
+    def unknown(cls, rows: int, cols: int, selected: torch.Tensor) -> "MemberState":
+        return cls(*(torch.full((rows, cols), math.nan) for _ in range(3)), torch.full((cols,), math.nan), selected)
+
+
+class Member:
+    """One parameter's place in its slab (`slab`, `index`) and its per-parameter bookkeeping."""
+
+    def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int, owns_host: bool):
+        self.param, self.pid, self.group_index = param, pid, group_index
+        self.owner, self.owns_host = owner, owns_host
+        self.is_matrix = param.dim() >= 2
+        self.rows, self.cols = matrix_shape(param)
+        self.watch = ParamWatch(param)
+        self.slab: Optional[Slab] = None
+        self.index = 0
+        self.num_grads = 0  # backwards handed over this step
+        self.steps_accumulated = 0  # steps whose gradient went into the accumulator since the last update
+        # Zen-auto: mean selected / unselected scores summed since the last CPU update.
+        self.sum_selected_score = 0.0
+        self.sum_unselected_score = 0.0
+
+    def as_columns(self) -> torch.Tensor:
+        """The parameter viewed as [R, C] (a view: writes land in the parameter)."""
+        return self.param.data.view(self.rows, self.cols)
+
+    # (the data-parallel reducer's view of a parameter)
+    def reduce_split_numel(self) -> tuple[int, int]:
+        return self.slab.reduce_split_numel()
+
+    def split_grad_for_reduce(self, grad, replicated, host) -> None:
+        self.slab.split_grad_for_reduce(self.index, grad, replicated, host)
+
+
+class SlabKey(NamedTuple):
+    group_index: int
+    dtype: torch.dtype
+    rows: int
+    cols: int
+    num_selected: int  # k (0 before a matrix's first selection; a vector's is its one column)
+    owner: int  # the rank holding the members' host parts (data parallel; else 0)
+    alone: Optional[int]  # the pid of a parameter too large to share its slab, else None
+
+
+def slab_key(member: Member, num_selected: int) -> SlabKey:
+    param = member.param
+    large = param.numel() > SHARED_SLAB_MAX_NUMEL.get(param.device.type, 0)
+    return SlabKey(member.group_index, param.dtype, member.rows, member.cols, num_selected, member.owner,
+                   member.pid if large else None)
+
+
+def _columns_index(columns: torch.Tensor, rows: int) -> torch.Tensor:
+    """[n, k] column indices as a gather index over [n, R, C] (an expanded view: no memory)."""
+    return columns.unsqueeze(1).expand(-1, rows, -1)
+
+
+class Slab:
+    """The state of n like parameters (see the module docstring)."""
+
+    def __init__(self, key: SlabKey, members: list[Member], states: list[MemberState], transfers: Transfers,
+                 accumulate_squares: bool):
+        self.key, self.members, self.transfers = key, members, transfers
+        self.n, self.R, self.C, self.k = len(members), key.rows, key.cols, key.num_selected
+        self.u = self.C - self.k
+        self.dtype, self.device = key.dtype, members[0].param.device
+        self.is_matrix = members[0].is_matrix
+        self.owns_host = members[0].owns_host
+        self.accumulate_squares = accumulate_squares
+        for i, member in enumerate(members):
+            member.slab, member.index = self, i
+        n, R, C, k, u, dev = self.n, self.R, self.C, self.k, self.u, self.device
+        if k == C:  # every column selected (vectors): the device layout is the parameter's own
+            selected = torch.arange(C).expand(n, C).contiguous()
+        elif k:
+            selected = torch.stack([s.selected for s in states])
+        else:
+            selected = torch.zeros(n, 0, dtype=torch.long)
+        master, exp_avg, exp_avg_sq = (torch.stack([getattr(s, name) for s in states])
+                                       for name in ("master", "exp_avg", "exp_avg_sq"))
+        counts = torch.stack([s.step for s in states])
+        host_columns = self._host_order(selected, counts, states)
+        self.selected_cpu, self.host_columns_cpu = selected, host_columns
+        pick, rest = _columns_index(selected, R), _columns_index(host_columns, R)
+        self.master = master.gather(2, pick).to(dev)
+        self.exp_avg = exp_avg.gather(2, pick).to(dev)
+        self.exp_avg_sq = exp_avg_sq.gather(2, pick).to(dev)
+        self.counts = counts.gather(1, selected).to(dev)
+        self.grad = torch.zeros(n, R, k, dtype=self.dtype, device=dev)
+        self.scores = torch.zeros(n, C, device=dev)
+        self.selected, self.host_columns = selected.to(dev), host_columns.to(dev)
+        self._pick, self._rest = _columns_index(self.selected, R), _columns_index(self.host_columns, R)
+        # Whole-parameter slabs (vectors, matrices with every column selected): the device layout is the
+        # parameter's own, no gather.
+        self.whole = k == C
+        self.offload_done: list[list] = [[], []]  # copy events into host_grads[slot] (and a step's extras)
+        self.upload_done: list = [None, None]  # upload events of host_weights[slot]
+        self.extra_grads: list[dict] = [{}, {}]  # later backwards of a step: member index -> [host buffers]
+        self.extra_pool: list[dict] = [{}, {}]  # the pinned buffers extra_grads reuses, per member
+        self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
+        self.unapplied = any(s.unapplied for s in states)
+        self._params = None  # see `params`
+        self.master_rows = list(self.master.unbind(0))  # (the tensors are rewritten in place, never replaced)
+        # This step: how many members took a gradient, and whether any took several backwards.
+        self.members_taken = sum(1 for s in states if s.step_grad is not None)
+        self.several_backwards = any(m.num_grads > 1 for m in members)
+        step_grads = [s.step_grad for s in states]
+        if any(g is not None for g in step_grads):
+            step_grad = torch.stack([torch.zeros(R, C, dtype=self.dtype) if g is None else g.to(self.dtype)
+                                     for g in step_grads])
+            self.grad.copy_(step_grad.gather(2, pick).to(dev))
+            for i, s in enumerate(states):
+                if s.step_scores is not None:
+                    self.scores[i].copy_(s.step_scores)
+        else:
+            step_grad = None
+        self.has_host_part = self.owns_host and u > 0
+        if not self.has_host_part:
+            self.host_master = self.host_exp_avg = self.host_exp_avg_sq = self.host_counts = None
+            self.accumulators, self.square_accumulators, self.host_grads, self.host_weights = [], [], [], []
+            self.host_grad_bytes = 0
+            return
+        host = lambda full: full.gather(2, rest).transpose(1, 2).contiguous()  # [n, R, C] -> [n, u, R]
+        host_zeros = transfers.host_zeros
+        self.host_master, self.host_exp_avg, self.host_exp_avg_sq = host(master), host(exp_avg), host(exp_avg_sq)
+        self.host_counts = counts.gather(1, host_columns)
+        self.accumulators = [torch.zeros(n, u, R) for _ in range(2)]
+        self.square_accumulators = [torch.zeros(n, u, R) for _ in range(2)] if accumulate_squares else []
+        for buffers, name in ((self.accumulators, "accumulator"), (self.square_accumulators, "square_accumulator")):
+            saved = [getattr(s, name) for s in states]
+            if buffers and any(a is not None for a in saved):
+                buffers[0].copy_(host(torch.stack([torch.zeros(R, C) if a is None else a for a in saved])))
+        self.host_grads = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
+        self.host_grad_bytes = self.host_grads[0].numel() * self.host_grads[0].element_size()
+        if step_grad is not None:
+            for buffer in self.host_grads:
+                buffer.copy_(host(step_grad))
+        self.host_weights = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
+        for weights in self.host_weights:
+            weights.copy_(self.host_master)
+        if self.unapplied:  # the device holds the columns before the pending update
+            applied = torch.stack([s.applied.to(self.dtype) if s.unapplied else s.master.to(self.dtype)
+                                   for s in states])
+            self.host_weights[1].copy_(host(applied))
+        self.host_scores = host_zeros((n, u), torch.float32)
+
+    def _host_order(self, selected: torch.Tensor, counts: torch.Tensor, states: list[MemberState]) -> torch.Tensor:
+        """[n, u]: each member's unselected columns, ordered by update count (stable: ties by column)."""
+        given = [s.host_columns for s in states]
+        if all(g is not None for g in given):
+            return torch.stack(given) if given and given[0].numel() else torch.zeros(self.n, self.u, dtype=torch.long)
+        keys = counts.clone()
+        keys.scatter_(1, selected, math.inf)  # selected columns sort last
+        keys = torch.where(torch.isnan(keys), 0.0, keys)  # (unknown counts: the column order)
+        keys.scatter_(1, selected, math.inf)
+        return torch.sort(keys, dim=1, stable=True).indices[:, :self.u].contiguous()
+
+    # -- what the slab holds --------------------------------------------------------------------------------
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The members' parameters as [R, C] views (made once; again after a parameter's storage changed)."""
+        if self._params is None:
+            self._params = [m.as_columns() for m in self.members]
+        return self._params
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        return [self.master, self.exp_avg, self.exp_avg_sq, self.counts, self.grad, self.scores, self.selected,
+                self.host_columns]
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        if not self.has_host_part:
+            return []
+        return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, *self.host_grads, *self.accumulators,
+                *self.square_accumulators, *self.host_weights]
+
+    def applied_weights(self) -> torch.Tensor:
+        """[n, u, R]: the host columns as the device holds them (the last uploaded CPU update)."""
+        return self.host_weights[self.weights_slot ^ 1 if self.unapplied else self.weights_slot]
+
+    # -- gradients ------------------------------------------------------------------------------------------
+    def take_grads(self, grads: list[torch.Tensor], scores: Optional[list], grad_slot: int) -> int:
+        """The first backward's gradient of every member (member order), in a fixed number of calls; returns
+        the bytes sent device -> host. Keeps no reference to the gradients (the compiled graph reuses them)."""
+        n, R, C = self.n, self.R, self.C
+        if n == 1:
+            g = _plain(grads[0], (R, C)).unsqueeze(0)
+        else:  # (the caller runs without autograd: no detach needed)
+            g = torch.stack(grads).reshape(n, R, C)  # (a copy only for non-contiguous gradients: channels-last)
+        if scores is not None and scores[0] is not None:
+            if n == 1:
+                self.scores.copy_(scores[0].reshape(1, C))
+            else:
+                torch.stack([s.reshape(C) for s in scores], out=self.scores)
+        else:
+            torch.sum(_fp32(g).square(), 1, out=self.scores)
+        if self.whole:
+            self.grad.copy_(g)
+        elif self.k:
+            if n == 1:
+                torch.index_select(g[0], 1, self.selected[0], out=self.grad[0])
+            else:
+                torch.gather(g, 2, self._pick, out=self.grad)
+        for member in self.members:
+            member.num_grads = 1
+        self.members_taken = n
+        for slot_extras in self.extra_grads[grad_slot].values():  # (a discarded step's extras)
+            slot_extras.clear()
+        if not self.has_host_part:
+            return 0
+        if n == 1:  # gather + transpose straight into the host buffer
+            done = self.transfers.to_host(g[0].t(), self.host_grads[grad_slot][0], rows=self.host_columns[0])
+        else:
+            done = self.transfers.to_host(torch.gather(g.transpose(1, 2), 1, self._rest.transpose(1, 2)),
+                                          self.host_grads[grad_slot])
+        self.offload_done[grad_slot] = [*self.offload_done[grad_slot], done]
+        return self.host_grad_bytes
+
+    def take_grad(self, i: int, grad: torch.Tensor, scores: Optional[torch.Tensor], grad_slot: int) -> int:
+        """One backward's gradient of member i (a later backward of the step, or a member whose slab did not
+        arrive whole)."""
+        member = self.members[i]
+        g = _plain(grad, (self.R, self.C))
+        first = self._count_grad(member)
+        if scores is None:
+            scores = kernels.column_scores(g, out=self.scores[i] if first else None)
+        if first:
+            if scores.data_ptr() != self.scores[i].data_ptr():
+                self.scores[i].copy_(scores.reshape(self.C))
+        else:
+            self.scores[i].add_(scores.reshape(self.C))
+        if self.k:
+            chosen = g if self.whole else g.index_select(1, self.selected[i])
+            self.grad[i].copy_(chosen) if first else self.grad[i].add_(chosen)
+        if not self.has_host_part:
+            return 0
+        return self._offload(i, g.t(), first, grad_slot, rows=self.host_columns[i])
+
+    def _count_grad(self, member: Member) -> bool:
+        """One more backward of `member` this step; whether it is its first."""
+        member.num_grads += 1
+        if member.num_grads == 1:
+            self.members_taken += 1
+            return True
+        self.several_backwards = True
+        return False
+
+    def end_step(self) -> None:
+        for member in self.members:
+            member.num_grads = 0
+        self.members_taken, self.several_backwards = 0, False
+
+    def _offload(self, i: int, rest: torch.Tensor, first: bool, grad_slot: int,
+                 rows: Optional[torch.Tensor] = None) -> int:
+        """Member i's unselected columns ([u, R], or the rows `rows` of `rest`) into host_grads[grad_slot][i];
+        a later backward of the step into an extra pinned buffer (reused step after step), summed at step()."""
+        extras = self.extra_grads[grad_slot].setdefault(i, [])
+        if first:
+            extras.clear()  # (a discarded step's)
+            done = self.transfers.to_host(rest, self.host_grads[grad_slot][i], rows=rows)
+            self.offload_done[grad_slot] = [*self.offload_done[grad_slot], done]
+            return self.u * self.R * self.host_grads[grad_slot].element_size()
+        pool = self.extra_pool[grad_slot].setdefault(i, [])
+        if len(extras) == len(pool):
+            pool.append(self.transfers.host_zeros((self.u, self.R), rest.dtype))
+        target = pool[len(extras)]
+        extras.append(target)
+        self.offload_done[grad_slot] = [*self.offload_done[grad_slot], self.transfers.to_host(rest, target, rows=rows)]
+        return target.numel() * target.element_size()
+
+    def start_step(self, grad_slot: int) -> None:
+        """Forget the copy events of the step two steps ago (its accumulate task has been joined)."""
+        self.offload_done[grad_slot] = []
+
+    # data parallel
+    def reduce_split_numel(self) -> tuple[int, int]:
+        """(elements averaged on every rank, elements reduced into the owner) of one member's gradient."""
+        return self.R * self.k, self.R * self.u
+
+    def split_grad_for_reduce(self, i: int, grad: torch.Tensor, replicated: Optional[torch.Tensor],
+                              host: Optional[torch.Tensor]) -> None:
+        """Member i's selected columns ([R, k]) and unselected ones (transposed, [u, R]) into the reduction
+        buffers."""
+        g = grad.reshape(self.R, self.C)
+        if replicated is not None:
+            if self.whole:
+                replicated.copy_(g.reshape(-1))
+            else:
+                torch.index_select(g, 1, self.selected[i], out=replicated.view(self.R, self.k))
+        if host is not None:
+            torch.index_select(g.t(), 0, self.host_columns[i], out=host.view(self.u, self.R))
+
+    def take_reduced(self, i: int, replicated: Optional[torch.Tensor], host: Optional[torch.Tensor],
+                     grad_slot: int) -> int:
+        """Member i's averaged gradient: the selected columns (every rank) and, on the owner, the unselected
+        ones. Scores are the averaged gradient's (the host columns' only on the owner: the runtime all-reduces
+        the scores at the step)."""
+        first = self._count_grad(self.members[i])
+        scores = torch.zeros(self.C, device=self.device)
+        if replicated is not None:
+            chosen = replicated.view(self.R, self.k)
+            self.grad[i].copy_(chosen) if first else self.grad[i].add_(chosen)
+            scores[self.selected[i]] = chosen.float().pow(2).sum(0)
+        rest = None if host is None else host.view(self.u, self.R)
+        if rest is not None:
+            scores[self.host_columns[i]] = rest.float().pow(2).sum(1)
+        self.scores[i].copy_(scores) if first else self.scores[i].add_(scores)
+        return 0 if rest is None or not self.has_host_part else self._offload(i, rest, first, grad_slot)
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def fold_extra_grads(self, grad_slot: int) -> None:
+        """Sum the later backwards' offloaded gradients into host_grads[grad_slot] (waits for their copies).
+        Runs on the accumulate worker; a no-op once done."""
+        extras = {i: buffers for i, buffers in self.extra_grads[grad_slot].items() if buffers}
+        if not extras:
+            return
+        wait_events(self.offload_done[grad_slot])
+        target = self.host_grads[grad_slot]
+        self.transfers.host_access(reads=[b for buffers in extras.values() for b in buffers], writes=[target])
+        for i, buffers in extras.items():
+            for extra in buffers:
+                target[i].add_(extra)
+            buffers.clear()
+
+    def host_step_scores(self, grad_slot: int, rows: list[int]) -> None:
+        """Accumulate worker, several backwards in one step: fold the extras, then the exact scores of the summed
+        gradient's host columns of members `rows`, into the pinned `host_scores`."""
+        self.fold_extra_grads(grad_slot)
+        self.transfers.host_access(reads=[self.host_grads[grad_slot]], writes=[self.host_scores])
+        for i in rows:
+            torch.sum(self.host_grads[grad_slot][i].float().pow(2), dim=1, out=self.host_scores[i])
+
+    def exact_scores(self, grad_slot: int, rows: list[int]) -> None:
+        """The scores of members `rows` that took several backwards this step, recomputed from their summed
+        gradient (the host columns' from `host_step_scores`, which must have run)."""
+        for i in rows:
+            exact = torch.empty(self.C, device=self.device)
+            exact[self.selected[i]] = self.grad[i].float().pow(2).sum(0)
+            if self.u:
+                if self.has_host_part:
+                    exact[self.host_columns[i]] = self.transfers.to_device(self.host_scores[i])[0]
+                else:  # the owner reports them
+                    exact[self.host_columns[i]] = 0.0
+            self.scores[i].copy_(exact)
+
+    def update_on_device(self, rows: Optional[list[int]], *, grad_scale, **hyperparameters) -> None:
+        """AdamW of the selected columns of members `rows` (None: all), written into their parameters."""
+        if not self.k:
+            return
+        kernels.device_adamw_(self.grad, self.master, self.exp_avg, self.exp_avg_sq, self.counts,
+                              self.params, self.selected, rows=rows, whole=self.whole, grad_scale=grad_scale,
+                              master_rows=self.master_rows, **hyperparameters)
+
+    def copies_in_flight(self, grad_slot: int) -> list:
+        """The events of this step's copies into the gradient buffers (none where the device is the host).
+        Taken when the accumulate task is submitted: the next step replaces them."""
+        return [] if self.transfers.device_is_host else list(self.offload_done[grad_slot])
+
+    def accumulate(self, rows: Optional[list[int]], grad_slot: int, acc_slot: int, coef: float,
+                   copies: list) -> None:
+        """Accumulate worker: acc += coef * g (and square_acc += (coef * g)**2) for members `rows` (None: all)
+        once the step's copies have landed."""
+        wait_events(copies)
+        grads, accs = self.host_grads[grad_slot], self.accumulators[acc_slot]
+        squares = self.square_accumulators[acc_slot] if self.accumulate_squares else None
+        self.transfers.host_access(reads=[grads])
+        if rows is None:
+            kernels.accumulate_scaled_many_([accs], [grads], coef, square_accs=None if squares is None else [squares])
+        else:
+            kernels.accumulate_scaled_many_([accs[i] for i in rows], [grads[i] for i in rows], coef,
+                                            square_accs=None if squares is None else [squares[i] for i in rows])
+
+    def update_host_columns(self, members_by_scale: dict[float, list[tuple[int, int]]], acc_slot: int,
+                            hyperparameters: dict) -> None:
+        """Update worker, at a boundary: the CPU AdamW of the host columns of the members in
+        `members_by_scale` (lr multiplier -> [(member index, steps accumulated)], in member order), from the mean
+        of each member's accumulated gradients; then empty the accumulators and publish the new columns."""
+        acc = self.accumulators[acc_slot]
+        squares = self.square_accumulators[acc_slot] if self.accumulate_squares else None
+        sums = [acc] + ([squares] if squares is not None else [])
+        for scale, taking in members_by_scale.items():
+            rows = [i for i, _ in taking]
+            steps = [s for _, s in taking]
+            everyone = len(rows) == self.n
+            if everyone and steps.count(steps[0]) == len(steps):
+                torch._foreach_div_(sums, steps[0])
+            else:
+                for i, s in taking:
+                    torch._foreach_div_([t[i] for t in sums], s)
+            hyper = dict(hyperparameters, lr=hyperparameters["lr"] * scale)
+            tensors = self.host_runs(rows, everyone, acc, squares)
+            masters, grads, exp_avgs, exp_avg_sqs, counts, grad_sqs = (list(column) for column in zip(*tensors))
+            kernels.cpu_adamw_(masters, grads, exp_avgs, exp_avg_sqs, counts,
+                               grad_sqs=grad_sqs if squares is not None else None, **hyper)
+            if everyone:
+                self.host_counts.add_(1)
+            else:
+                self.host_counts[rows] += 1
+        torch._foreach_zero_(sums)
+        self.publish_host_weights()
+
+    def host_runs(self, rows: list[int], everyone: bool, acc: torch.Tensor, squares: Optional[torch.Tensor]):
+        """Fused-AdamW tensors of the host columns of members `rows`: one per run of equal update count (the
+        whole slab is one [n * u, R] tensor whose runs may span members)."""
+        runs = []
+        for source in ([None] if everyone else rows):
+            if source is None:
+                flat = lambda t: t.reshape(self.n * self.u, self.R)
+                counts = self.host_counts.reshape(-1)
+            else:
+                flat = lambda t, i=source: t[i]
+                counts = self.host_counts[source]
+            values, lengths = torch.unique_consecutive(counts, return_counts=True)
+            start = 0
+            for value, length in zip(values.tolist(), lengths.tolist()):
+                a, b = start, start + length
+                runs.append((flat(self.host_master)[a:b], flat(acc)[a:b], flat(self.host_exp_avg)[a:b],
+                             flat(self.host_exp_avg_sq)[a:b], torch.tensor(value),
+                             None if squares is None else flat(squares)[a:b]))
+                start = b
+        return runs
+
+    def publish_host_weights(self) -> None:
+        """After a CPU update: cast the new masters into the free weights buffer for the next upload."""
+        free = self.weights_slot ^ 1
+        wait_events([self.upload_done[free]])
+        self.transfers.host_access(writes=[self.host_weights[free]])
+        self.host_weights[free].copy_(self.host_master)
+        self.weights_slot = free
+
+    def apply_host_columns(self, data_parallel=None) -> int:
+        """Write the latest CPU-updated columns into the members' parameters; returns the bytes uploaded.
+        Data parallel: each member's owner uploads and broadcasts its columns, the other ranks receive them."""
+        self.unapplied = False
+        if not self.u:
+            return 0
+        if data_parallel is None:
+            values, self.upload_done[self.weights_slot] = self.transfers.to_device(self.host_weights[self.weights_slot])
+            kernels.write_columns_(self.params, self.host_columns, values.transpose(1, 2))
+            return values.numel() * values.element_size()
+        uploaded = 0
+        for i, member in enumerate(self.members):
+            if self.has_host_part:
+                slot = self.weights_slot
+                values, done = self.transfers.to_device(self.host_weights[slot][i])
+                self.upload_done[slot] = done
+                uploaded += values.numel() * values.element_size()
+            else:
+                values = torch.empty(self.u, self.R, dtype=self.dtype, device=self.device)
+            data_parallel.broadcast(values, member.owner)
+            kernels.write_columns_([member.as_columns()], self.host_columns[i:i + 1], values.t().unsqueeze(0))
+        return uploaded
+
+    # -- layout ---------------------------------------------------------------------------------------------
+    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(master, exp_avg, exp_avg_sq [n, R, C], step [n, C]) on the host; NaN where this rank does not hold
+        the host part."""
+        n, R, C = self.n, self.R, self.C
+        pick, rest = _columns_index(self.selected_cpu, R), _columns_index(self.host_columns_cpu, R)
+        full = []
+        for dev, host in ((self.master, self.host_master), (self.exp_avg, self.host_exp_avg),
+                          (self.exp_avg_sq, self.host_exp_avg_sq)):
+            t = torch.full((n, R, C), math.nan)
+            t.scatter_(2, pick, dev.cpu())
+            if host is not None:
+                t.scatter_(2, rest, host.transpose(1, 2))
+            full.append(t)
+        step = torch.full((n, C), math.nan)
+        step.scatter_(1, self.selected_cpu, self.counts.cpu())
+        if self.host_counts is not None:
+            step.scatter_(1, self.host_columns_cpu, self.host_counts)
+        return (*full, step)
+
+    def _host_full(self, host: torch.Tensor, i: int, dtype=torch.float32) -> torch.Tensor:
+        """Member i's [u, R] host rows as an [R, C] tensor (zero in the selected columns)."""
+        full = torch.zeros(self.R, self.C, dtype=dtype)
+        full[:, self.host_columns_cpu[i]] = host[i].t().to(dtype)
+        return full
+
+    def export_member(self, i: int, acc_slot: int, with_step_grad: Optional[int] = None) -> MemberState:
+        """Member i's whole state (after the CPU work that touches it is done). `with_step_grad`: the grad slot
+        whose gradient (this step's) goes along."""
+        master, exp_avg, exp_avg_sq, step = (t[i] for t in self.canonical())
+        state = MemberState(master, exp_avg, exp_avg_sq, step, self.selected_cpu[i].clone(),
+                            host_columns=None if self.has_host_part else self.host_columns_cpu[i].clone())
+        if self.has_host_part:
+            self.transfers.host_access(reads=self.host_weights)
+            state.accumulator = self._host_full(self.accumulators[acc_slot], i)
+            if self.accumulate_squares:
+                state.square_accumulator = self._host_full(self.square_accumulators[acc_slot], i)
+            state.unapplied = self.unapplied
+            state.applied = self._host_full(self.applied_weights(), i, self.dtype)
+        else:
+            state.unapplied = self.unapplied
+        if with_step_grad is not None and self.members[i].num_grads:
+            state.step_grad = self.step_grad(i, with_step_grad)
+            state.step_scores = self.scores[i].clone()
+        return state
+
+    def step_grad(self, i: int, grad_slot: int) -> torch.Tensor:
+        """Member i's gradient of this step in [R, C] layout on the host (waits for its offload)."""
+        self.fold_extra_grads(grad_slot)
+        wait_events(self.offload_done[grad_slot])
+        full = torch.zeros(self.R, self.C, dtype=self.dtype)
+        full[:, self.selected_cpu[i]] = self.grad[i].cpu()
+        if self.has_host_part:
+            self.transfers.host_access(reads=[self.host_grads[grad_slot]])
+            full[:, self.host_columns_cpu[i]] = self.host_grads[grad_slot][i].t()
+        return full
+
+    def reselect(self, selected: torch.Tensor, data_parallel=None) -> int:
+        """Make `selected` ([n, k], ascending rows) the device-resident columns, moving state with its columns,
+        in place (k and u stay). Called at a boundary whose CPU update was applied: accumulators are empty and
+        no worker reads these buffers. Returns how many columns changed sides."""
+        arriving = ~(selected.unsqueeze(2) == self.selected_cpu.unsqueeze(1)).any(2)  # [n, k]
+        moved = 2 * int(arriving.sum())
+        if moved == 0:
+            return 0  # every member keeps its columns: the layout stands
+        master, exp_avg, exp_avg_sq, step = self.canonical()
+        host_columns = None
+        if data_parallel is not None:  # the state of arriving columns comes from their owner's host
+            for i, member in enumerate(self.members):
+                columns = selected[i][arriving[i]]
+                if columns.numel():
+                    self._broadcast_columns(data_parallel, member, columns, master[i], exp_avg[i], exp_avg_sq[i],
+                                            step[i])
+            host_columns = self._host_order_by_owner(data_parallel, selected, step)
+        if host_columns is None:
+            keys = torch.where(torch.isnan(step), 0.0, step).scatter(1, selected, math.inf)
+            host_columns = torch.sort(keys, dim=1, stable=True).indices[:, :self.u].contiguous()
+        R = self.R
+        pick, rest = _columns_index(selected, R), _columns_index(host_columns, R)
+        self.selected_cpu, self.host_columns_cpu = selected, host_columns
+        self.selected.copy_(selected)
+        self.host_columns.copy_(host_columns)
+        self.master.copy_(master.gather(2, pick))
+        self.exp_avg.copy_(exp_avg.gather(2, pick))
+        self.exp_avg_sq.copy_(exp_avg_sq.gather(2, pick))
+        self.counts.copy_(step.gather(1, selected))
+        self.grad.zero_()
+        self.offload_done = [[], []]
+        for slot_extras in self.extra_grads:
+            slot_extras.clear()
+        if not self.has_host_part:
+            return moved
+        wait_events(self.upload_done)  # an upload may still read the host weights rewritten below
+        self.upload_done = [None, None]
+        self.transfers.host_access(writes=[*self.host_grads, *self.host_weights])
+        host = lambda full: full.gather(2, rest).transpose(1, 2)
+        self.host_master.copy_(host(master))
+        self.host_exp_avg.copy_(host(exp_avg))
+        self.host_exp_avg_sq.copy_(host(exp_avg_sq))
+        self.host_counts.copy_(step.gather(1, host_columns))
+        for buffer in [*self.accumulators, *self.square_accumulators, *self.host_grads]:
+            buffer.zero_()
+        for weights in self.host_weights:
+            weights.copy_(self.host_master)
+        self.weights_slot = 0
+        return moved
+
+    def _broadcast_columns(self, data_parallel, member: Member, columns, master, exp_avg, exp_avg_sq, step) -> None:
+        """The owner's state of `columns` into every rank's canonical rows."""
+        parts = [master[:, columns], exp_avg[:, columns], exp_avg_sq[:, columns], step[columns].reshape(1, -1)]
+        packed = torch.cat(parts).to(self.device)
+        data_parallel.broadcast(packed, member.owner)
+        if member.owns_host:
+            return
+        packed = packed.cpu()
+        R = self.R
+        master[:, columns] = packed[:R]
+        exp_avg[:, columns] = packed[R:2 * R]
+        exp_avg_sq[:, columns] = packed[2 * R:3 * R]
+        step[columns] = packed[3 * R]
+
+    def _host_order_by_owner(self, data_parallel, selected: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+        """Only a member's owner knows its host columns' update counts, which order them: everyone takes its
+        order."""
+        keys = torch.where(torch.isnan(step), 0.0, step).scatter(1, selected, math.inf)
+        order = torch.sort(keys, dim=1, stable=True).indices[:, :self.u].contiguous()
+        rows = []
+        for i, member in enumerate(self.members):
+            mine = order[i].to(self.device)
+            data_parallel.broadcast(mine, member.owner)
+            rows.append(mine.cpu())
+        return torch.stack(rows)
+
+    # -- values written by others ---------------------------------------------------------------------------
+    def adopt_param_values(self, i: int) -> None:
+        """Member i's parameter was written by someone else (same dtype): where it differs from what the
+        optimizer left in it, its values become the master (call with no CPU work in flight)."""
+        member = self.members[i]
+        self._params = None  # (its storage may be new)
+        current = member.as_columns().detach()
+        if self.k:
+            adopt_changed(current.index_select(1, self.selected[i]), self.master[i].to(current.dtype), self.master[i])
+        if self.has_host_part:
+            wait_events(self.upload_done)  # an upload may still be reading the host weights
+            self.transfers.host_access(writes=self.host_weights)
+            host_now = current.t().index_select(0, self.host_columns[i]).cpu()
+            applied = self.applied_weights()[i]
+            adopt_changed(host_now, applied, self.host_master[i])
+            applied.copy_(host_now)
+            if self.unapplied:  # the pending update now carries the written values where they changed
+                self.host_weights[self.weights_slot][i].copy_(self.host_master[i])
+        member.watch.remember()
+
+    def left_in_param(self, i: int) -> torch.Tensor:
+        """[R, C] on the host, in the slab's dtype: what the optimizer last wrote into member i's parameter."""
+        left = torch.zeros(self.R, self.C, dtype=self.dtype)
+        left[:, self.selected_cpu[i]] = self.master[i].cpu().to(self.dtype)
+        if self.has_host_part:
+            self.transfers.host_access(reads=self.host_weights)
+            left[:, self.host_columns_cpu[i]] = self.applied_weights()[i].t()
+        return left
+
+
+__all__ = ["Slab", "SlabKey", "Member", "MemberState", "ParamWatch", "slab_key", "top_k_columns", "matrix_shape",
+           "adopt_changed", "SHARED_SLAB_MAX_NUMEL"]
