@@ -94,7 +94,9 @@ MUTATIONS = [
              "            self.transfers.host_access(writes=self.host_weights)\n"),
     Mutation("M19", "a cast is adopted while copies into or out of the old buffers may be in flight",
              "runtime/engine.py",
-             "            for events in slab.offload_done:\n                wait_events(events)\n", ""),
+             "            for events in slab.offload_done:\n                wait_events(events)\n", "",
+             ordered_anyway="the cast is adopted after the workers are drained (which joined the accumulate tasks that "
+                            "waited for the older copies) and the export of this step's gradient waits for its own"),
     Mutation("M20", "a reselection rewrites host buffers an upload may still read",
              "runtime/slab.py",
              "        wait_events(self.upload_done)  # an upload may still read the host weights rewritten below\n", ""),
