@@ -35,7 +35,8 @@ import torch
 from zenflow_compile.runtime import checkpoint, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
-from zenflow_compile.runtime.slab import Member, MemberState, Slab, adopt_changed, slab_key, top_k_columns
+from zenflow_compile.runtime.slab import (Member, MemberState, Slab, adopt_changed, host_order, slab_key,
+                                          top_k_columns)
 from zenflow_compile.runtime.transfers import StallClock, Transfers, wait_events
 from zenflow_compile.runtime.worker import CpuWorker, joined, wait_for
 
@@ -417,10 +418,7 @@ class ZenFlowRuntime:
                  state.step[columns].reshape(1, -1), grad[:, columns].float()]
         packed = torch.cat(parts).to(member.param.device)
         self.data_parallel.broadcast(packed, member.owner)
-        unselected = torch.ones(member.cols, dtype=torch.bool)
-        unselected[columns] = False
-        rest = unselected.nonzero().flatten()
-        order = rest[torch.sort(torch.nan_to_num(state.step[rest]), stable=True).indices].to(member.param.device)
+        order = host_order(state.step.unsqueeze(0), columns.unsqueeze(0))[0].to(member.param.device)
         self.data_parallel.broadcast(order, member.owner)
         state.host_columns = order.cpu()
         if member.owns_host:

@@ -56,6 +56,13 @@ def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
     return order[..., :k].sort(dim=-1).values
 
 
+def host_order(counts: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """[n, u]: each row's unselected columns ordered by update count (stable: ties by column; an unknown,
+    NaN, count orders as 0), from counts [n, C] and the selected columns [n, k]."""
+    keys = torch.nan_to_num(counts, nan=0.0).scatter(1, selected, math.inf)  # selected columns sort last
+    return torch.sort(keys, dim=1, stable=True).indices[:, :counts.shape[1] - selected.shape[1]].contiguous()
+
+
 def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
     """[R, C] of a parameter as the state sees it: a matrix [shape[0], rest], a vector [N, 1]."""
     if param.dim() >= 2:
@@ -261,13 +268,13 @@ class Slab:
         if step_grad is not None:
             for buffer in self.host_grads:
                 buffer.copy_(host(step_grad))
+        # host_weights[0]: the latest CPU update (a member's pending one, else what the device holds);
+        # host_weights[1]: what the device holds (the applied weights while an update is pending).
         self.host_weights = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
-        for weights in self.host_weights:
-            weights.copy_(self.host_master)
-        if self.unapplied:  # the device holds the columns before the pending update
-            applied = torch.stack([s.applied.to(self.dtype) if s.unapplied else s.master.to(self.dtype)
-                                   for s in states])
-            self.host_weights[1].copy_(host(applied))
+        applied = host(torch.stack([(s.master if s.applied is None else s.applied).to(self.dtype) for s in states]))
+        pending = torch.tensor([s.unapplied for s in states]).view(n, 1, 1)
+        self.host_weights[0].copy_(torch.where(pending, self.host_master.to(self.dtype), applied))
+        self.host_weights[1].copy_(applied)
         self.host_scores = host_zeros((n, u), torch.float32)
 
     def _host_order(self, selected: torch.Tensor, counts: torch.Tensor, states: list[MemberState]) -> torch.Tensor:
@@ -275,11 +282,7 @@ class Slab:
         given = [s.host_columns for s in states]
         if all(g is not None for g in given):
             return torch.stack(given) if given and given[0].numel() else torch.zeros(self.n, self.u, dtype=torch.long)
-        keys = counts.clone()
-        keys.scatter_(1, selected, math.inf)  # selected columns sort last
-        keys = torch.where(torch.isnan(keys), 0.0, keys)  # (unknown counts: the column order)
-        keys.scatter_(1, selected, math.inf)
-        return torch.sort(keys, dim=1, stable=True).indices[:, :self.u].contiguous()
+        return host_order(counts, selected)
 
     # -- what the slab holds --------------------------------------------------------------------------------
     @property
@@ -347,13 +350,11 @@ class Slab:
         member = self.members[i]
         g = _plain(grad, (self.R, self.C))
         first = self._count_grad(member)
-        if scores is None:
-            scores = kernels.column_scores(g, out=self.scores[i] if first else None)
-        if first:
-            if scores.data_ptr() != self.scores[i].data_ptr():
-                self.scores[i].copy_(scores.reshape(self.C))
+        if scores is None and first:
+            kernels.column_scores(g, out=self.scores[i])  # straight into the buffer
         else:
-            self.scores[i].add_(scores.reshape(self.C))
+            scores = (kernels.column_scores(g) if scores is None else scores).reshape(self.C)
+            self.scores[i].copy_(scores) if first else self.scores[i].add_(scores)
         if self.k:
             chosen = g if self.whole else g.index_select(1, self.selected[i])
             self.grad[i].copy_(chosen) if first else self.grad[i].add_(chosen)
@@ -607,16 +608,14 @@ class Slab:
         whose gradient (this step's) goes along."""
         master, exp_avg, exp_avg_sq, step = (t[i] for t in self.canonical())
         state = MemberState(master, exp_avg, exp_avg_sq, step, self.selected_cpu[i].clone(),
-                            host_columns=None if self.has_host_part else self.host_columns_cpu[i].clone())
+                            host_columns=None if self.has_host_part else self.host_columns_cpu[i].clone(),
+                            unapplied=self.unapplied)
         if self.has_host_part:
             self.transfers.host_access(reads=self.host_weights)
             state.accumulator = self._host_full(self.accumulators[acc_slot], i)
             if self.accumulate_squares:
                 state.square_accumulator = self._host_full(self.square_accumulators[acc_slot], i)
-            state.unapplied = self.unapplied
             state.applied = self._host_full(self.applied_weights(), i, self.dtype)
-        else:
-            state.unapplied = self.unapplied
         if with_step_grad is not None and self.members[i].num_grads:
             state.step_grad = self.step_grad(i, with_step_grad)
             state.step_scores = self.scores[i].clone()
@@ -642,17 +641,18 @@ class Slab:
         if moved == 0:
             return 0  # every member keeps its columns: the layout stands
         master, exp_avg, exp_avg_sq, step = self.canonical()
-        host_columns = None
         if data_parallel is not None:  # the state of arriving columns comes from their owner's host
             for i, member in enumerate(self.members):
                 columns = selected[i][arriving[i]]
                 if columns.numel():
                     self._broadcast_columns(data_parallel, member, columns, master[i], exp_avg[i], exp_avg_sq[i],
                                             step[i])
-            host_columns = self._host_order_by_owner(data_parallel, selected, step)
-        if host_columns is None:
-            keys = torch.where(torch.isnan(step), 0.0, step).scatter(1, selected, math.inf)
-            host_columns = torch.sort(keys, dim=1, stable=True).indices[:, :self.u].contiguous()
+            # Only the owner knows the host columns' update counts, which order them: everyone takes its order.
+            order = host_order(step, selected).to(self.device)
+            data_parallel.broadcast(order, self.key.owner)
+            host_columns = order.cpu()
+        else:
+            host_columns = host_order(step, selected)
         R = self.R
         pick, rest = _columns_index(selected, R), _columns_index(host_columns, R)
         self.selected_cpu, self.host_columns_cpu = selected, host_columns
@@ -696,18 +696,6 @@ class Slab:
         exp_avg[:, columns] = packed[R:2 * R]
         exp_avg_sq[:, columns] = packed[2 * R:3 * R]
         step[columns] = packed[3 * R]
-
-    def _host_order_by_owner(self, data_parallel, selected: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-        """Only a member's owner knows its host columns' update counts, which order them: everyone takes its
-        order."""
-        keys = torch.where(torch.isnan(step), 0.0, step).scatter(1, selected, math.inf)
-        order = torch.sort(keys, dim=1, stable=True).indices[:, :self.u].contiguous()
-        rows = []
-        for i, member in enumerate(self.members):
-            mine = order[i].to(self.device)
-            data_parallel.broadcast(mine, member.owner)
-            rows.append(mine.cpu())
-        return torch.stack(rows)
 
     # -- values written by others ---------------------------------------------------------------------------
     def adopt_param_values(self, i: int) -> None:

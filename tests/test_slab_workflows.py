@@ -464,6 +464,33 @@ def test_conv_stack_with_scalar_gates_equals_reference(compiled, device, monkeyp
         assert False in layouts  # (channels-last gradients did reach the slabs)
 
 
+def test_a_write_after_an_upcast_is_adopted_only_where_it_changed(device):
+    """After a bf16 model is cast to fp32, the device holds the bf16 values while the host columns' masters keep
+    their fp32 bits; a later write into one element of a host column is adopted there only (the other host
+    columns' masters keep their bits, as with any write). (The selected columns are compared with their masters
+    cast, not with what the device holds since the cast: see the issue note.)"""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 16).to(torch.bfloat16)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
+                                       select_strategy="step", select_interval=1000)
+    for _ in range(2):  # t = 1 is a boundary: the host columns' masters now carry bits bf16 cannot hold
+        model(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model.float()
+    before = opt.master(model.weight)  # (adopts the cast: nothing changes, an upcast keeps every bit)
+    assert not torch.equal(before, before.bfloat16().float())
+    column = next(c for c in range(64) if c not in opt.selected_columns(model.weight).tolist())
+    with torch.no_grad():
+        model.weight[0, column] += 1.0
+    after = opt.master(model.weight)
+    host = torch.ones(64, dtype=torch.bool)
+    host[opt.selected_columns(model.weight)] = False
+    changed = (after != before)[:, host]
+    assert changed.sum() == 1 and (after != before)[0, column]
+    assert after[0, column] == model.weight[0, column]
+
+
 @pytest.mark.parametrize("when", ["before-backward", "before-step"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 @pytest.mark.parametrize("first, then", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
