@@ -137,7 +137,8 @@ class ZenFlowRuntime:
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
-                             bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0)
+                             bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0,
+                             overlapped_boundaries=0)  # boundaries whose CPU update ran on into the next steps
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
         # Called with the parameters written by someone else, before their values are adopted (the owner
         # refuses layouts and dtypes the states cannot follow).
@@ -657,6 +658,7 @@ class ZenFlowRuntime:
             m.sum_selected_score = m.sum_unselected_score = 0.0
             m.steps_accumulated = 0
         self.update_pending = overlap
+        self.counters["overlapped_boundaries"] += overlap
         if not overlap:
             self._wait(self._update_future)
             self._apply_host_columns()

@@ -755,3 +755,25 @@ def test_recreating_an_optimizer_while_the_old_one_lives_names_the_fix():
         ZenFlowAdamW(model.parameters(), lr=LR)  # a notebook cell run twice
     del opt
     ZenFlowAdamW(model.parameters(), lr=LR)  # the fix the message names
+
+
+@pytest.mark.parametrize("select", [dict(select_strategy="step", select_interval=100),
+                                    dict(select_strategy="step", select_interval=2)], ids=["never", "every2"])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stats_counts_overlapped_boundaries_like_reference(select, overlap, device):
+    """stats()["overlapped_boundaries"]: boundaries whose CPU update stayed in flight into the next steps. A
+    reselecting boundary waits for its own update (docs/semantics.md, "Overlap"), so with select_interval =
+    update_interval none overlaps; warm-up steps are no boundaries."""
+    batches = make_batches(11)
+    a, b = tiny_model(), tiny_model()
+    keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=overlap, full_warm_up_rounds=1, **select)
+    zen, ref = ZenFlowAdamW(a.parameters(), lr=LR, **keys), ZenFlowReference(b.parameters(), lr=LR, **keys)
+    counts = []
+    for i in range(11):
+        train_steps(a, zen, batches[i:i + 1])
+        train_steps(b, ref, batches[i:i + 1])
+        counts.append(zen.stats()["overlapped_boundaries"])
+        assert counts[-1] == ref.stats()["overlapped_boundaries"]
+    assert zen.stats()["cpu_updates"] == 5  # boundaries at t = 2, 4, 6, 8, 10
+    expected = {(True, "never"): [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5], (True, "every2"): [0] * 11}
+    assert counts == expected.get((overlap, "never" if select["select_interval"] == 100 else "every2"), [0] * 11)

@@ -330,7 +330,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def stats(self) -> dict:
         """steps, skipped_steps, cpu_updates, reselections, bytes each way, stall and CPU-update seconds,
-        current_interval (steps since the last update boundary), selection_churn, and grad_norm: the last
+        current_interval (steps since the last update boundary), selection_churn, overlapped_boundaries (update
+        boundaries whose CPU update ran on while training went on; a reselecting one waits), and grad_norm: the last
         step's global gradient norm before clipping (unscaled; inf or nan for a skipped step; None before the
         first step)."""
         stats = self._runtime.stats()

@@ -35,8 +35,8 @@ Its decisions in detail (the rest of the project follows them):
 - At a boundary, in order: (1) overlap and pending: device[:, U] = master[:, U] for every matrix;
   (2) CPU AdamW of U with the mean accumulated grad, acc/sums reset, cpu_updates += 1; (3) overlap and not
   reselecting: pending = True (device U stays stale until the next boundary or synchronize()), else
-  device[:, U] = master[:, U]; (4) reselecting: S = top-k(s), sel_start = t + 1, reselections += 1.
-  Nothing in the state is reset on reselection (state "moves with the column").
+  device[:, U] = master[:, U] (stats()["overlapped_boundaries"] counts the pending ones); (4) reselecting:
+  S = top-k(s), sel_start = t + 1, reselections += 1. Nothing in the state is reset on reselection (state "moves with the column").
 - lr / betas / eps / weight_decay: the param group's values at the step the update is made.
 - The parameter is the source of truth for its value: state is created from the parameter at its first
   gradient, and at every step() (and synchronize()) each element that differs from what this optimizer last
@@ -110,7 +110,7 @@ class ZenFlowReference(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         W = config.full_warm_up_rounds
         self.zf = dict(t=0, sel_start=W, sel_epoch=0, m_acc=0, pending=False, skipped_steps=0, cpu_updates=0,
-                       reselections=0)
+                       reselections=0, overlapped_boundaries=0)
 
     # ------------------------------------------------------------------------------------------- helpers
     @staticmethod
@@ -294,6 +294,7 @@ class ZenFlowReference(torch.optim.Optimizer):
             # (3) apply it now, or leave it in flight until the next boundary
             if cfg.overlap_step and not reselect:
                 z["pending"] = True
+                z["overlapped_boundaries"] += 1
             else:
                 self._apply_unselected()
             # (4) reselection
@@ -319,7 +320,8 @@ class ZenFlowReference(torch.optim.Optimizer):
     def stats(self):
         z = self.zf
         return dict(steps=z["t"], skipped_steps=z["skipped_steps"], cpu_updates=z["cpu_updates"],
-                    reselections=z["reselections"], current_interval=z["m_acc"], pending=z["pending"])
+                    reselections=z["reselections"], current_interval=z["m_acc"], pending=z["pending"],
+                    overlapped_boundaries=z.get("overlapped_boundaries", 0))
 
     def selected_columns(self, p):
         """Sorted LongTensor of the selected columns of matrix p (None before its first selection / vectors)."""
