@@ -9,6 +9,8 @@ ZenFlowReference give the same held-out losses, and AdamW differs from them.
 
 import json
 import math
+
+import pytest
 import subprocess
 import sys
 from pathlib import Path
@@ -67,3 +69,94 @@ def test_chart_legends_speak_words_not_run_codes():
                                                      "no warm-up")
     assert labels["zenflow:warmup=30,overlap=0"] == ("ZenFlow, DeepSpeed's update rule, CPU update every 4 steps, "
                                                      "not overlapped, 30 warm-up steps")
+
+
+def _accuracy_module():
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        import accuracy
+    finally:
+        sys.path.remove(str(BENCH.parent))
+    return accuracy
+
+
+def test_run_names_with_a_selection_rule_and_their_config_keys():
+    """select=auto|stepN|epochN is named only when set (names of older runs still match) and becomes the
+    ZenFlowConfig select keys; epochN takes the task's steps_per_epoch."""
+    accuracy = _accuracy_module()
+    assert accuracy.run_name(accuracy.parse_run("zenflow:iau=1")) == (
+        "zenflow:topk=0.1,interval=4,overlap=1,warmup=0,iau=1")
+    spec = accuracy.parse_run("reference:iau=1,select=step04")
+    assert accuracy.run_name(spec) == "reference:topk=0.1,interval=4,overlap=1,warmup=0,iau=1,select=step4"
+    assert accuracy.zenflow_keys(spec) == dict(
+        topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=0, interval_aware_update=True,
+        interval_second_moment=False, select_strategy="step", select_interval=4)
+    keys = accuracy.zenflow_keys(accuracy.parse_run("zenflow:select=epoch1"), steps_per_epoch=342)
+    assert (keys["select_strategy"], keys["select_interval"], keys["steps_per_epoch"]) == ("epoch", 1, 342)
+    assert "select_strategy" not in accuracy.zenflow_keys(accuracy.parse_run("zenflow:select=auto"))
+    for bad in ("step0", "steps4", "every4", "epoch"):
+        with pytest.raises(ValueError, match=rf"select='{bad}': expected auto, stepN or epochN"):
+            accuracy.parse_run(f"zenflow:select={bad}")
+    labels, _ = accuracy.chart_labels(["zenflow:iau=1,select=step4", "zenflow:iau=1"])
+    assert labels["zenflow:iau=1,select=step4"].endswith("reselection every 4 steps")
+    assert labels["zenflow:iau=1"].endswith("reselection on drift (select 'auto')")
+
+
+def test_eval_steps_resolve_epoch_and_steps_default_to_the_last():
+    accuracy = _accuracy_module()
+    assert accuracy.resolve_eval_steps(["300", "epoch", "100", "200"], 342) == [100, 200, 300, 342]
+    assert accuracy.resolve_eval_steps(["100", "epoch"], 100) == [100]
+    assert accuracy.resolve_eval_steps(None, 342) is None
+    with pytest.raises(ValueError, match="--eval-steps 'half': expected a step number or 'epoch'"):
+        accuracy.resolve_eval_steps(["half"], 342)
+    args = accuracy.parse_args(["--task", "tweets", "--eval-steps", "100", "epoch", "--clip", "1"])
+    assert (args.seq, args.clip, args.steps) == (48, 1.0, None)  # the task's length; steps once data is known
+    accuracy.resolve_steps(args, train_documents=4577)
+    assert (args.steps_per_epoch, args.eval_steps, args.steps) == (286, [100, 286], 286)
+    with pytest.raises(SystemExit):
+        accuracy.parse_args(["--task", "imdb"])
+
+
+def _result_file(path, seed, adamw_acc, zen_points):
+    """A results file of one seed: AdamW and one ZenFlow run at step 100."""
+    setup = dict(task="r8", batch=16, seed=seed, steps=100)
+    zen = dict(step=100, loss=0.5, **zen_points)
+    path.write_text(json.dumps(dict(setup=setup, runs={
+        "adamw": dict(curve=[dict(step=100, accuracy=adamw_acc, loss=0.4)]),
+        "zenflow:iau=1": dict(curve=[zen])})))
+    return path
+
+
+def test_aggregate_pairs_gaps_per_seed_and_averages_the_schedule(tmp_path):
+    accuracy = _accuracy_module()
+    files = [
+        _result_file(tmp_path / "s0.json", 0, 0.90, dict(accuracy=0.88, cpu_updates=25, overlapped_boundaries=20,
+                                                         reselections=5, stall_seconds=1.0, host_wait_seconds=0.5)),
+        _result_file(tmp_path / "s1.json", 1, 0.80, dict(accuracy=0.83, cpu_updates=25, overlapped_boundaries=0,
+                                                         reselections=25, stall_seconds=3.0, host_wait_seconds=1.5)),
+    ]
+    point = accuracy.aggregate(files)["runs"]["zenflow:iau=1"]["curve"][0]
+    assert point["gap_points"]["per_seed"] == {0: pytest.approx(-2.0), 1: pytest.approx(3.0)}
+    assert point["gap_points"]["mean"] == pytest.approx(0.5)
+    assert point["overlapped_share"] == dict(mean=pytest.approx(0.4), min=0.0, max=0.8, n=2)
+    assert point["stall_seconds"]["mean"] == 2.0 and point["reselections"]["max"] == 25
+    assert "captured" not in point  # compiled runs have no .grad to measure it from
+    text = accuracy.aggregate_table(accuracy.aggregate(files))
+    assert "overlapped_share" in text and "zenflow:iau=1    @100   s0 -2.0 s1 +3.0" in text
+    with pytest.raises(SystemExit, match="differ in more than the seed"):
+        accuracy.aggregate([files[0], _with_setup(tmp_path / "x.json", files[1], task="tweets")])
+
+
+def _with_setup(path, source, **change):
+    data = json.loads(source.read_text())
+    data["setup"].update(change)
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_schedule_words_name_the_overlap_reselections_stall_and_capture():
+    accuracy = _accuracy_module()
+    assert accuracy.schedule_words(dict(cpu_updates=25, overlapped_boundaries=24, reselections=1,
+                                        stall_seconds=0.421, captured=0.9134)) == (
+        "overlapped 24/25, 1 reselections, stall 0.42 s, captured 0.913")
+    assert accuracy.schedule_words(dict(step=100, accuracy=0.9, loss=0.3)) == ""
