@@ -42,7 +42,7 @@ TUTORIAL_JSON = """\
 DEFAULTS = dict(topk_ratio=0.1, select_strategy="auto", select_interval="auto", update_interval="auto",
                 overlap_step=False, offload=False, auto_ratio=0.99, full_warm_up_rounds=0,
                 pt_reserved_cores_perc=0.5, steps_per_epoch=None, max_update_interval=16,
-                interval_aware_update=False, interval_second_moment=False)
+                interval_aware_update=False, interval_second_moment=False, overlap_reselect="wait")
 
 
 # ------------------------------------------------------------------------------------------------ defaults
@@ -281,7 +281,7 @@ def test_deepspeed_defaults_parity():
     ours = ZenFlowConfig()
     shared = [k for k in ZENFLOW_KEYS if k in type(ds).model_fields]
     assert set(ZENFLOW_KEYS) - set(shared) == {"max_update_interval", "interval_aware_update",
-                                               "interval_second_moment"}
+                                               "interval_second_moment", "overlap_reselect"}
     assert set(type(ds).model_fields) <= set(ZENFLOW_KEYS)
     for k in shared:
         assert getattr(ours, k) == getattr(ds, k), k

@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Union
 __all__ = ["ZenFlowConfig", "ZENFLOW_KEYS"]
 
 _STRATEGIES = ("auto", "step", "epoch")
+_OVERLAP_RESELECT = ("wait", "incoming", "deferred")
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
@@ -101,6 +102,15 @@ class ZenFlowConfig:
         exp_avg_sq, instead of the square of their mean (smaller by the gradient's variance / m, so the
         lr * m step runs too long where the gradient is mostly noise). Costs one more fp32 host accumulator
         per unselected column and one more multiply-add per offloaded element per step.
+    overlap_reselect: what a reselecting update boundary does with its own CPU update under overlap_step=True
+        (this project's key; "wait" keeps DeepSpeed's semantics). "wait": the boundary waits for it and applies
+        it, so the parameters are fully current when the selection changes (that boundary does not overlap).
+        "incoming": only the columns joining the selection get the boundary's update at once (they move to the
+        device with their state and must be current there); the columns that stay unselected keep it in flight
+        until the next boundary, as at any overlapped boundary, so the boundary overlaps. "deferred": the
+        selection decided from the boundary's scores takes effect at the next boundary, when this one's CPU
+        update has landed (the columns joining it get that next boundary's update at once, as "incoming").
+        Needs overlap_step=True. Implemented by ZenFlowReference only for now: ZenFlowAdamW refuses it.
     """
 
     topk_ratio: float = 0.1
@@ -116,6 +126,7 @@ class ZenFlowConfig:
     max_update_interval: int = 16
     interval_aware_update: bool = False
     interval_second_moment: bool = False
+    overlap_reselect: str = "wait"
 
     def __new__(cls, *args: Any, **kwargs: Any):
         # The dataclass __init__ would say only "unexpected keyword argument"; name the fix too.
@@ -157,6 +168,12 @@ class ZenFlowConfig:
         int_at_least("steps_per_epoch", 1, "None or an int >= 1", none=True)
         int_at_least("max_update_interval", 1, "an int >= 1")
 
+        if not (isinstance(self.overlap_reselect, str) and self.overlap_reselect in _OVERLAP_RESELECT):
+            raise _bad("overlap_reselect", self.overlap_reselect, 'one of "wait", "incoming", "deferred"')
+        if self.overlap_reselect != "wait" and not self.overlap_step:
+            raise ValueError(
+                f"ZenFlowConfig.overlap_reselect={self.overlap_reselect!r} needs overlap_step=True: it says which "
+                "part of a reselecting boundary's CPU update stays in flight, and without overlap none does")
         if self.interval_second_moment and not self.interval_aware_update:
             raise ValueError(
                 "ZenFlowConfig.interval_second_moment=True needs interval_aware_update=True: it sizes the second "

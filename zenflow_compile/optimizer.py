@@ -124,6 +124,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise NotImplementedError(
                 "ZenFlowConfig.offload=True (selected columns' state on the CPU too) is not implemented; "
                 "set offload=False: selected columns' state lives on the device")
+        if config.overlap_reselect != "wait":
+            raise NotImplementedError(
+                f"ZenFlowConfig.overlap_reselect={config.overlap_reselect!r} is not implemented by ZenFlowAdamW yet "
+                "(zenflow_compile.reference.ZenFlowReference specifies it); use overlap_reselect='wait'")
         data_parallel = collectives.data_parallel_group(process_group)
         self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size)
         self._constructed = False

@@ -37,6 +37,12 @@ Its decisions in detail (the rest of the project follows them):
   reselecting: pending = True (device U stays stale until the next boundary or synchronize()), else
   device[:, U] = master[:, U] (stats()["overlapped_boundaries"] counts the pending ones); (4) reselecting:
   S = top-k(s), sel_start = t + 1, reselections += 1. Nothing in the state is reset on reselection (state "moves with the column").
+- overlap_reselect (opt-in, with overlap_step): "wait" is the above. "incoming": in (3) a reselecting
+  boundary stays pending like any other; in (4) the columns joining S (S_new minus S) get device := master
+  at once, the others of U keep the boundary's update in flight until the next boundary. "deferred": as
+  "incoming", but the selection chosen in (4) is kept as S_next and takes effect in (4) of the next boundary
+  (after that boundary's CPU update, which its incoming columns then carry to the device); sel_start and
+  reselections count the decision.
 - lr / betas / eps / weight_decay: the param group's values at the step the update is made.
 - The parameter is the source of truth for its value: state is created from the parameter at its first
   gradient, and at every step() (and synchronize()) each element that differs from what this optimizer last
@@ -292,19 +298,30 @@ class ZenFlowReference(torch.optim.Optimizer):
             z["m_acc"] = 0
             z["cpu_updates"] += 1
             # (3) apply it now, or leave it in flight until the next boundary
-            if cfg.overlap_step and not reselect:
+            waits = reselect and cfg.overlap_reselect == "wait"
+            if cfg.overlap_step and not waits:
                 z["pending"] = True
                 z["overlapped_boundaries"] += 1
             else:
                 self._apply_unselected()
-            # (4) reselection
+            # (4) reselection: the selection decided now (or, "deferred", the one decided at the previous
+            # boundary) takes effect; the columns joining it are made current on the device at once.
+            switching = {p: self.state[p].pop("S_next") for _, p in self._matrices() if "S_next" in self.state[p]}
             if reselect:
-                for p, s in scores.items():
-                    self.state[p]["S"] = top_k(s, cfg.num_selected(s.numel()))
+                chosen = {p: top_k(s, cfg.num_selected(s.numel())) for p, s in scores.items()}
+                if cfg.overlap_reselect == "deferred":
+                    for p, S_next in chosen.items():
+                        self.state[p]["S_next"] = S_next
+                else:
+                    switching.update(chosen)
                 z["sel_start"] = t + 1
                 if cfg.select_strategy == "epoch":
                     z["sel_epoch"] = (t - W + 1) // cfg.reselect_every
                 z["reselections"] += 1
+            for p, S_new in switching.items():
+                incoming = S_new[~torch.isin(S_new, self.state[p]["S"])]
+                self.state[p]["S"] = S_new
+                self._write_device(p, incoming)
         z["t"] = t + 1
         return loss
 

@@ -1,0 +1,144 @@
+"""The opt-in `overlap_reselect` key (ZenFlowConfig): what a reselecting boundary does with its own CPU update
+under overlap_step=True. Specified by `zenflow_compile.reference.ZenFlowReference`; `ZenFlowAdamW` refuses it
+until the runtime implements it.
+
+One 2x6 matrix, topk 0.34 (k = 2), a boundary every 2 steps, a reselection at every boundary, gradients given by
+hand (they do not depend on the parameters, so every mode's masters can be predicted from the "wait" run's).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
+from zenflow_compile.reference import ZenFlowReference
+
+from helpers import tiny_model
+
+P0 = torch.tensor([[0.5, -0.3, 0.8, 0.1, -0.7, 0.2], [0.4, 0.9, -0.2, -0.6, 0.3, -0.1]])
+KEYS = dict(topk_ratio=0.34, update_interval=2, overlap_step=True, select_strategy="step", select_interval=2)
+# Step 0 selects {0, 1}; the boundary at step 1 reselects {2, 3} (from step 1's scores), the one at step 3
+# {4, 5}. Column 4 and 5 stay unselected through step 1's reselection; 0 and 1 leave the selection there.
+GRADS = [(3, 2, 1, 0.5, 0.25, 0.1), (0.2, 0.1, 3, 2, 0.5, 0.4), (0.2, 0.1, 3, 2, 0.5, 0.4),
+         (0.1, 0.2, 0.3, 0.4, 3, 2), (1, 1, 1, 1, 1, 1)]
+
+
+def grad(i):
+    return torch.tensor(GRADS[i], dtype=torch.float32).expand(2, 6).clone()
+
+
+def run(mode, steps):
+    """Train the matrix for `steps` steps; the device copy, the master and the selection after each."""
+    p = nn.Parameter(P0.clone())
+    opt = ZenFlowReference([p], lr=0.1, weight_decay=0.01, overlap_reselect=mode, **KEYS)
+    history = []
+    for i in range(steps):
+        p.grad = grad(i)
+        opt.step()
+        p.grad = None
+        history.append((p.detach().clone(), opt.master(p), opt.selected_columns(p).tolist(), opt.stats()))
+    return history
+
+
+def test_wait_applies_a_reselecting_boundarys_update_at_once():
+    device, master, selected, stats = run("wait", 2)[1]
+    assert selected == [2, 3] and torch.equal(device, master)
+    assert stats["reselections"] == 1 and stats["overlapped_boundaries"] == 0 and not stats["pending"]
+
+
+def test_incoming_keeps_the_update_of_the_columns_that_stay_unselected_in_flight():
+    wait, incoming = run("wait", 4), run("incoming", 4)
+    for (_, master_w, selected_w, _), (_, master_i, selected_i, _) in zip(wait, incoming):
+        # Same selections, same CPU updates: the masters are the "wait" run's (the gradients are given).
+        assert selected_i == selected_w and torch.equal(master_i, master_w)
+    device, master, selected, stats = incoming[1]
+    assert selected == [2, 3] and stats["overlapped_boundaries"] == 1 and stats["pending"]
+    assert torch.equal(device[:, [0, 1, 2, 3]], master[:, [0, 1, 2, 3]])  # outgoing and incoming: current
+    assert torch.equal(device[:, [4, 5]], P0[:, [4, 5]])                  # staying unselected: in flight
+    assert not torch.equal(master[:, [4, 5]], P0[:, [4, 5]])
+    device, master, _, _ = incoming[2]                                       # no boundary: still in flight
+    assert torch.equal(device[:, [4, 5]], P0[:, [4, 5]])
+    device, master, selected, stats = incoming[3]                            # next boundary: step 1's lands
+    assert selected == [4, 5] and stats["overlapped_boundaries"] == 2 and stats["reselections"] == 2
+    assert torch.equal(device[:, [4, 5]], master[:, [4, 5]])                 # incoming again: current
+    assert torch.equal(device[:, [0, 1]], incoming[1][1][:, [0, 1]])        # step 3's update of 0, 1: in flight
+
+
+def test_deferred_takes_the_selection_decided_at_one_boundary_at_the_next():
+    wait, deferred = run("wait", 5), run("deferred", 5)
+    _, _, selected, stats = deferred[1]
+    assert selected == [0, 1] and stats["reselections"] == 1 and stats["overlapped_boundaries"] == 1
+    device, master, selected, stats = deferred[3]
+    assert selected == wait[1][2] == [2, 3]     # decided from step 1's scores, taken at step 3's boundary
+    assert stats["reselections"] == 2 and stats["overlapped_boundaries"] == 2
+    assert torch.equal(device[:, [2, 3]], master[:, [2, 3]])  # joined the selection: current
+    assert torch.equal(device[:, [4, 5]], deferred[1][1][:, [4, 5]])  # step 3's update of 4, 5: in flight
+    # Until the switch, the columns are updated as without a reselection at step 1.
+    never = ZenFlowReference([nn.Parameter(P0.clone())], lr=0.1, weight_decay=0.01,
+                             **dict(KEYS, select_interval=1000))
+    q = never.param_groups[0]["params"][0]
+    for i in range(4):
+        q.grad = grad(i)
+        never.step()
+    torch.testing.assert_close(deferred[3][1], never.master(q), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["incoming", "deferred"])
+def test_without_a_reselection_the_modes_equal_wait(mode):
+    """The key changes reselecting boundaries only."""
+    batches = [torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(i)) for i in range(9)]
+    runs = []
+    for m in ("wait", mode):
+        model = tiny_model()
+        opt = ZenFlowReference(model.parameters(), lr=1e-2, overlap_reselect=m,
+                               **dict(KEYS, topk_ratio=0.25, select_interval=1000))
+        for x in batches:
+            model(torch.arange(6).expand(4, 6)).sub(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_deferred_resume_is_exact_with_a_selection_waiting():
+    p = nn.Parameter(P0.clone())
+    opt = ZenFlowReference([p], lr=0.1, overlap_reselect="deferred", **KEYS)
+    for i in range(2):
+        p.grad = grad(i)
+        opt.step()
+    saved_p, saved = p.detach().clone(), opt.state_dict()
+    assert saved["state"][0]["S_next"].tolist() == [2, 3]
+    q = nn.Parameter(saved_p.clone())
+    resumed = ZenFlowReference([q], lr=0.1, overlap_reselect="deferred", **KEYS)
+    resumed.load_state_dict(saved)
+    for i in range(2, 5):
+        p.grad, q.grad = grad(i), grad(i)
+        opt.step()
+        resumed.step()
+        assert torch.equal(p, q) and opt.selected_columns(p).tolist() == resumed.selected_columns(q).tolist()
+    assert opt.stats() == resumed.stats()
+
+
+def test_config_validates_overlap_reselect():
+    assert ZenFlowConfig().overlap_reselect == "wait"
+    assert ZenFlowConfig(overlap_reselect="incoming", overlap_step=True).overlap_reselect == "incoming"
+    with pytest.raises(ValueError, match=r"ZenFlowConfig.overlap_reselect='sometimes' is invalid: expected one "
+                                         r"of \"wait\", \"incoming\", \"deferred\""):
+        ZenFlowConfig(overlap_reselect="sometimes", overlap_step=True)
+    with pytest.raises(ValueError, match=r"overlap_reselect='deferred' needs overlap_step=True"):
+        ZenFlowConfig(overlap_reselect="deferred")
+    assert ZenFlowConfig.from_dict(ZenFlowConfig(overlap_reselect="incoming", overlap_step=True).to_dict()) == (
+        ZenFlowConfig(overlap_reselect="incoming", overlap_step=True))
+
+
+@pytest.mark.parametrize("mode", ["incoming", "deferred"])
+def test_zenflow_adamw_refuses_it_until_the_runtime_implements_it(mode):
+    with pytest.raises(NotImplementedError, match=rf"overlap_reselect='{mode}' is not implemented by "
+                                                  r"ZenFlowAdamW yet .*ZenFlowReference"):
+        ZenFlowAdamW(tiny_model().parameters(), overlap_step=True, overlap_reselect=mode)
+    with pytest.raises(NotImplementedError):
+        ZenFlowAdamW(tiny_model().parameters(), config=ZenFlowConfig(overlap_step=True, overlap_reselect=mode))
+    ZenFlowAdamW(tiny_model().parameters(), overlap_step=True, overlap_reselect="wait")  # the default: accepted
