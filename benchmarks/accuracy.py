@@ -38,11 +38,14 @@ step's own top-k), over all matrices: how well the selection in use tracks the g
 Run names (--runs):
   adamw                                  torch.optim.AdamW (eager model)
   zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1[,sm=1][,select=auto|stepN|epochN]
+          [,reselect=wait|incoming|deferred]
                                          torch.compile(backend="zenflow") + ZenFlowAdamW; iau is the opt-in
                                          interval_aware_update key, sm the opt-in interval_second_moment (needs
                                          iau=1); select: select_strategy "auto", or "step" / "epoch" with
                                          select_interval N; omitted keys: topk=0.1, interval=4, overlap=1,
-                                         warmup=0, iau=0, sm=0, select=auto (the last two named only when set)
+                                         warmup=0, iau=0, sm=0, select=auto, reselect=wait (the last three
+                                         named only when set); reselect is the opt-in overlap_reselect key,
+                                         ZenFlowReference only for now
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
                                          plain synchronous implementation of docs/semantics.md (an algorithm check)
 
@@ -67,9 +70,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0, sm=0, select="auto")
+ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0, sm=0, select="auto", reselect="wait")
 # Keys named in a run name only when not at their default, so the names of runs made before they existed match.
-_NAMED_WHEN_SET = ("sm", "select")
+_NAMED_WHEN_SET = ("sm", "select", "reselect")
+_RESELECT = ("wait", "incoming", "deferred")
 
 
 def _parse_select(name: str, value: str) -> str:
@@ -99,6 +103,10 @@ def parse_run(name: str) -> dict:
             raise ValueError(f"run {name!r}: bad setting {item!r}; keys are {sorted(ZENFLOW_DEFAULTS)}")
         if key == "select":
             settings[key] = _parse_select(name, value)
+        elif key == "reselect":
+            if value not in _RESELECT:
+                raise ValueError(f"run {name!r}: reselect={value!r}: expected one of {_RESELECT}")
+            settings[key] = value
         else:
             settings[key] = value if (key == "interval" and value == "auto") else (
                 float(value) if key == "topk" else int(value))
@@ -113,6 +121,10 @@ def run_name(spec: dict) -> str:
 
 
 def _setting_words(key: str, value) -> str:
+    if key == "reselect":
+        return {"wait": "a reselection waits for its CPU update",
+                "incoming": "a reselection keeps the overlap ('incoming')",
+                "deferred": "a reselection takes effect one boundary later ('deferred')"}[value]
     if key == "select":
         return ("reselection on drift (select 'auto')" if value == "auto" else
                 f"reselection every {value[4:]} steps" if value.startswith("step") else
@@ -139,8 +151,8 @@ def chart_labels(names: list[str]) -> tuple[dict[str, str], str]:
             pass
     flows = [spec for spec in specs.values() if spec["kind"] != "adamw"]
     # The selection rule is worded only when some run sets it (charts of runs that all use "auto" stay as they were).
-    keys = ("topk", "interval", "overlap", "warmup") + (
-        ("select",) if any(spec.get("select", "auto") != "auto" for spec in flows) else ())
+    keys = ("topk", "interval", "overlap", "warmup") + tuple(
+        key for key in ("select", "reselect") if any(spec[key] != ZENFLOW_DEFAULTS[key] for spec in flows))
     shared = [key for key in keys if flows and len({spec[key] for spec in flows}) == 1]
     labels = {}
     for name in names:
@@ -178,6 +190,8 @@ def zenflow_keys(spec: dict, steps_per_epoch: int | None = None) -> dict:
     keys = dict(topk_ratio=spec["topk"], update_interval=interval if interval == "auto" else int(interval),
                 overlap_step=bool(spec["overlap"]), full_warm_up_rounds=spec["warmup"],
                 interval_aware_update=bool(spec["iau"]), interval_second_moment=bool(spec["sm"]))
+    if spec.get("reselect", "wait") != "wait":
+        keys["overlap_reselect"] = spec["reselect"]
     select = spec.get("select", "auto")
     if select != "auto":
         strategy = "step" if select.startswith("step") else "epoch"

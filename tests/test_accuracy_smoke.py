@@ -97,6 +97,12 @@ def test_run_names_with_a_selection_rule_and_their_config_keys():
     for bad in ("step0", "steps4", "every4", "epoch"):
         with pytest.raises(ValueError, match=rf"select='{bad}': expected auto, stepN or epochN"):
             accuracy.parse_run(f"zenflow:select={bad}")
+    spec = accuracy.parse_run("reference:iau=1,select=step4,reselect=incoming")
+    assert accuracy.run_name(spec).endswith(",iau=1,select=step4,reselect=incoming")
+    assert accuracy.zenflow_keys(spec)["overlap_reselect"] == "incoming"
+    assert "overlap_reselect" not in accuracy.zenflow_keys(accuracy.parse_run("reference:reselect=wait"))
+    with pytest.raises(ValueError, match=r"reselect='later': expected one of \('wait', 'incoming', 'deferred'\)"):
+        accuracy.parse_run("reference:reselect=later")
     labels, _ = accuracy.chart_labels(["zenflow:iau=1,select=step4", "zenflow:iau=1"])
     assert labels["zenflow:iau=1,select=step4"].endswith("reselection every 4 steps")
     assert labels["zenflow:iau=1"].endswith("reselection on drift (select 'auto')")
