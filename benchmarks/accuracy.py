@@ -33,7 +33,9 @@ evaluation's synchronize): CPU updates, `overlapped_boundaries` (boundaries whos
 the overlap actually happening), reselections, and, compiled, `stall_seconds` / `host_wait_seconds`.
 Reference runs (eager: their gradients are in .grad) also record `captured`: the mean over the steps since the
 previous checkpoint of sum(scores of the columns the step updated on the device) / sum(scores of that
-step's own top-k), over all matrices: how well the selection in use tracks the gradient (1 = fresh top-k).
+step's own top-k), over all matrices: how well the selection in use tracks the gradient (1 = fresh top-k),
+and `retained`: the share of the selection still in the step's top-k (by columns; what select "auto"'s drift
+rule thresholds at one half).
 
 Run names (--runs):
   adamw                                  torch.optim.AdamW (eager model)
@@ -359,29 +361,35 @@ class SelectionTracker:
 
     def __init__(self, model, opt):
         self.opt, self.matrices = opt, [p for p in model.parameters() if p.dim() >= 2]
-        self.steps, self.total = 0, 0.0
+        self.steps, self.total, self.total_retained = 0, 0.0, 0.0
 
     @torch.no_grad()
     def observe(self) -> None:
         from zenflow_compile.reference import top_k
 
-        in_use = best = 0.0
+        in_use = best = retained = columns = 0.0
         for p in self.matrices:
             if p.grad is None:
                 continue
             scores = (p.grad.detach().float().reshape(p.shape[0], -1) ** 2).sum(0)
             top = top_k(scores, self.opt.config.num_selected(scores.numel()))
             selected = self.opt.selected_columns(p)
+            selected = top if selected is None else selected
             best += scores[top].sum().item()
-            in_use += scores[top if selected is None else selected].sum().item()
+            in_use += scores[selected].sum().item()
+            # the drift rule's own measure: the share of the selection still in the step's top-k, by columns
+            retained += torch.isin(selected, top).float().mean().item() * scores.numel()
+            columns += scores.numel()
         if best > 0:
             self.steps += 1
             self.total += in_use / best
+            self.total_retained += retained / columns
 
-    def take_mean(self) -> float:
-        mean = self.total / self.steps
-        self.steps, self.total = 0, 0.0
-        return mean
+    def take_means(self) -> dict:
+        """captured and retained, each the mean over the steps observed since the last call."""
+        means = dict(captured=self.total / self.steps, retained=self.total_retained / self.steps)
+        self.steps, self.total, self.total_retained = 0, 0.0, 0.0
+        return means
 
 
 def train_one(name: str, data, args, header: dict) -> None:
@@ -422,7 +430,7 @@ def train_one(name: str, data, args, header: dict) -> None:
         point = dict(step=step, accuracy=acc, loss=loss, train_seconds=record["train_seconds"],
                      train_loss=sum(train_losses) / len(train_losses) if train_losses else None, **schedule)
         if tracker is not None and tracker.steps:
-            point["captured"] = tracker.take_mean()
+            point.update(tracker.take_means())
         record["curve"].append(point)
         save()
         print(f"[{name}] step {step:4d}  held-out acc {acc:.4f}  loss {loss:.4f}", flush=True)
@@ -500,6 +508,8 @@ def schedule_words(point: dict) -> str:
         words.append(f"stall {point['stall_seconds']:.2f} s")
     if "captured" in point:
         words.append(f"captured {point['captured']:.3f}")
+    if "retained" in point:
+        words.append(f"retained {point['retained']:.3f}")
     return ", ".join(words)
 
 
@@ -578,7 +588,7 @@ def schedule_spread(points: list[dict], spread) -> dict:
     shares = [p.get("overlapped_boundaries", 0) / p["cpu_updates"] for p in points if p.get("cpu_updates")]
     if shares:
         out["overlapped_share"] = spread(shares)
-    for key in ("stall_seconds", "host_wait_seconds", "reselections", "captured"):
+    for key in ("stall_seconds", "host_wait_seconds", "reselections", "captured", "retained"):
         values = [p[key] for p in points if key in p]
         if values:
             out[key] = spread(values)
@@ -635,7 +645,8 @@ def aggregate_table(summary: dict) -> str:
     for metric, fmt in (("accuracy", "{:.3f} [{:.3f},{:.3f}]"), ("loss", "{:.3f} [{:.3f},{:.3f}]"),
                         ("gap_points", "{:+.1f} [{:+.1f},{:+.1f}]"), ("loss_gap", "{:+.3f} [{:+.3f},{:+.3f}]"),
                         ("overlapped_share", "{:.2f} [{:.2f},{:.2f}]"), ("stall_seconds", "{:.2f} [{:.2f},{:.2f}]"),
-                        ("reselections", "{:.1f} [{:.0f},{:.0f}]"), ("captured", "{:.3f} [{:.3f},{:.3f}]")):
+                        ("reselections", "{:.1f} [{:.0f},{:.0f}]"), ("captured", "{:.3f} [{:.3f},{:.3f}]"),
+                        ("retained", "{:.3f} [{:.3f},{:.3f}]")):
         if not any(metric in p for r in runs.values() for p in r["curve"]):
             continue
         cell = len(fmt.format(0, 0, 0)) + 7
