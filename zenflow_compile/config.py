@@ -16,9 +16,13 @@ import warnings
 from fractions import Fraction
 from typing import Any, Mapping, Optional, Union
 
-__all__ = ["ZenFlowConfig", "ZENFLOW_KEYS"]
+__all__ = ["ZenFlowConfig", "ZENFLOW_KEYS", "PRESETS"]
 
 _STRATEGIES = ("auto", "step", "epoch")
+# Named sets of defaults: `preset="deepspeed"` gives DeepSpeed's (the dataclass defaults below), "project" (what
+# `preset=None` means) this project's. Keys set explicitly always win over the preset. The project's defaults are
+# DeepSpeed's until measurements across tasks justify others (benchmarks/README.md, "accuracy").
+PRESETS = {"project": {}, "deepspeed": {}}
 _OVERLAP_RESELECT = ("wait", "incoming", "deferred")
 
 
@@ -80,6 +84,9 @@ def _is_real(v: Any) -> bool:
 class ZenFlowConfig:
     """ZenFlow settings (same names, types and defaults as DeepSpeed's ``ZenFlowConfig``).
 
+    preset (keyword, not stored): which defaults the keys not given take: None or "project" (this project's),
+    "deepspeed" (DeepSpeed's); see PRESETS. Today the two are equal.
+
     topk_ratio: fraction r in (0, 1] of each matrix's columns updated on the device every step (1: all).
     select_strategy: when the selected columns are re-chosen: "auto" (on churn), "step" or "epoch".
     select_interval: "auto", or the int >= 1 number of steps ("step") / epochs ("epoch") between reselections.
@@ -128,16 +135,28 @@ class ZenFlowConfig:
     interval_second_moment: bool = False
     overlap_reselect: str = "wait"
 
+    # preset: which defaults the keys not given take, "project" (None) or "deepspeed" (see PRESETS); not stored.
+    preset: dataclasses.InitVar[Optional[str]] = None
+
     def __new__(cls, *args: Any, **kwargs: Any):
         # The dataclass __init__ would say only "unexpected keyword argument"; name the fix too.
-        unknown = sorted(k for k in kwargs if k not in ZENFLOW_KEYS)
+        unknown = sorted(k for k in kwargs if k not in ZENFLOW_KEYS and k != "preset")
         if unknown:
             raise TypeError(_unknown_keys_message(unknown))
-        return super().__new__(cls)
+        self = super().__new__(cls)
+        # The keys given by name: a preset fills only the others.
+        object.__setattr__(self, "_given", frozenset(ZENFLOW_KEYS[:len(args)]) | frozenset(kwargs))
+        return self
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, preset: Optional[str]) -> None:
         def put(key: str, value: Any) -> None:
             object.__setattr__(self, key, value)
+
+        if not (preset is None or (isinstance(preset, str) and preset in PRESETS)):
+            raise _bad("preset", preset, f"None or one of {sorted(PRESETS)}")
+        for key, value in PRESETS[preset or "project"].items():
+            if key not in getattr(self, "_given", ()):
+                put(key, value)
 
         def real_in(key: str, lo: float, hi: float, lo_open: bool, allowed: str) -> None:
             v = getattr(self, key)
@@ -195,21 +214,23 @@ class ZenFlowConfig:
 
     # ----------------------------------------------------------------------------------------- builders
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "ZenFlowConfig":
-        """Build from a mapping of ZenFlow keys; unknown keys are a ValueError."""
+    def from_dict(cls, d: Mapping[str, Any], preset: Optional[str] = None) -> "ZenFlowConfig":
+        """Build from a mapping of ZenFlow keys (the others from ``preset``'s defaults); unknown keys are a
+        ValueError."""
         if not isinstance(d, Mapping):
             raise TypeError(f"ZenFlowConfig.from_dict expects a mapping, got {type(d).__name__}")
         unknown = sorted(str(k) for k in d if k not in ZENFLOW_KEYS)
         if unknown:
             raise ValueError(_unknown_keys_message(unknown))
-        return cls(**dict(d))
+        return cls(**dict(d), preset=preset)
 
     @classmethod
     def from_deepspeed(cls, config: Union[str, "os.PathLike[str]", Mapping[str, Any]], *,
                        steps_per_epoch: Optional[int] = None) -> "ZenFlowConfig":
         """Build from a DeepSpeed config (JSON file path or dict), reading ``zero_optimization.zenflow``.
 
-        ``steps_per_epoch`` fills that key when the block does not set it.
+        ``steps_per_epoch`` fills that key when the block does not set it. Keys the block does not set take
+        DeepSpeed's defaults (``preset="deepspeed"``).
         """
         where = "the DeepSpeed config"
         if isinstance(config, (str, os.PathLike)):
@@ -228,7 +249,7 @@ class ZenFlowConfig:
         block = dict(block)
         if block.get("steps_per_epoch") is None and steps_per_epoch is not None:
             block["steps_per_epoch"] = steps_per_epoch
-        return cls.from_dict(block)
+        return cls.from_dict(block, preset="deepspeed")  # a DeepSpeed config keeps DeepSpeed's defaults
 
     def to_dict(self) -> dict:
         """All keys as a plain dict (``from_dict(c.to_dict()) == c``)."""

@@ -124,7 +124,7 @@ class ZenFlowDeepSpeedPlan:
                 "zero_optimization.zenflow.select_strategy='epoch' needs the epoch length: pass "
                 "training_data=... to zenflow_compile.deepspeed.initialize (an epoch is one pass of DeepSpeed's "
                 "dataloader over it), or set zero_optimization.zenflow.steps_per_epoch (optimizer steps per epoch)")
-        return ZenFlowConfig.from_dict(keys)
+        return ZenFlowConfig.from_dict(keys, preset="deepspeed")  # the JSON path keeps DeepSpeed's defaults
 
 
 def _adamw_from(ds_config, user_config: Mapping[str, Any]) -> dict:

@@ -57,7 +57,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     Args: as torch.optim.AdamW (lr, betas, eps, weight_decay), plus `max_grad_norm` (global-norm clipping
     computed from the gradient-norm proxy; None = off) and either `config=ZenFlowConfig(...)` or the
-    ZenFlow keys themselves (topk_ratio, update_interval, overlap_step, ...). `reduce_bucket_size`
+    ZenFlow keys themselves (topk_ratio, update_interval, overlap_step, ...); the keys not given take the
+    defaults of `preset` (None: this project's; "deepspeed": DeepSpeed's). `reduce_bucket_size`
     (elements, default 25M): a compiled backward hands gradients to the runtime in buckets of this size (a
     bucket's gradients live until it is handed over) and, under data parallelism, they are reduced in
     buckets of this size.
@@ -100,6 +101,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         *,
         max_grad_norm: Optional[float] = None,
         config: Optional[ZenFlowConfig] = None,
+        preset: Optional[str] = None,
         process_group: Any = None,
         reduce_bucket_size: int = 25_000_000,
         **zenflow_keys: Any,
@@ -119,7 +121,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise TypeError(
                 f"ZenFlowAdamW config= expects a ZenFlowConfig or a dict of ZenFlow keys, got "
                 f"{type(config).__name__}; for a DeepSpeed JSON pass config=ZenFlowConfig.from_deepspeed(path)")
-        config = config if config is not None else ZenFlowConfig.from_dict(zenflow_keys)
+        if config is not None and preset is not None:
+            raise ValueError(f"pass either config= or preset={preset!r}, not both (a config's keys are all set)")
+        config = config if config is not None else ZenFlowConfig.from_dict(zenflow_keys, preset=preset)
         if config.offload:
             raise NotImplementedError(
                 "ZenFlowConfig.offload=True (selected columns' state on the CPU too) is not implemented; "

@@ -96,11 +96,14 @@ class ZenFlowReference(torch.optim.Optimizer):
     """Eager, synchronous ZenFlow AdamW (see the module docstring)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
-                 max_grad_norm=None, config: ZenFlowConfig | None = None, **zenflow_keys):
+                 max_grad_norm=None, config: ZenFlowConfig | None = None, preset: str | None = None,
+                 **zenflow_keys):
         if config is not None and zenflow_keys:
             raise ValueError(f"pass either config= or ZenFlow keys, not both (got keys {sorted(zenflow_keys)})")
+        if config is not None and preset is not None:
+            raise ValueError(f"pass either config= or preset={preset!r}, not both (a config's keys are all set)")
         if config is None:
-            config = ZenFlowConfig.from_dict(zenflow_keys)
+            config = ZenFlowConfig.from_dict(zenflow_keys, preset=preset)
         if not 0.0 <= lr:
             raise ValueError(f"lr={lr!r} is invalid: expected >= 0")
         if not 0.0 <= eps:

@@ -1,0 +1,70 @@
+"""`preset=` on ZenFlowConfig, ZenFlowAdamW and ZenFlowReference: "deepspeed" gives DeepSpeed's defaults,
+None / "project" this project's, and any key given explicitly overrides the preset. The two presets are equal
+today (the project keeps DeepSpeed's defaults until measurements justify others); the mechanism is checked with
+a stand-in project preset."""
+
+import pytest
+
+from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
+from zenflow_compile import config as config_module
+from zenflow_compile.reference import ZenFlowReference
+
+from helpers import tiny_model
+
+DEEPSPEED_DEFAULTS = dict(topk_ratio=0.1, select_strategy="auto", select_interval="auto", update_interval="auto",
+                          overlap_step=False, offload=False, auto_ratio=0.99, full_warm_up_rounds=0,
+                          pt_reserved_cores_perc=0.5, steps_per_epoch=None)
+STAND_IN = dict(update_interval=2, overlap_step=True, interval_aware_update=True, select_strategy="step",
+                select_interval=4)
+
+
+@pytest.fixture
+def project_preset(monkeypatch):
+    """This project's preset replaced by STAND_IN for the test (DeepSpeed's stays)."""
+    monkeypatch.setitem(config_module.PRESETS, "project", dict(STAND_IN))
+
+
+def test_deepspeed_preset_is_deepspeeds_defaults():
+    config = ZenFlowConfig(preset="deepspeed")
+    assert {k: getattr(config, k) for k in DEEPSPEED_DEFAULTS} == DEEPSPEED_DEFAULTS
+    assert config.interval_aware_update is False and config.overlap_reselect == "wait"
+
+
+def test_the_default_preset_is_the_projects(project_preset):
+    for config in (ZenFlowConfig(), ZenFlowConfig(preset="project"), ZenFlowConfig.from_dict({})):
+        assert {k: getattr(config, k) for k in STAND_IN} == STAND_IN
+    deepspeed = ZenFlowConfig(preset="deepspeed")
+    assert (deepspeed.update_interval, deepspeed.overlap_step) == ("auto", False)
+
+
+def test_explicit_keys_override_the_preset(project_preset):
+    config = ZenFlowConfig(overlap_step=False, select_strategy="auto", select_interval="auto")
+    assert (config.overlap_step, config.select_strategy, config.update_interval) == (False, "auto", 2)
+    config = ZenFlowConfig.from_dict(dict(overlap_step=True), preset="deepspeed")
+    assert (config.overlap_step, config.update_interval) == (True, "auto")
+    positional = ZenFlowConfig(0.2, "auto", "auto")  # topk_ratio, select_strategy, select_interval
+    assert (positional.topk_ratio, positional.select_strategy, positional.update_interval) == (0.2, "auto", 2)
+    assert ZenFlowConfig.from_dict(ZenFlowConfig(preset="deepspeed").to_dict()) == ZenFlowConfig(preset="deepspeed")
+
+
+def test_the_deepspeed_json_keeps_deepspeeds_defaults(project_preset):
+    config = ZenFlowConfig.from_deepspeed({"zero_optimization": {"zenflow": {"topk_ratio": 0.05}}})
+    assert config == ZenFlowConfig(preset="deepspeed", topk_ratio=0.05)
+
+
+@pytest.mark.parametrize("optimizer", [ZenFlowAdamW, ZenFlowReference])
+def test_optimizers_take_a_preset(optimizer, project_preset):
+    assert optimizer(tiny_model().parameters(), preset="deepspeed").config == ZenFlowConfig(preset="deepspeed")
+    assert optimizer(tiny_model().parameters()).config == ZenFlowConfig()
+    opt = optimizer(tiny_model().parameters(), preset="deepspeed", update_interval=3)
+    assert opt.config == ZenFlowConfig(preset="deepspeed", update_interval=3)
+    with pytest.raises(ValueError, match=r"pass either config= or preset='deepspeed', not both"):
+        optimizer(tiny_model().parameters(), config=ZenFlowConfig(), preset="deepspeed")
+
+
+def test_an_unknown_preset_is_an_error_naming_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"ZenFlowConfig.preset='ds' is invalid: expected None or one of "
+                                         r"\['deepspeed', 'project'\]"):
+        ZenFlowConfig(preset="ds")
+    with pytest.raises(ValueError, match=r"preset='fast' is invalid"):
+        ZenFlowAdamW(tiny_model().parameters(), preset="fast")
