@@ -12,6 +12,10 @@ sqrt(m) times larger than m AdamW steps would be, i.e. AdamW at a higher lr. The
 
   sqrt             lr x sqrt(m) instead of lr x m: equals AdamW where the gradient is noise, half its speed
                    (m = 4) where it is signal. The decoupled decay follows the lr (lr x sqrt(m) x wd per interval).
+  next-step        with overlap_step, a boundary's CPU update lands at the start of the next step() instead of
+                   at the next boundary: the forward and backward of one step see the unselected columns stale,
+                   instead of a whole interval's (a schedule that stalls wherever the CPU update takes longer
+                   than one step's device work).
 
 The "second-moment" variant explored here first (exp_avg_sq fed the mean of the per-step squared
 gradients) is now the opt-in key `interval_second_moment` (benchmarks/accuracy.py run setting sm=1).
@@ -34,9 +38,10 @@ import accuracy  # noqa: E402  (benchmarks/accuracy.py)
 
 import zenflow_compile.reference  # noqa: E402
 
-VARIANTS = ("sqrt",)
+VARIANTS = ("sqrt", "next-step")
 
 _LR_TIMES_M = 'group = dict(group, lr=group["lr"] * st["acc_steps"])'
+_STEP_START = '        self._adopt_external_writes()\n        live = ['
 
 
 def _patch(source: str, old: str, new: str) -> str:
@@ -51,6 +56,12 @@ def variant_reference(variant: str) -> type:
     source = Path(zenflow_compile.reference.__file__).read_text()
     if variant == "sqrt":
         source = _patch(source, _LR_TIMES_M, 'group = dict(group, lr=group["lr"] * math.sqrt(st["acc_steps"]))')
+    elif variant == "next-step":
+        source = _patch(source, _STEP_START, '        self._adopt_external_writes()\n'
+                        '        if self.zf["pending"]:  # next-step: the update in flight lands one step later\n'
+                        '            self._apply_unselected()\n'
+                        '            self.zf["pending"] = False\n'
+                        '        live = [')
     else:
         raise ValueError(f"variant {variant!r}: expected one of {VARIANTS}")
     module = types.ModuleType(f"reference_{variant.replace('-', '_')}")
