@@ -103,10 +103,12 @@ class _BucketPlan:
 
 class ZenFlowRuntime:
     def __init__(self, config, max_grad_norm: Optional[float],
-                 data_parallel: Optional[DataParallel] = None, reduce_bucket_numel: int = 25_000_000):
+                 data_parallel: Optional[DataParallel] = None, reduce_bucket_numel: int = 25_000_000,
+                 sharding=None):
         self.config = config
         self.max_grad_norm = max_grad_norm
         self.data_parallel = data_parallel
+        self.sharding = sharding  # FSDP2-sharded parameters: runtime/sharding.py (exclusive with data_parallel)
         self.rank = data_parallel.rank if data_parallel is not None else 0
         self.bucket_numel = reduce_bucket_numel  # gradient hand-off buckets (compiled graphs; reducer)
         self.reducer = (GradReducer(data_parallel, reduce_bucket_numel, self._take_reduced)
@@ -328,6 +330,8 @@ class ZenFlowRuntime:
         self._fold_accumulated_grads(stepped)
         if self.data_parallel is not None and stepped:
             self._all_reduce_scores([slab for slab, _ in stepped])
+        if self.sharding is not None and stepped:  # sharded: each rank's partial scores, summed (sharding.py)
+            self.sharding.all_reduce_scores([slab.scores for slab, _ in stepped])
         warmed_up = t >= cfg.full_warm_up_rounds
         stepped_members = [m for slab, _ in stepped for m in slab.members if m.num_grads]
         # First selection (a matrix's first gradient at t >= W), before the updates: needs its scores here.

@@ -41,6 +41,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from zenflow_compile.runtime import kernels
+from zenflow_compile.runtime.sharding import local_shard
 from zenflow_compile.runtime.transfers import Transfers, wait_events
 
 # Largest parameter (elements) that shares a slab with others: stacking its gradient in the hand-off copies it
@@ -66,7 +67,7 @@ def host_order(counts: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
 def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
     """[R, C] of a parameter as the state sees it: a matrix [shape[0], rest], a vector [N, 1]."""
     if param.dim() >= 2:
-        return param.shape[0], param.numel() // param.shape[0]
+        return param.shape[0], math.prod(param.shape[1:])  # (a rank's shard may hold no rows)
     return param.numel(), 1
 
 
@@ -141,6 +142,10 @@ class Member:
     """One parameter's place in its slab (`slab`, `index`) and its per-parameter bookkeeping."""
 
     def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int, owns_host: bool):
+        # A parameter sharded by FSDP2 (runtime/sharding.py): the state is that of this rank's rows, and the
+        # slab it joins is chosen by its global shape (`key_rows`, `key_numel`), the same on every rank.
+        self.key_rows, self.key_numel = matrix_shape(param)[0], param.numel()
+        param = local_shard(param)
         self.param, self.pid, self.group_index = param, pid, group_index
         self.owner, self.owns_host = owner, owns_host
         self.is_matrix = param.dim() >= 2
@@ -169,7 +174,7 @@ class Member:
 class SlabKey(NamedTuple):
     group_index: int
     dtype: torch.dtype
-    rows: int
+    rows: int  # (sharded parameters: the global rows; the slab holds this rank's share of them)
     cols: int
     num_selected: int  # k (0 before a matrix's first selection; a vector's is its one column)
     owner: int  # the rank holding the members' host parts (data parallel; else 0)
@@ -178,8 +183,8 @@ class SlabKey(NamedTuple):
 
 def slab_key(member: Member, num_selected: int) -> SlabKey:
     param = member.param
-    large = param.numel() > SHARED_SLAB_MAX_NUMEL.get(param.device.type, 0)
-    return SlabKey(member.group_index, param.dtype, member.rows, member.cols, num_selected, member.owner,
+    large = member.key_numel > SHARED_SLAB_MAX_NUMEL.get(param.device.type, 0)
+    return SlabKey(member.group_index, param.dtype, member.key_rows, member.cols, num_selected, member.owner,
                    member.pid if large else None)
 
 
@@ -194,7 +199,7 @@ class Slab:
     def __init__(self, key: SlabKey, members: list[Member], states: list[MemberState], transfers: Transfers,
                  accumulate_squares: bool):
         self.key, self.members, self.transfers = key, members, transfers
-        self.n, self.R, self.C, self.k = len(members), key.rows, key.cols, key.num_selected
+        self.n, self.R, self.C, self.k = len(members), members[0].rows, key.cols, key.num_selected
         self.u = self.C - self.k
         self.dtype, self.device = key.dtype, members[0].param.device
         self.is_matrix = members[0].is_matrix

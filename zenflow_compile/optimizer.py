@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
 from zenflow_compile.grad_hooks import DataParallelHooks, hand_over_grads
-from zenflow_compile.runtime import collectives
+from zenflow_compile.runtime import collectives, sharding as sharded
 from zenflow_compile.runtime.engine import ZenFlowRuntime
 
 
@@ -124,8 +124,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise NotImplementedError(
                 "ZenFlowConfig.offload=True (selected columns' state on the CPU too) is not implemented; "
                 "set offload=False: selected columns' state lives on the device")
-        data_parallel = collectives.data_parallel_group(process_group)
-        self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size)
+        params = _param_list(params)
+        # FSDP2-sharded (DTensor) parameters: the mesh comes from them, and FSDP2 reduces the gradients.
+        sharding = sharded.sharding_of(_tensors_in(params), process_group)
+        data_parallel = None if sharding is not None else collectives.data_parallel_group(process_group)
+        self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size, sharding=sharding)
         self._constructed = False
         self._param_ids: dict[int, int] = {}  # id(param) -> runtime id, for the parameters in param_groups
         self._group_of: dict[int, int] = {}  # runtime id -> its param group
@@ -242,6 +245,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Data parallel: every rank must hold the same optimizer (else a clear error on every rank, not a
         hang in the first mismatched collective); then rank 0's parameter values are everyone's."""
         data_parallel = self._runtime.data_parallel
+        if self._runtime.sharding is not None:  # sharded: the same config and (global) shapes, nothing to broadcast
+            self._runtime.sharding.collectives.check_same_on_every_rank(dict(
+                **{f"config key {key}": value for key, value in self.config.to_dict().items()},
+                max_grad_norm=self.max_grad_norm,
+                parameters=[f"shape {tuple(p.shape)} dtype {p.dtype}" for p in params]))
+            return
         if data_parallel is None:
             return
         data_parallel.check_same_on_every_rank(dict(
@@ -335,6 +344,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         first step)."""
         stats = self._runtime.stats()
         stats["grad_norm"] = self._runtime.grad_norm
+        if self._runtime.sharding is not None:  # (host_state_bytes: this rank's rows)
+            stats.update(self._runtime.sharding.stats())
         return stats
 
     def selected_columns(self, param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -354,7 +365,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 f"ZenFlowAdamW.master: the unselected columns of this parameter (shape {tuple(param.shape)}) live "
                 f"on rank {entry['host_owner']}'s host, not on this rank's; call master() there, or gather the "
                 "whole state with consolidated_state_dict()")
-        return entry["master"].reshape(param.shape)
+        return entry["master"].reshape(sharded.local_shard(param).shape)  # (sharded: this rank's rows)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def _params_in_order(self) -> list[torch.Tensor]:
@@ -449,6 +460,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """copy.deepcopy(opt) and pickling (torch.save({"model": m, "opt": opt})) rebuild the optimizer over the
         copied parameters from `state_dict()`: the copy resumes exactly where this one is (a state_dict
         resume). Refused where that cannot hold: data parallel, or between a backward and step()."""
+        if self._runtime.sharding is not None:
+            raise TypeError(
+                "a ZenFlowAdamW over FSDP2-sharded parameters cannot be copied or pickled: its state is this "
+                "rank's rows. Fix: save opt.state_dict() on every rank and load it into a ZenFlowAdamW built on "
+                "every rank")
         if self._runtime.data_parallel is not None:
             raise TypeError(
                 "a data-parallel ZenFlowAdamW cannot be copied or pickled: its state is this rank's share and "
@@ -472,6 +488,35 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
+
+
+def _param_list(params):
+    """`params` as torch.optim takes them, with every iterable made a list (they are read twice: once to find
+    sharded parameters, once by torch.optim)."""
+    if isinstance(params, torch.Tensor):
+        return params  # (torch.optim's own error)
+    items = []
+    for item in params:
+        if isinstance(item, Mapping) and "params" in item and not isinstance(item["params"], torch.Tensor):
+            item = {**item, "params": list(item["params"])}
+        items.append(item)
+    return items
+
+
+def _tensors_in(params) -> list:
+    """The tensors of a `_param_list` (plain, named (name, tensor) pairs, or param groups)."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    tensors = []
+    for item in params:
+        if isinstance(item, Mapping):
+            inner = item.get("params", [])
+            tensors += _tensors_in([inner] if isinstance(inner, torch.Tensor) else inner)
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            tensors.append(item[1])
+        else:
+            tensors.append(item)
+    return tensors
 
 
 def _rebuild(cls, groups: list[dict], options: dict, state_dict: dict) -> "ZenFlowAdamW":

@@ -1,0 +1,188 @@
+"""One rank of the FSDP2 tests (tests/test_fsdp.py): ZenFlowAdamW over `fully_shard`-ed parameters, gloo on CPU.
+
+Launched as `python tests/fsdp_worker.py SCENARIOS.pt OUT_DIR` with RANK, WORLD_SIZE and ZENFLOW_TEST_INIT (a
+FileStore path) in the environment, once per rank. For each scenario (a dict, see `run`) OUT_DIR/<name>.rank<r>.pt
+gets the full (gathered) parameters and the selections after every step, the stats, and the error message if
+the scenario expects one. `one_process` is what the ranks must equal: the same model and optimizer in one
+process, on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import zenflow_compile  # noqa: E402
+import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
+import zenflow_compile.inspect as zf_inspect  # noqa: E402
+from helpers import loss_fn, make_batches  # noqa: E402
+
+GLOBAL_BATCH = 12  # divisible by 2 and 3 ranks
+
+
+class TinyGated(nn.Module):
+    """Tiny (tests/helpers.py) with a 2-row gate and a 12-row projection. Over 3 ranks FSDP2 gives one rank no
+    row of `gate`, and uneven rows of emb [32, 16] and fc2 [16, 24]; on the last rank fc2.bias and proj.bias
+    have as many rows (4) as each other, on the others not (6 and 4): slabs must be grouped by global shapes
+    for every rank to pack its scores alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.fc1 = nn.Linear(16, 24)
+        self.norm = nn.LayerNorm(24)
+        self.fc2 = nn.Linear(24, 16)
+        self.gate = nn.Linear(16, 2)
+        self.proj = nn.Linear(16, 12)
+
+    def forward(self, x):
+        e = self.emb(x)
+        gate = torch.sigmoid(self.gate(e))
+        out = self.fc2(self.norm(torch.tanh(self.fc1(e)))) * gate[..., :1] + gate[..., 1:]
+        return out + torch.tanh(self.proj(e)).mean(-1, keepdim=True)
+
+
+def make_model(seed: int = 0) -> TinyGated:
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        return TinyGated()
+
+
+def micro_batch(batch, rank: int, world_size: int):
+    x, y = batch
+    share = x.shape[0] // world_size
+    return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+
+def optimizer(scenario: dict, params, **extra):
+    return zenflow_compile.ZenFlowAdamW(params, lr=scenario.get("lr", 1e-2), max_grad_norm=scenario.get("clip"),
+                                        **scenario["keys"], **extra)
+
+
+def poison(scenario: dict, step: int, grad: torch.Tensor) -> None:
+    """The non-finite step: a NaN in the first element of emb.weight's gradient (rank 0's rows)."""
+    if scenario.get("nan_step") == step:
+        grad.view(-1)[0] = float("nan")
+
+
+# ------------------------------------------------------------------------------------------- one process
+def one_process(scenario: dict, world_size: int):
+    """The run every rank must equal: one process, no sharding, the concatenated batch (the mean of the ranks'
+    mean losses). bf16: the compute is bf16 per rank's micro-batch (as FSDP2's MixedPrecisionPolicy
+    param_dtype=bf16 does), the gradients summed in fp32 (reduce_dtype=fp32) and divided by the world size."""
+    model = make_model(scenario.get("seed", 0))
+    opt = optimizer(scenario, model.parameters())
+    batches = make_batches(64, batch=GLOBAL_BATCH)
+    params, selected = [], []
+    for step in range(scenario["steps"]):
+        if scenario.get("bf16"):
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            sums = [torch.zeros_like(p) for p in model.parameters()]
+            for r in range(world_size):
+                loss_fn(low, micro_batch(batches[step], r, world_size)).backward()
+                for s, p in zip(sums, low.parameters()):
+                    s.add_(p.grad.float())
+                low.zero_grad()
+            for p, s in zip(model.parameters(), sums):
+                p.grad = s / world_size
+        else:
+            loss_fn(model, batches[step]).backward()
+        poison(scenario, step, model.emb.weight.grad)
+        opt.step()
+        opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+        selected.append([opt.selected_columns(p) for p in model.parameters() if p.dim() >= 2])
+    opt.synchronize()
+    return params, selected, opt
+
+
+# ------------------------------------------------------------------------------------------------ a rank
+def shard(model: nn.Module, scenario: dict, world_size: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    kwargs = dict(mesh=init_device_mesh("cpu", (world_size,)),
+                  reshard_after_forward=scenario.get("reshard_after_forward", True))
+    if scenario.get("bf16"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    refuse = scenario.get("refuse")
+    if refuse == "hsdp":
+        kwargs["mesh"] = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+    elif refuse == "shard_dim_1":
+        kwargs["shard_placement_fn"] = lambda param: Shard(1) if param.dim() >= 2 else Shard(0)
+    elif refuse == "cpu_offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    blocks = [model.fc1] if refuse == "plain_beside_sharded" else [model.emb, model.fc1, model.fc2, model.gate, model.proj]
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    if refuse != "plain_beside_sharded":
+        fully_shard(model, **kwargs)
+    return model
+
+
+def full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor().detach().clone() if hasattr(param, "full_tensor") else param.detach().clone()
+
+
+def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
+    record: dict = dict(params=[], selected=[], error=None)
+    try:
+        model = shard(make_model(scenario.get("seed", 0)), scenario, world_size)
+        extra = dict(process_group=dist.group.WORLD) if scenario.get("refuse") == "process_group" else {}
+        opt = optimizer(scenario, model.parameters(), **extra)
+        run_model = torch.compile(model, backend="zenflow") if scenario["compiled"] else model
+        batches = make_batches(64, batch=GLOBAL_BATCH)
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        # (compiled: every backward graph is compiled and rewritten here, none served by a cache)
+        with zf_inspect.capture() if scenario["compiled"] else contextlib.nullcontext([]) as graphs:
+            for step in range(scenario["steps"]):
+                loss_fn(run_model, micro_batch(batches[step], rank, world_size)).backward()
+                if rank == 0:
+                    poison(scenario, step, model.emb.weight.grad.to_local())
+                opt.step()
+                opt.zero_grad()
+                record["params"].append([full(p) for p in model.parameters()])
+                record["selected"].append([opt.selected_columns(p) for p in matrices])
+        # Which gradients each rewritten backward graph handed to the runtime itself (by parameter name).
+        record["backward_graphs"] = [sorted(g.param_names.values()) for g in graphs]
+        opt.synchronize()
+        record["local_rows"] = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+        record["stats"] = opt.stats()
+    except Exception as error:  # noqa: BLE001  (the test asserts on it)
+        if not scenario.get("expect_error"):
+            raise
+        record["error"] = f"{type(error).__name__}: {error}"
+        record["traceback"] = traceback.format_exc()
+    torch.save(record, out_dir / f"{scenario['name']}.rank{rank}.pt")
+
+
+def main() -> None:
+    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    scenarios = torch.load(spec_path, weights_only=False)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("ZENFLOW_TEST_TIMEOUT", "60")))
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
+                            world_size=world_size, timeout=timeout)
+    try:
+        for scenario in scenarios:
+            run(scenario, rank, world_size, out_dir)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
