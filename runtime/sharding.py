@@ -24,18 +24,24 @@ the host and moves only their gradients and updates, while the policy would also
 the parameters themselves, every step; DTensor parameters beside plain ones (the plain ones' gradients would
 not be reduced) or beside a `process_group=` (ZenFlow's own data parallelism, which reduces gradients itself).
 
+Checkpoints (`ZenFlowAdamW.state_dict()`): the form `torch.distributed.checkpoint` (DCP) and its
+`get_optimizer_state_dict` expect. Per-row state (fp32 masters, moments, accumulators) as DTensors `Shard(0)`
+over the mesh (`dcp_entry`), so DCP saves each rank's rows and reshards them on a load at another world size;
+per-column state (counts, selection) and the schedule replicated (every rank holds the same).
+
 The collectives go through `collectives.DataParallel` (payload counted, a failure raised as `CollectiveError`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Optional
 
 import torch
 
 from zenflow_compile.runtime.collectives import DataParallel
 
-__all__ = ["Sharding", "sharding_of", "local_shard", "is_sharded", "fsdp_sharded_param_of"]
+__all__ = ["Sharding", "sharding_of", "local_shard", "local_entry", "is_sharded", "fsdp_sharded_param_of"]
 
 try:  # (a torch built without distributed has no DTensor: nothing is ever sharded)
     from torch.distributed.tensor import DTensor, Shard
@@ -70,10 +76,61 @@ class Sharding:
         for tensor, reduced in zip(scores, packed.split([t.numel() for t in scores])):
             tensor.copy_(reduced.view_as(tensor))
 
+    # -- checkpoints (torch.distributed.checkpoint) -----------------------------------------------------------
+    def dcp_entry(self, entry: dict, param: torch.Tensor) -> dict:
+        """A parameter's checkpoint entry (`checkpoint.export_entry`, this rank's rows) in the form DCP saves and
+        reshards: tensors with a row per parameter row become DTensors `Shard(0)` of the parameter's global rows;
+        the others (per-column counts, selection, flags) are the same on every rank (replicated). Every matrix
+        entry has the same keys, so a fresh optimizer's `state_dict()` is a template `dcp.load` fills in."""
+        out = dict(entry)
+        if param.dim() >= 2:
+            rows, cols = out["master"].shape
+            if "device_columns" not in out:  # (read only while a CPU update is pending)
+                out["device_columns"] = torch.zeros(rows, cols, dtype=param.dtype)
+            out["unapplied"] = torch.tensor(bool(out.get("unapplied", False)))
+            out["steps_accumulated"] = torch.tensor(int(out["steps_accumulated"]))
+        for key in ROW_KEYS:
+            if key in out:
+                out[key] = self._rows(out[key], param)
+        return out
+
+    def _rows(self, local: torch.Tensor, param: torch.Tensor) -> "DTensor":
+        shape = (param.shape[0], *local.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(local.contiguous(), self.mesh, [Shard(0)], run_check=False, shape=shape,
+                                  stride=stride)
+
+    @staticmethod
+    def fresh_entry(param: torch.Tensor, accumulate_squares: bool) -> dict:
+        """The entry of a parameter with no state yet (its values, zero moments and counts): what a checkpoint
+        of it would hold before its first gradient, so a fresh optimizer's `state_dict()` is a full template."""
+        local = local_shard(param).detach()
+        if param.dim() < 2:
+            master = local.float().cpu().clone()
+            return dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
+                        step=torch.zeros(1))
+        rows, cols = local.shape[0], math.prod(local.shape[1:])
+        master = local.reshape(rows, cols).float().cpu().clone()
+        entry = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
+                     step=torch.zeros(cols), selected=torch.zeros(cols, dtype=torch.bool), steps_accumulated=0,
+                     zen_auto=torch.zeros(2, dtype=torch.float64), accumulator=torch.zeros_like(master))
+        if accumulate_squares:
+            entry["square_accumulator"] = torch.zeros_like(master)
+        return entry
+
     def stats(self) -> dict:
         stats = self.collectives.stats()
         return dict(shard_world_size=stats["world_size"], shard_rank=stats["rank"],
                     comm_bytes_sent=stats["comm_bytes_sent"], comm_bytes_received=stats["comm_bytes_received"])
+
+
+# Entries of a parameter's checkpoint entry with one row per parameter row (saved sharded like the parameter).
+ROW_KEYS = ("master", "exp_avg", "exp_avg_sq", "accumulator", "square_accumulator", "device_columns")
+
+
+def local_entry(entry: dict) -> dict:
+    """A checkpoint entry as `checkpoint.state_from_entry` reads it: this rank's rows of its DTensors."""
+    return {key: value.to_local() if isinstance(value, DTensor) else value for key, value in entry.items()}
 
 
 def _fsdp_params() -> Iterable:

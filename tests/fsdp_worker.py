@@ -136,25 +136,77 @@ def full(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor().detach().clone() if hasattr(param, "full_tensor") else param.detach().clone()
 
 
+def build(scenario: dict, world_size: int):
+    model = shard(make_model(scenario.get("seed", 0)), scenario, world_size)
+    extra = dict(process_group=dist.group.WORLD) if scenario.get("refuse") == "process_group" else {}
+    opt = optimizer(scenario, model.parameters(), **extra)
+    run_model = torch.compile(model, backend="zenflow") if scenario["compiled"] else model
+    return model, opt, run_model
+
+
+def train(scenario, model, opt, run_model, rank, world_size, record, first_step: int, steps: int) -> None:
+    batches = make_batches(64, batch=GLOBAL_BATCH)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    for step in range(first_step, first_step + steps):
+        loss_fn(run_model, micro_batch(batches[step], rank, world_size)).backward()
+        if rank == 0:
+            poison(scenario, step, model.emb.weight.grad.to_local())
+        opt.step()
+        opt.zero_grad()
+        record["params"].append([full(p) for p in model.parameters()])
+        record["selected"].append([opt.selected_columns(p) for p in matrices])
+
+
+def consolidated(opt) -> dict:
+    """The optimizer's whole state, gathered (every rank gets it): its DTensor entries made full tensors."""
+    saved = opt.state_dict()
+    return dict(zenflow=saved["zenflow"], state={
+        i: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in entry.items()}
+        for i, entry in saved["state"].items()})
+
+
+def dcp_resume(scenario: dict, world_size: int, checkpoint: str):
+    """A fresh model and optimizer, loaded from a DCP checkpoint the way torchtitan does: the state_dict
+    functions of torch.distributed.checkpoint give the template, `dcp.load` fills it in, set_state_dict
+    applies it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, run_model = build(scenario, world_size)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, opt, run_model
+
+
 def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
     record: dict = dict(params=[], selected=[], error=None)
     try:
-        model = shard(make_model(scenario.get("seed", 0)), scenario, world_size)
-        extra = dict(process_group=dist.group.WORLD) if scenario.get("refuse") == "process_group" else {}
-        opt = optimizer(scenario, model.parameters(), **extra)
-        run_model = torch.compile(model, backend="zenflow") if scenario["compiled"] else model
-        batches = make_batches(64, batch=GLOBAL_BATCH)
-        matrices = [p for p in model.parameters() if p.dim() >= 2]
         # (compiled: every backward graph is compiled and rewritten here, none served by a cache)
         with zf_inspect.capture() if scenario["compiled"] else contextlib.nullcontext([]) as graphs:
-            for step in range(scenario["steps"]):
-                loss_fn(run_model, micro_batch(batches[step], rank, world_size)).backward()
-                if rank == 0:
-                    poison(scenario, step, model.emb.weight.grad.to_local())
-                opt.step()
-                opt.zero_grad()
-                record["params"].append([full(p) for p in model.parameters()])
-                record["selected"].append([opt.selected_columns(p) for p in matrices])
+            if "dcp_load" in scenario:  # a checkpoint of another launch (possibly another world size)
+                model, opt, run_model = dcp_resume(scenario, world_size, scenario["dcp_load"])
+                record["consolidated"] = consolidated(opt)
+                train(scenario, model, opt, run_model, rank, world_size, record, scenario["first_step"],
+                      scenario["steps"])
+            else:
+                model, opt, run_model = build(scenario, world_size)
+                train(scenario, model, opt, run_model, rank, world_size, record, 0, scenario["steps"])
+            if "dcp_save" in scenario:
+                import torch.distributed.checkpoint as dcp
+                from torch.distributed.checkpoint.state_dict import get_state_dict
+
+                model_sd, optim_sd = get_state_dict(model, opt)
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=scenario["dcp_save"])
+                record["consolidated"] = consolidated(opt)
+                train(scenario, model, opt, run_model, rank, world_size, record, scenario["steps"],
+                      scenario["resume_steps"])
+                # Resume in a fresh model and optimizer at this world size.
+                model2, opt2, run_model2 = dcp_resume(scenario, world_size, scenario["dcp_save"])
+                record["resumed"] = dict(params=[], selected=[])
+                train(scenario, model2, opt2, run_model2, rank, world_size, record["resumed"], scenario["steps"],
+                      scenario["resume_steps"])
         # Which gradients each rewritten backward graph handed to the runtime itself (by parameter name).
         record["backward_graphs"] = [sorted(g.param_names.values()) for g in graphs]
         opt.synchronize()

@@ -292,6 +292,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._runtime.check_failure()  # (nothing to do, but a failed optimizer still says so)
         if self._dp_hooks is not None:
             self._dp_hooks.step_done()
+        if self._runtime.sharding is not None:
+            self._mark_sharded_state()
         if grad_scaler is not None:
             device = grad_scaler._get_scale_async().device
             found_inf = torch.full((), 0.0 if stepped else 1.0, device=device)
@@ -383,12 +385,35 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                    if id(p) in self._param_ids and self._runtime.has_state(self._param_ids[id(p)])]
         saved["state"] = {i: self._runtime.export_state(pid) for i, pid in indexed}
         saved["zenflow"] = self._runtime.export_globals()
+        if self._runtime.sharding is not None:
+            self._sharded_state_dict(saved)
         data_parallel = self._runtime.data_parallel
         if data_parallel is not None:  # this rank's share: loadable at this world size, by this rank
             saved["zenflow"]["data_parallel"] = dict(
                 world_size=data_parallel.world_size, rank=data_parallel.rank,
                 owners={i: self._runtime.owners[pid] for i, pid in indexed})
         return saved
+
+    def _sharded_state_dict(self, saved: dict) -> None:
+        """FSDP2-sharded parameters: `saved` in the form torch.distributed.checkpoint expects (see
+        runtime/sharding.py): per-row state as DTensors over the mesh, a template entry for every trainable
+        parameter without state yet (so a fresh optimizer's state_dict() is what `dcp.load` fills in), and the
+        "zenflow" entry also in param_groups[0] (`get_optimizer_state_dict` keeps only state and
+        param_groups)."""
+        sharding, params = self._runtime.sharding, self._params_in_order()
+        for i, param in enumerate(params):
+            if i not in saved["state"] and id(param) in self._param_ids and param.requires_grad:
+                saved["state"][i] = sharding.fresh_entry(param, self.config.interval_second_moment)
+        saved["state"] = {i: sharding.dcp_entry(entry, params[i]) for i, entry in saved["state"].items()}
+        saved["param_groups"][0]["zenflow"] = saved["zenflow"]
+
+    def _mark_sharded_state(self) -> None:
+        """torch.distributed.checkpoint's get/set_optimizer_state_dict take an optimizer with an empty `state`
+        for one that never stepped and make it step once with zero gradients and lr 0 (which would move
+        ZenFlow's schedule and moments): `state` names the parameters whose state the runtime holds."""
+        for param, pid in zip(*self._followed):
+            if self._runtime.has_state(pid) and param not in self.state:
+                self.state[param] = {"zenflow": "held by the ZenFlow runtime: see ZenFlowAdamW.state_dict()"}
 
     def consolidated_state_dict(self, to_rank: int = 0) -> Optional[dict]:
         """Data parallel: gather every rank's share into one world-size-free state_dict on `to_rank` (None
@@ -408,9 +433,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict()`. As torch.optim restores the saved lr, betas, eps and weight_decay, the saved
         `max_grad_norm` is restored too (set `opt.max_grad_norm` after loading to change it)."""
-        if "zenflow" not in state_dict:
+        groups = state_dict.get("param_groups") or [{}]
+        zenflow = state_dict.get("zenflow", groups[0].get("zenflow"))  # (DCP's get_optimizer_state_dict form)
+        if zenflow is None:
             raise ValueError("not a ZenFlowAdamW state_dict (no 'zenflow' entry); a torch.optim.AdamW "
                              "checkpoint cannot be resumed exactly by ZenFlow")
+        groups = [{k: v for k, v in group.items() if k != "zenflow"} for group in state_dict["param_groups"]]
         if self._runtime.holds_step_grads:
             # torch.optim would keep `.grad` for the next step; here the gradients already live in the states
             # that loading re-creates, so they would be lost without a word.
@@ -418,18 +446,28 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowAdamW.load_state_dict() was called between a backward and step(): that backward's "
                 "gradients were already handed to the optimizer and loading would discard them. Load the "
                 "checkpoint before the backward, or after step() (or call zero_grad() first to drop them)")
-        owners = self._share_owners(state_dict["zenflow"].get("data_parallel"))
+        owners = self._share_owners(zenflow.get("data_parallel"))
         if self._runtime.failed:  # a worker failure or an interrupted step: loading replaces every state
             self._runtime.settle_after_failure()
         else:
             self._runtime.quiesce()
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        self._runtime.import_globals(state_dict["zenflow"], owners)
-        if "max_grad_norm" in state_dict["zenflow"]:
-            self.max_grad_norm = state_dict["zenflow"]["max_grad_norm"]
-        self._runtime.import_states({self.param_id(param): state_dict["state"][i]
-                                     for i, param in enumerate(self._params_in_order()) if i in state_dict["state"]})
+        super().load_state_dict({"state": {}, "param_groups": groups})
+        self._runtime.import_globals(zenflow, owners)
+        if "max_grad_norm" in zenflow:
+            self.max_grad_norm = zenflow["max_grad_norm"]
+        # A parameter's entry is keyed as its place in the saved param groups says: its index (torch.optim's
+        # state_dict) or its name (torch.distributed.checkpoint's get_optimizer_state_dict).
+        keys = [key for group in groups for key in group["params"]]
+        entries = {self.param_id(param): state_dict["state"][keys[i]]
+                   for i, param in enumerate(self._params_in_order()) if keys[i] in state_dict["state"]}
+        if self._runtime.sharding is not None:
+            entries = {pid: sharded.local_entry(entry) for pid, entry in entries.items()}
+        self._runtime.import_states(entries)
         self._runtime.clear_failure()
+        if self._runtime.sharding is not None:
+            self._groups_seen = None
+            self._follow_param_groups()
+            self._mark_sharded_state()
 
     def _share_owners(self, saved: Optional[dict]) -> Optional[dict[int, int]]:
         """pid -> owner of a data-parallel share saved by this rank at this world size (None for a full
