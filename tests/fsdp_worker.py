@@ -153,6 +153,8 @@ def train(scenario, model, opt, run_model, rank, world_size, record, first_step:
             poison(scenario, step, model.emb.weight.grad.to_local())
         opt.step()
         opt.zero_grad()
+        if scenario.get("die_rank") == rank and step == scenario.get("die_after_step"):
+            os._exit(3)  # a rank that dies mid-run
         record["params"].append([full(p) for p in model.parameters()])
         record["selected"].append([opt.selected_columns(p) for p in matrices])
 
@@ -228,12 +230,15 @@ def main() -> None:
     timeout = datetime.timedelta(seconds=float(os.environ.get("ZENFLOW_TEST_TIMEOUT", "60")))
     dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
                             world_size=world_size, timeout=timeout)
+    dies = any(s.get("die_rank") is not None for s in scenarios)
     try:
         for scenario in scenarios:
             run(scenario, rank, world_size, out_dir)
-            dist.barrier()
+            if not dies:
+                dist.barrier()
     finally:
-        dist.destroy_process_group()
+        if not dies:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -224,3 +224,18 @@ def test_dcp_checkpoint_resumes_exactly_and_reshards(tmp_path):
         for step, (a, b) in enumerate(zip(record["params"], two[0]["params"][steps:])):
             assert max_param_diff(a, b) <= ATOL, step
             assert same_selection(record["selected"][step], two[0]["selected"][steps + step]), step
+
+
+def test_a_rank_that_dies_makes_the_others_raise(tmp_path):
+    """A rank that dies after step 1: the other ranks raise (FSDP2's next collective or ZenFlow's score
+    all-reduce, whichever comes first) instead of hanging."""
+    scenario = dict(name="dies", compiled=False, steps=6, keys=BASE, die_rank=1, die_after_step=1, expect_error=True)
+    start = time.monotonic()
+    codes = launch(3, [scenario], tmp_path, timeout=180, env=dict(ZENFLOW_TEST_TIMEOUT="20"))
+    assert codes[1] == 3  # the rank that died
+    assert time.monotonic() - start < 150
+    for rank in (0, 2):
+        survivor = torch.load(tmp_path / f"dies.rank{rank}.pt", weights_only=False)
+        assert survivor["error"] is not None, rank
+        assert len(survivor["params"]) <= 2  # it got no further than the steps every rank ran
+        print(f"rank {rank}: {survivor['error'][:200]}")
