@@ -41,7 +41,7 @@ import torch
 
 from zenflow_compile.runtime.collectives import DataParallel
 
-__all__ = ["Sharding", "sharding_of", "local_shard", "local_entry", "is_sharded", "fsdp_sharded_param_of"]
+__all__ = ["Sharding", "sharding_of", "check_added", "local_shard", "local_entry", "is_sharded", "fsdp_sharded_param_of"]
 
 try:  # (a torch built without distributed has no DTensor: nothing is ever sharded)
     from torch.distributed.tensor import DTensor, Shard
@@ -158,6 +158,27 @@ def fsdp_sharded_param_of(tensor: torch.Tensor) -> Optional[torch.Tensor]:
 
 def _where(index: int, param: torch.Tensor) -> str:
     return f"parameter {index} (shape {tuple(param.shape)})"
+
+
+def check_added(params: list, sharding: Optional[Sharding], constructed: bool) -> None:
+    """Parameters added after construction (add_param_group, an edit of param_groups) must be sharded like the
+    others: DTensors of the optimizer's mesh over sharded parameters, plain tensors otherwise."""
+    if not constructed:
+        return
+    tensors = [p for p in params if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex())]
+    for i, param in enumerate(tensors):
+        if sharding is None and isinstance(param, DTensor):
+            raise ValueError(
+                f"ZenFlowAdamW: {_where(i, param)} added to an optimizer over plain parameters is a DTensor "
+                "(sharded by FSDP2). Fix: give sharded parameters to a ZenFlowAdamW built over sharded "
+                "parameters (one optimizer per mesh)")
+        if sharding is not None and not (isinstance(param, DTensor) and param.device_mesh == sharding.mesh):
+            raise ValueError(
+                f"ZenFlowAdamW: {_where(i, param)} added to an optimizer over FSDP2-sharded parameters is not a "
+                "DTensor of its mesh; its gradient would not be reduced like the others. Fix: fully_shard its "
+                "module first (on the same mesh), or give it to an optimizer of its own")
+    if sharding is not None:
+        sharding_of(tensors)  # (the placement and offload checks)
 
 
 def sharding_of(params: list, process_group: Any = None) -> Optional[Sharding]:

@@ -30,6 +30,9 @@ load) exports the members' state (`MemberState`) and builds new slabs from it.
 
 Data parallel: every rank holds the device part of every member; only a member's `owner` holds its host part,
 so a slab's key says whether this rank owns its members' host parts (`owns_host`).
+
+Sharded parameters (FSDP2, runtime/sharding.py): a member is this rank's rows of its parameter (R = the local
+rows, possibly 0); its slab is keyed by the global shape, so every rank has the same slabs in the same order.
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def one_process(scenario: dict, world_size: int):
             for p, s in zip(model.parameters(), sums):
                 p.grad = s / world_size
         else:
-            loss_fn(model, batches[step]).backward()
+            for k in range(scenario.get("backwards_per_step", 1)):
+                loss_fn(model, batches[step * scenario.get("backwards_per_step", 1) + k]).backward()
         poison(scenario, step, model.emb.weight.grad)
         opt.step()
         opt.zero_grad()
@@ -140,6 +141,8 @@ def build(scenario: dict, world_size: int):
     model = shard(make_model(scenario.get("seed", 0)), scenario, world_size)
     extra = dict(process_group=dist.group.WORLD) if scenario.get("refuse") == "process_group" else {}
     opt = optimizer(scenario, model.parameters(), **extra)
+    if scenario.get("refuse") == "plain_added_later":
+        opt.add_param_group(dict(params=[nn.Parameter(torch.zeros(4, 4))]))
     run_model = torch.compile(model, backend="zenflow") if scenario["compiled"] else model
     return model, opt, run_model
 
@@ -147,8 +150,10 @@ def build(scenario: dict, world_size: int):
 def train(scenario, model, opt, run_model, rank, world_size, record, first_step: int, steps: int) -> None:
     batches = make_batches(64, batch=GLOBAL_BATCH)
     matrices = [p for p in model.parameters() if p.dim() >= 2]
+    backwards = scenario.get("backwards_per_step", 1)
     for step in range(first_step, first_step + steps):
-        loss_fn(run_model, micro_batch(batches[step], rank, world_size)).backward()
+        for k in range(backwards):  # (FSDP2 sums each backward's reduce-scattered gradient into .grad)
+            loss_fn(run_model, micro_batch(batches[step * backwards + k], rank, world_size)).backward()
         if rank == 0:
             poison(scenario, step, model.emb.weight.grad.to_local())
         opt.step()

@@ -38,6 +38,7 @@ PARITY = {
     "bf16_compute": dict(steps=6, bf16=True, keys=BASE),  # (one reselection: at t = 3)
     # (update_interval 1: with 2, fc1.weight[17, 6]'s two gradients cancel to 5e-8, where AdamW's eps makes the
     # update sensitive to the fp32 rounding of the sum: 3e-5 apart after one boundary at 3 ranks)
+    "accumulation": dict(steps=5, backwards_per_step=2, clip=0.05, keys=BASE),
     "no_reshard_after_forward": dict(steps=6, reshard_after_forward=False,
                                      keys=dict(BASE, overlap_step=False, update_interval=1)),
 }
@@ -51,6 +52,7 @@ REFUSALS = {
     "cpu_offload": r"CPUOffloadPolicy.*already offloads.*Fix: drop offload_policy=",
     "process_group": r"process_group= is ZenFlow's own data parallelism.*Fix: drop process_group=",
     "plain_beside_sharded": r"is a plain tensor while others are DTensors.*Fix: call fully_shard on the root",
+    "plain_added_later": r"added to an optimizer over FSDP2-sharded parameters is not a DTensor.*Fix: fully_shard",
 }
 
 
@@ -239,3 +241,22 @@ def test_a_rank_that_dies_makes_the_others_raise(tmp_path):
         assert survivor["error"] is not None, rank
         assert len(survivor["params"]) <= 2  # it got no further than the steps every rank ran
         print(f"rank {rank}: {survivor['error'][:200]}")
+
+
+def test_torchrun_example_saves_and_resumes_at_another_world_size(tmp_path):
+    checkpoint = tmp_path / "ckpt"
+
+    def torchrun(ranks: int, *args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+             str(REPO / "examples" / "fsdp.py"), "--checkpoint-dir", str(checkpoint), *args],
+            capture_output=True, text=True, timeout=400, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    first = torchrun(2, "--steps", "6")
+    assert "host optimizer state bytes per rank: [" in first and "(world size 2)" in first
+    assert f"saved model and optimizer to {checkpoint} (DCP)" in first
+    resumed = torchrun(3, "--steps", "2", "--resume")
+    assert f"resumed from {checkpoint} at step 6 (world size 3)" in resumed
+    assert "step   7  loss" in resumed and "steps 8 " in resumed

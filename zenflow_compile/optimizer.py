@@ -165,6 +165,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_params(params, group_index, self._param_ids, self._runtime)
+        sharded.check_added(params, self._runtime.sharding, self._constructed)
         per_group = sorted(key for key in param_group if key in ZENFLOW_KEYS)
         if per_group:  # (torch.optim would keep them in the group, where nothing reads them)
             raise ValueError(
@@ -216,6 +217,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             "parameter, keep it in its group and freeze it (requires_grad_(False)); or give it "
                             "to a new optimizer")
                 _check_params(added, group_index, self._param_ids, self._runtime)
+                sharded.check_added(added, self._runtime.sharding, self._constructed)
                 self._register(added, group_index)
             for param in params:
                 pid = self._param_ids.get(id(param))
