@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zenflow_compile  # noqa: E402
 import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
 import zenflow_compile.inspect as zf_inspect  # noqa: E402
+from emulated_device import emulated_async_device  # noqa: E402
 from helpers import loss_fn, make_batches  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3 ranks
@@ -219,6 +220,7 @@ def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
         opt.synchronize()
         record["local_rows"] = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
         record["stats"] = opt.stats()
+        record["device_is_host"] = opt._runtime.transfers.device_is_host
     except Exception as error:  # noqa: BLE001  (the test asserts on it)
         if not scenario.get("expect_error"):
             raise
@@ -236,11 +238,15 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
                             world_size=world_size, timeout=timeout)
     dies = any(s.get("die_rank") is not None for s in scenarios)
+    emulated = os.environ.get("ZENFLOW_WORKER_DEVICE") == "emulated"
     try:
-        for scenario in scenarios:
-            run(scenario, rank, world_size, out_dir)
-            if not dies:
-                dist.barrier()
+        # The emulated asynchronous device (emulated_device.py): the optimizers' device path (offload copies,
+        # uploads, events) over the CPU tensors gloo reduces; an ordering violation fails the rank.
+        with emulated_async_device() if emulated else contextlib.nullcontext():
+            for scenario in scenarios:
+                run(scenario, rank, world_size, out_dir)
+                if not dies:
+                    dist.barrier()
     finally:
         if not dies:
             dist.destroy_process_group()
