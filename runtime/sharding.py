@@ -27,7 +27,8 @@ not be reduced) or beside a `process_group=` (ZenFlow's own data parallelism, wh
 Checkpoints (`ZenFlowAdamW.state_dict()`): the form `torch.distributed.checkpoint` (DCP) and its
 `get_optimizer_state_dict` expect. Per-row state (fp32 masters, moments, accumulators) as DTensors `Shard(0)`
 over the mesh (`dcp_entry`), so DCP saves each rank's rows and reshards them on a load at another world size;
-per-column state (counts, selection) and the schedule replicated (every rank holds the same).
+per-column state (counts, selection) and the schedule replicated (every rank holds the same). The per-row
+DTensors keep their local tensors on the host (on a CUDA mesh too: never copied to the devices).
 
 The collectives go through `collectives.DataParallel` (payload counted, a failure raised as `CollectiveError`).
 """
@@ -95,10 +96,15 @@ class Sharding:
         return out
 
     def _rows(self, local: torch.Tensor, param: torch.Tensor) -> "DTensor":
-        shape = (param.shape[0], *local.shape[1:])
+        """`local` (this rank's rows, on the host) as a DTensor of the parameter's global rows. Built directly
+        rather than by `DTensor.from_local`, which would copy it to the mesh's device: the host state of a
+        sharded model is many times what fits on the devices."""
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        shape = torch.Size((param.shape[0], *local.shape[1:]))
         stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(local.contiguous(), self.mesh, [Shard(0)], run_check=False, shape=shape,
-                                  stride=stride)
+        spec = DTensorSpec(self.mesh, (Shard(0),), tensor_meta=TensorMeta(shape, stride, local.dtype))
+        return DTensor(local.contiguous(), spec, requires_grad=False)
 
     @staticmethod
     def fresh_entry(param: torch.Tensor, accumulate_squares: bool) -> dict:
