@@ -316,26 +316,33 @@ def test_a_step_costs_a_fixed_number_of_calls_per_slab_whatever_its_members(devi
 
 
 def test_slabs_through_the_triton_kernels(monkeypatch):
-    """The device AdamW's Triton kernel (interpreted on CPU) takes a slab's rows as its per-parameter tensors,
-    as on CUDA, in one launch per slab (tests/test_transfers.py runs the Tiny model, whose matrices are each
-    alone in their slab)."""
+    """The device AdamW's Triton kernel (interpreted on CPU, as compiled on CUDA) takes a slab whole: one launch
+    per slab, one program per member and tile of columns, and training equals the reference
+    (tests/test_transfers.py runs the Tiny model, whose matrices are each alone in their slab)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from zenflow_compile.runtime import kernels
-    from zenflow_compile.triton_kernels import triton_available
+    from zenflow_compile.triton_kernels import adamw_slab, triton_available
 
     assert triton_available(torch.device("cpu"))
     launched = []
-    real = kernels.adamw_selected_columns_
+    real = adamw_slab._kernel
 
-    def recording(grads, *args, **kwargs):
-        launched.append(tuple(tuple(g.shape) for g in grads))
-        return real(grads, *args, **kwargs)
+    class Recording:
+        def on(self, device):
+            kernel = real.on(device)
 
-    monkeypatch.setattr(kernels, "adamw_selected_columns_", recording)
+            class Launch:
+                def __getitem__(self, grid):
+                    def launch(grad, *args, **kwargs):
+                        launched.append((tuple(grad.shape), grid, kwargs["HAS_ROWS"]))
+                        return kernel[grid](grad, *args, **kwargs)
+                    return launch
+            return Launch()
+
+    monkeypatch.setattr(adamw_slab, "_kernel", Recording())
     a, b, opt, ref = pair(Blocks, CONFIGS["S2-reselect"])
     run_pair(a, b, opt, ref, range(5), blocks_batch)
-    assert ((16, 4),) * 4 in launched  # the four block weights' selected columns, one launch
+    assert ((4, 16, 4), (4,), False) in launched  # the four block weights' selected columns: one launch
     assert opt.stats()["reselections"] > 0
 
 
