@@ -153,7 +153,7 @@ class HostWork:
 
     def update(self) -> None:
         """The runtime's boundary update task, call for call (Slab.update_host_columns, as runtime/engine.py's
-        _launch_cpu_update calls it)."""
+        HostWork.launch_update calls it)."""
         for s in self.states:
             s.update_host_columns({1: [(i, self.interval) for i in range(s.n)]}, 0, HYPER)
 

@@ -8,11 +8,9 @@
 Sections (matrices shaped like a Llama layer's 7 weights [R, C] = [out, in], bf16; k = --topk-ratio of columns):
   column_norms   per distinct shape: eager `(g.float()**2).sum(0)` (baseline) vs Inductor's fused reduction
                  vs the Triton `column_sq_norms`
-  adamw_columns  all matrices: the torch twin `adamw_selected_columns_reference_` (a few ops per parameter,
-                 baseline) vs the fused Triton kernel (one launch per dtype pair); each with pre-gathered
-                 [R, k] gradients (what the runtime passes) and with the in-kernel gather (`grad_columns`)
-  merge_columns  all matrices: `param.index_copy_(1, cols, values.t().to(dtype))` (baseline) vs Triton
-                 `merge_host_columns_`, writing the C - k unselected columns
+  adamw_slab     all matrices, each a slab of its own (as the runtime keeps matrices this large), [1, R, k]
+                 state: the torch twin `adamw_columns_torch_` (baseline) vs Inductor's kernel for the same
+                 function (`torch.compile(adamw_columns_torch_, dynamic=True)`) vs the Triton `adamw_slab_`
   grad_offload   all matrices, device -> host gradient of the unselected columns into a [n_u, R] host buffer:
                  whole gradient to pinned memory + select on the host (baseline) vs gather on the device +
                  copy of the n_u columns only; "copy only" / "gather only" rows split the costs
@@ -40,8 +38,7 @@ import time
 
 import torch
 
-from zenflow_compile.triton_kernels import (HAVE_TRITON, adamw_selected_columns_, adamw_selected_columns_reference_,
-                                            column_sq_norms, merge_host_columns_, merge_host_columns_reference_,
+from zenflow_compile.triton_kernels import (HAVE_TRITON, adamw_columns_torch_, adamw_slab_, column_sq_norms,
                                             triton_available)
 
 # Llama-shaped layers: hidden, intermediate (MLP), kv (GQA k/v projection rows), layers. 1b = TinyLlama-1.1B.
@@ -50,7 +47,7 @@ SIZES = {
     "small": dict(hidden=512, inter=1408, kv=128, layers=4),
     "1b": dict(hidden=2048, inter=5632, kv=256, layers=22),
 }
-SECTIONS = ("column_norms", "adamw_columns", "merge_columns", "grad_offload")
+SECTIONS = ("column_norms", "adamw_slab", "grad_offload")
 ADAMW = dict(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 INTERPRETED = "interpreted: not a speed"
 
@@ -157,64 +154,36 @@ def bench_column_norms(b, shapes, max_shapes):
               triton=True, check=check)
 
 
-def adamw_state(shapes, ratio, dev, gather):
+def adamw_slabs(shapes, ratio, dev):
+    """Per matrix, a slab of one: bf16 gradient and fp32 state [1, R, k], per-column counts [1, k]."""
     torch.manual_seed(0)
-    st = {k: [] for k in ("grads", "masters", "exp_avgs", "exp_avg_sqs", "steps", "params", "columns")}
-    gcols = []
+    slabs = []
     for R, C in shapes:
         k = max(1, round(ratio * C))
-        param = (torch.randn(R, C, device=dev) * 0.02).to(torch.bfloat16)
-        cols = torch.randperm(C, device=dev)[:k].sort().values
-        full = (torch.randn(R, C, device=dev) * 1e-3).to(torch.bfloat16)
-        st["grads"].append(full if gather else full[:, cols].contiguous())
-        st["masters"].append(param[:, cols].float())
-        st["exp_avgs"].append(torch.randn(R, k, device=dev) * 1e-4)
-        st["exp_avg_sqs"].append(torch.rand(R, k, device=dev) * 1e-7)
-        st["steps"].append(torch.full((k,), 10.0, device=dev))
-        st["params"].append(param)
-        st["columns"].append(cols)
-        gcols.append(cols)
-    return st, (gcols if gather else None)
+        slabs.append(dict(grad=(torch.randn(1, R, k, device=dev) * 1e-3).to(torch.bfloat16),
+                          master=torch.randn(1, R, k, device=dev) * 0.02,
+                          exp_avg=torch.randn(1, R, k, device=dev) * 1e-4,
+                          exp_avg_sq=torch.rand(1, R, k, device=dev) * 1e-7,
+                          counts=torch.full((1, k), 10.0, device=dev)))
+    return slabs
 
 
-def bench_adamw_columns(b, shapes, ratio, label):
+def bench_adamw_slab(b, shapes, ratio, label):
     ks = [max(1, round(ratio * C)) for _, C in shapes]
-    nbytes = sum(R * k * (2 + 12 + 12 + 2) + k * 16 for (R, _), k in zip(shapes, ks))
-    what = "grad bf16 read, master/m/v fp32 read+write, param bf16 write, count + index"
-    for variant, fn_, gather, triton in (("torch loop", adamw_selected_columns_reference_, False, False),
-                                         ("triton fused", adamw_selected_columns_, False, True),
-                                         ("torch loop + gather", adamw_selected_columns_reference_, True, False),
-                                         ("triton fused + gather", adamw_selected_columns_, True, True)):
-        def make(fn_=fn_, gather=gather, triton=triton):
-            st, gcols = adamw_state(shapes, ratio, b.device, gather)
-            kw = dict(ADAMW, grad_columns=gcols, **({"use_triton": True} if triton else {}))
-            return (lambda: fn_(**st, **kw)), (lambda: st["masters"])
-        b.run("adamw_columns", label, variant, f"{len(shapes)} mats, k={ratio:g}C, bf16", nbytes, what, make,
+    nbytes = sum(R * k * (2 + 12 + 12) + k * 8 for (R, _), k in zip(shapes, ks))
+    what = "grad bf16 read, master/m/v fp32 read+write, counts read+write"
+    inductor = torch.compile(adamw_columns_torch_, dynamic=True)
+    for variant, fn_, triton in (("torch twin", adamw_columns_torch_, False), ("inductor", inductor, False),
+                                 ("triton", lambda *a, **kw: adamw_slab_(*a, use_triton=True, **kw), True)):
+        def make(fn_=fn_):
+            slabs = adamw_slabs(shapes, ratio, b.device)
+
+            def fn():
+                for st in slabs:
+                    fn_(st["grad"], st["master"], st["exp_avg"], st["exp_avg_sq"], st["counts"], **ADAMW)
+            return fn, (lambda: [st["master"] for st in slabs])
+        b.run("adamw_slab", label, variant, f"{len(shapes)} mats, k={ratio:g}C, bf16", nbytes, what, make,
               triton=triton, check=max_diff)
-
-
-def bench_merge_columns(b, shapes, ratio, label):
-    dev = b.device
-    ks = [max(1, round(ratio * C)) for _, C in shapes]
-    nbytes = sum(R * (C - k) * (4 + 2) + (C - k) * 8 for (R, C), k in zip(shapes, ks))
-
-    def make(merge):
-        torch.manual_seed(0)
-        params, cols, vals = [], [], []
-        for (R, C), k in zip(shapes, ks):
-            params.append((torch.randn(R, C, device=dev) * 0.02).to(torch.bfloat16))
-            cols.append(torch.randperm(C, device=dev)[k:].sort().values)
-            vals.append(torch.randn(C - k, R, device=dev) * 0.02)
-
-        def fn():
-            for p, c, v in zip(params, cols, vals):
-                merge(p, c, v)
-        return fn, lambda: params
-
-    for variant, merge, triton in (("index_copy_", merge_host_columns_reference_, False),
-                                   ("triton", lambda p, c, v: merge_host_columns_(p, c, v, use_triton=True), True)):
-        b.run("merge_columns", label, variant, f"{len(shapes)} mats, {1 - ratio:g}C cols, bf16", nbytes,
-              "values fp32 read + param bf16 write", lambda merge=merge: make(merge), triton=triton, check=max_diff)
 
 
 def bench_grad_offload(b, shapes, ratio, label):
@@ -315,7 +284,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=None, help="timed calls per row (default 10, smoke 3)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls before them (default 2, smoke 1)")
     ap.add_argument("--topk-ratio", type=float, default=0.05, help="fraction of columns selected (default 0.05)")
-    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma list, default all four")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help="comma list, default all")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="write the JSON report here")
     args = ap.parse_args(argv)
@@ -342,10 +311,8 @@ def main(argv=None):
     for section in sections:
         if section == "column_norms":
             bench_column_norms(b, shapes, 1 if args.smoke else 99)
-        elif section == "adamw_columns":
-            bench_adamw_columns(b, shapes, args.topk_ratio, label)
-        elif section == "merge_columns":
-            bench_merge_columns(b, shapes, args.topk_ratio, label)
+        elif section == "adamw_slab":
+            bench_adamw_slab(b, shapes, args.topk_ratio, label)
         elif section == "grad_offload":
             bench_grad_offload(b, shapes, args.topk_ratio, label)
         for r in b.rows:  # drop kept results before the next section's tensors

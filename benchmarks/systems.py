@@ -309,7 +309,7 @@ def _zenflow_worker_placement(opt) -> dict:
 
     runtime = opt._runtime
     out = dict(pt_reserved_cores_perc=runtime.config.pt_reserved_cores_perc)
-    for worker in (runtime.accumulate_worker, runtime.update_worker):
+    for worker in runtime.host_work.workers:
         out[getattr(worker, "name", "worker")] = worker.submit(where).result()
     return out
 

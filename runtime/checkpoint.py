@@ -3,8 +3,10 @@
 Entry of a matrix ([R, C] = [shape[0], rest]): fp32 `master`, `exp_avg`, `exp_avg_sq` [R, C], per-column
 update counts `step` [C], `selected` (bool [C]), the interval's `accumulator` (and `square_accumulator`) over
 the host columns, `steps_accumulated`, Zen-auto's sums `zen_auto`, and while a CPU update has not reached the
-device `unapplied` with `device_columns` (the host columns as the device holds them). A vector's entry holds
-its master, moments (its shape) and count ([1]). Data parallel, a matrix whose host part another rank owns:
+device `unapplied`; `device_columns`: the host columns as the device holds them, where that is not the
+master cast (while an update is pending, or after a cast). A vector's entry holds
+its master, moments (its shape) and count ([1]). After a cast, until the device update rewrites them,
+`device_selected` ([R, k] in the parameter's dtype): the selected columns as the device holds them. Data parallel, a matrix whose host part another rank owns:
 only this rank's device part (`host_owner`, `host_columns`, `selected_*`).
 """
 
@@ -17,6 +19,13 @@ from zenflow_compile.runtime.slab import Member, MemberState, Slab
 
 def export_entry(member: Member, acc_slot: int) -> dict:
     """Member's checkpoint entry (call with no CPU work in flight)."""
+    entry = _entry(member, acc_slot)
+    if member.slab.selected_written is not None:
+        entry["device_selected"] = member.slab.selected_written[member.index].cpu()
+    return entry
+
+
+def _entry(member: Member, acc_slot: int) -> dict:
     slab, i = member.slab, member.index
     if not member.is_matrix:
         state = slab.export_member(i, acc_slot)
@@ -37,8 +46,14 @@ def export_entry(member: Member, acc_slot: int) -> dict:
     if slab.accumulate_squares:
         entry["square_accumulator"] = (state.square_accumulator if state.square_accumulator is not None
                                        else torch.zeros(member.rows, member.cols))
-    if state.unapplied and slab.u:  # overlap: what the device holds until the pending update is applied
-        entry.update(unapplied=True, device_columns=state.applied)
+    if slab.u:
+        # What the device holds for the host columns, where it is not the master cast: until a pending update
+        # is applied (overlap), or after a cast.
+        host = slab.host_columns_cpu[i]
+        if state.unapplied or not torch.equal(state.applied[:, host], state.master[:, host].to(slab.dtype)):
+            entry["device_columns"] = state.applied
+        if state.unapplied:
+            entry["unapplied"] = True
     return entry
 
 
@@ -52,6 +67,12 @@ def _selection_entry(member: Member) -> dict:
 
 def state_from_entry(member: Member, entry: dict) -> MemberState:
     """The MemberState a checkpoint entry describes (and the member's bookkeeping restored)."""
+    state = _state(member, entry)
+    state.selected_written = entry.get("device_selected")
+    return state
+
+
+def _state(member: Member, entry: dict) -> MemberState:
     R, C = member.rows, member.cols
     if not member.is_matrix:
         return MemberState(*(entry[k].float().reshape(R, C) for k in ("master", "exp_avg", "exp_avg_sq")),
@@ -72,9 +93,8 @@ def state_from_entry(member: Member, entry: dict) -> MemberState:
     state.accumulator = entry["accumulator"].float()
     if "square_accumulator" in entry:
         state.square_accumulator = entry["square_accumulator"].float()
-    if entry.get("unapplied", False):
-        state.unapplied = True
-        state.applied = entry["device_columns"]
+    state.unapplied = bool(entry.get("unapplied", False))
+    state.applied = entry.get("device_columns")
     return state
 
 

@@ -2,11 +2,13 @@
 
 Gradients arrive in buckets (`take_grads`: from the compiled graph's custom op per backward, from
 `ZenFlowAdamW.step()`, which hands over the eager `.grad`s, or from the data-parallel hooks, into the
-reducer) and go into their slabs (`runtime/slab.py`). `step()` then makes the step's decisions in this order:
+reducer) and go into their slabs (`runtime/slab.py`; a bucket's plan: `runtime/intake.py`). `step()` then makes the step's decisions in this order:
 global norm (skip if non-finite, else clip coefficient) -> first selection at t == W -> device AdamW on the
 selected columns and vectors -> hand the unselected columns' gradient to the accumulate worker -> update
 boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
 reselection (after waiting for and applying the boundary's own update, so state moves fully current).
+The CPU workers, and every wait for them, are `runtime/host_work.py`'s; what a failure leaves,
+`runtime/failures.py`'s.
 
 Data parallel (`data_parallel` set): gradients arrive averaged across ranks (`GradReducer`); the
 step all-reduces the column scores first, so the norm, clipping, Zen-auto and every selection are computed
@@ -22,12 +24,9 @@ CPU is late the training thread waits, and the wait is counted as stall time.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import operator
-import time
-from concurrent.futures import Future
 from typing import Callable, Optional
 
 import torch
@@ -35,10 +34,11 @@ import torch
 from zenflow_compile.runtime import checkpoint, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
+from zenflow_compile.runtime.host_work import HostWork, Stepped
+from zenflow_compile.runtime.intake import BucketPlan, rows_taken
 from zenflow_compile.runtime.slab import (Member, MemberState, Slab, adopt_changed, host_order, slab_key,
                                           top_k_columns)
-from zenflow_compile.runtime.transfers import StallClock, Transfers, wait_events
-from zenflow_compile.runtime.worker import CpuWorker, joined, wait_for
+from zenflow_compile.runtime.transfers import Transfers
 
 
 _VERSION = operator.attrgetter("_version")
@@ -51,13 +51,6 @@ def _hyperparameters(group: dict) -> dict:
                 weight_decay=float(group["weight_decay"]))
 
 
-def _rows(slab: Slab) -> Optional[list[int]]:
-    """The members of `slab` that took a gradient this step: None for all of them."""
-    if slab.members_taken == slab.n:
-        return None
-    return [i for i, m in enumerate(slab.members) if m.num_grads]
-
-
 @dataclasses.dataclass
 class _StepReadout:
     """What the step's one host read brought back (see `ZenFlowRuntime._read_step_values`)."""
@@ -68,45 +61,14 @@ class _StepReadout:
     selecting_scores: dict = dataclasses.field(default_factory=dict)  # pid -> host scores, first selections
 
 
-class _BucketPlan:
-    """How one bucket's gradients go into their slabs: whole slabs in one batched call each, the rest member by
-    member. Built once per bucket composition and layout."""
-
-    def __init__(self, members: list[Member]):
-        by_slab: dict[int, list[int]] = {}
-        slabs = {}
-        for position, member in enumerate(members):
-            by_slab.setdefault(id(member.slab), []).append(position)
-            slabs[id(member.slab)] = member.slab
-        self.whole, self.singles = [], []
-        for key, positions in by_slab.items():
-            slab = slabs[key]
-            if len(positions) == slab.n:
-                positions.sort(key=lambda p: members[p].index)
-                self.whole.append((slab, positions))
-            else:
-                self.singles += [(slab, members[p].index, p) for p in positions]
-
-    def take(self, grads: list, scores: Optional[list], grad_slot: int) -> int:
-        sent = 0
-        for slab, positions in self.whole:
-            if slab.members_taken or any(grads[p].dtype != slab.dtype for p in positions):
-                for p, member in zip(positions, slab.members):  # a later backward of the step
-                    sent += slab.take_grad(member.index, grads[p], None if scores is None else scores[p], grad_slot)
-                continue
-            sent += slab.take_grads([grads[p] for p in positions],
-                                    None if scores is None else [scores[p] for p in positions], grad_slot)
-        for slab, i, p in self.singles:
-            sent += slab.take_grad(i, grads[p], None if scores is None else scores[p], grad_slot)
-        return sent
-
-
 class ZenFlowRuntime:
     def __init__(self, config, max_grad_norm: Optional[float],
-                 data_parallel: Optional[DataParallel] = None, reduce_bucket_numel: int = 25_000_000):
+                 data_parallel: Optional[DataParallel] = None, reduce_bucket_numel: int = 25_000_000,
+                 sharding=None):
         self.config = config
         self.max_grad_norm = max_grad_norm
         self.data_parallel = data_parallel
+        self.sharding = sharding  # FSDP2-sharded parameters: runtime/sharding.py (exclusive with data_parallel)
         self.rank = data_parallel.rank if data_parallel is not None else 0
         self.bucket_numel = reduce_bucket_numel  # gradient hand-off buckets (compiled graphs; reducer)
         self.reducer = (GradReducer(data_parallel, reduce_bucket_numel, self._take_reduced)
@@ -117,7 +79,7 @@ class ZenFlowRuntime:
         # costs no host memory and no transfers, and is never written.
         self.members: dict[int, Member] = {}  # pid -> its place in a slab, in registration (pid) order
         self.slabs: list[Slab] = []
-        self._plans: dict[tuple, _BucketPlan] = {}  # bucket's pids -> plan, for the current slabs
+        self._plans: dict[tuple, BucketPlan] = {}  # bucket's pids -> plan, for the current slabs
         self._norm_orders: dict[tuple, Optional[torch.Tensor]] = {}  # see _norm_order, for the current slabs
         self._watched = None  # (params, what their watches saw), for the current members
         self.step_count = 0  # t: completed (non-skipped) steps
@@ -127,18 +89,12 @@ class ZenFlowRuntime:
         self.update_pending = False  # overlap: a launched CPU update not yet applied to the device
         self.grad_slot = 0  # which host-gradient buffer this step's backward fills
         self.acc_slot = 0  # which accumulator this interval fills
-        self.accumulate_worker = CpuWorker("accumulate", pt_reserved_cores_perc=config.pt_reserved_cores_perc)
-        self.update_worker = CpuWorker("update", pt_reserved_cores_perc=config.pt_reserved_cores_perc)
-        self._accumulate_done: list[Optional[Future]] = [None, None]
-        self._last_accumulate: Optional[Future] = None
-        self._update_future: Optional[Future] = None
         self._step_open = False
-        self._failure: Optional[tuple[str, str]] = None  # (what failed, its cause), see _fail
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
-        self.stall_clock: Optional[StallClock] = None
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
                              bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0,
                              overlapped_boundaries=0)  # boundaries whose CPU update ran on into the next steps
+        self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
         # Called with the parameters written by someone else, before their values are adopted (the owner
         # refuses layouts and dtypes the states cannot follow).
@@ -154,9 +110,7 @@ class ZenFlowRuntime:
         self.check_device(param)
         if self.transfers is None:
             self.transfers = Transfers(param.device)
-            self.stall_clock = StallClock(self.transfers)
-            for worker in (self.accumulate_worker, self.update_worker):
-                worker.ordering = self.transfers.ordering
+            self.host_work.use_device(self.transfers)
         pid = registry.register_param(param, self)
         self.params[pid] = (param, group_index)
         return pid
@@ -166,7 +120,7 @@ class ZenFlowRuntime:
         left out is no longer optimized (its state is dropped, with its accumulated gradient and any CPU update
         not yet applied, as torch.optim leaves a removed parameter alone); a moved one takes its new group's
         hyperparameters from the next update on."""
-        self._drain()  # CPU work in flight reads the states
+        self.host_work.drain()  # CPU work in flight reads the states
         for pid in [pid for pid in self.params if pid not in group_of]:
             del self.params[pid]
             registry.unregister_param(pid)
@@ -262,7 +216,7 @@ class ZenFlowRuntime:
         plan = self._plans.get(key)
         if plan is None:
             members = self._create_members(list(pids))
-            plan = self._plans[key] = _BucketPlan(members)
+            plan = self._plans[key] = BucketPlan(members)
         with torch.no_grad():  # (a backward with create_graph=True runs its hooks with grad mode on)
             self.counters["bytes_device_to_host"] += plan.take(grads, scores, self.grad_slot)
 
@@ -279,10 +233,7 @@ class ZenFlowRuntime:
     def _open_step(self) -> None:
         if not self._step_open:  # once per step: a worker failure surfaces at the step's first gradient
             self.check_failure()
-            # The accumulate task of two steps ago read the buffers this step fills.
-            pending = self._accumulate_done[self.grad_slot]
-            if pending is not None:
-                self._wait(pending)
+            self.host_work.free_grad_buffers(self.grad_slot)
             for slab in self.slabs:
                 slab.start_step(self.grad_slot)
             self._adopt_casts()
@@ -325,10 +276,12 @@ class ZenFlowRuntime:
             self.reducer.finish_all()
         self._adopt_external_writes()
         cfg, t = self.config, self.step_count
-        stepped = [(slab, _rows(slab)) for slab in self.slabs if slab.members_taken]
+        stepped = [(slab, rows_taken(slab)) for slab in self.slabs if slab.members_taken]
         self._fold_accumulated_grads(stepped)
         if self.data_parallel is not None and stepped:
             self._all_reduce_scores([slab for slab, _ in stepped])
+        if self.sharding is not None and stepped:  # sharded: each rank's partial scores, summed (sharding.py)
+            self.sharding.all_reduce_scores([slab.scores for slab, _ in stepped])
         warmed_up = t >= cfg.full_warm_up_rounds
         stepped_members = [m for slab, _ in stepped for m in slab.members if m.num_grads]
         # First selection (a matrix's first gradient at t >= W), before the updates: needs its scores here.
@@ -349,10 +302,7 @@ class ZenFlowRuntime:
         try:
             self._apply_step(t, param_groups, stepped_members, selecting, readout, coef, warmed_up)
         except BaseException as error:
-            if self._failure is None:
-                self._failure = (f"ZenFlowAdamW.step() was interrupted part-way through step {t}",
-                                 f"{type(error).__name__}: {error}")
-                self._forget_failed_tasks()
+            self.host_work.record_failure(f"ZenFlowAdamW.step() was interrupted part-way through step {t}", error)
             raise
         return True
 
@@ -364,10 +314,12 @@ class ZenFlowRuntime:
             self.selection_start = t
         if selecting:
             self._select_first(selecting, readout)
-        stepped = [(slab, _rows(slab)) for slab in self.slabs if slab.members_taken]
+        stepped = [(slab, rows_taken(slab)) for slab in self.slabs if slab.members_taken]
+        hyperparameters = [_hyperparameters(group) for group in param_groups]
         for slab, rows in stepped:
-            slab.update_on_device(rows, grad_scale=coef, **_hyperparameters(param_groups[slab.key.group_index]))
-        self._submit_accumulate([(slab, rows) for slab, rows in stepped if slab.has_host_part], coef)
+            slab.update_on_device(rows, grad_scale=coef, **hyperparameters[slab.key.group_index])
+        self.host_work.accumulate([(slab, rows) for slab, rows in stepped if slab.has_host_part],
+                                  self.grad_slot, self.acc_slot, coef)
         stepped_matrices = [m for m in stepped_members if m.is_matrix]
         for m in stepped_matrices:
             m.steps_accumulated += 1
@@ -378,7 +330,7 @@ class ZenFlowRuntime:
             reselecting = [(slab, rows) for slab, rows in stepped if slab.is_matrix and slab.k and slab.u]
             host_scores = self._host_scores(reselecting) if warmed_up and self._may_reselect(t) else None
             reselect = host_scores is not None and self._should_reselect(reselecting, host_scores)
-            self._update_boundary(param_groups, overlap=cfg.overlap_step and warmed_up and not reselect)
+            self._update_boundary(hyperparameters, overlap=cfg.overlap_step and warmed_up and not reselect)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
                 self._reselect(t, reselecting, host_scores)
@@ -459,7 +411,7 @@ class ZenFlowRuntime:
         if not written:
             return
         self.check_written_params([m.param for m in written])
-        self._drain()  # CPU work in flight reads and writes the host masters
+        self.host_work.drain()  # CPU work in flight reads and writes the host masters
         cast = [m for m in written if m.param.dtype != m.slab.dtype]
         for member in written:
             if member.param.dtype == member.slab.dtype:
@@ -481,13 +433,12 @@ class ZenFlowRuntime:
         states = []
         for member in members:
             slab, i = member.slab, member.index
-            for events in slab.offload_done:
-                wait_events(events)
             left = slab.left_in_param(i)
             state = slab.export_member(i, self.acc_slot, with_step_grad=self.grad_slot)
             current = member.as_columns().detach().cpu()
             adopt_changed(current, left, state.master)
             state.applied = current  # what the device holds
+            state.selected_written = current[:, state.selected]
             states.append(state)
         self._replace_slabs(list(old.values()), members, states)
         for member in members:
@@ -501,25 +452,8 @@ class ZenFlowRuntime:
         if list(map(_DTYPE, params)) != [s[2] for s in seen]:
             self._adopt_external_writes()
 
-    def _submit_accumulate(self, stepped: list[tuple[Slab, Optional[list[int]]]], coef: float) -> None:
-        """The accumulate worker folds this step's offloaded gradients into the interval's accumulators, one task
-        for every slab, once the step's copies have landed (their events taken now: the next step replaces
-        them)."""
-        if not stepped:
-            return
-        grad_slot, acc_slot = self.grad_slot, self.acc_slot
-        work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]
-
-        def accumulate():
-            for slab, rows, copies in work:
-                slab.accumulate(rows, grad_slot, acc_slot, coef, copies)
-
-        future = self.accumulate_worker.submit(accumulate)
-        self._accumulate_done[grad_slot] = future
-        self._last_accumulate = future
-
     # -- boundaries ---------------------------------------------------------------------------------------
-    def _fold_accumulated_grads(self, stepped: list[tuple[Slab, Optional[list[int]]]]) -> None:
+    def _fold_accumulated_grads(self, stepped: Stepped) -> None:
         """Gradient accumulation (several backwards in one step): the accumulate worker sums the offloaded host
         parts and scores them (the norm needs the scores of the summed gradient); the training thread only
         waits, counted. Then the scores of every such member are made exact."""
@@ -530,13 +464,11 @@ class ZenFlowRuntime:
             return
         folding = [(slab, rows) for slab, rows in several if slab.has_host_part]
         if folding:
-            grad_slot = self.grad_slot
-            self._wait(self.accumulate_worker.submit(
-                lambda: [slab.host_step_scores(grad_slot, rows) for slab, rows in folding]))
+            self.host_work.fold_backwards(folding, self.grad_slot)
         for slab, rows in several:
             slab.exact_scores(self.grad_slot, rows)
 
-    def _read_step_values(self, stepped: list, grad_scale: Optional[torch.Tensor], zen_auto: list,
+    def _read_step_values(self, stepped: Stepped, grad_scale: Optional[torch.Tensor], zen_auto: list,
                           selecting: list[Member]) -> "_StepReadout":
         """The step's one host read: the squared norm (the stepped members' squared norms summed in registration
         order), the loss scale, Zen-auto's mean scores (selected, unselected) per matrix, and the scores of the
@@ -569,7 +501,7 @@ class ZenFlowRuntime:
             offset += m.cols
         return readout
 
-    def _norm_order(self, stepped: list, device: torch.device) -> Optional[torch.Tensor]:
+    def _norm_order(self, stepped: Stepped, device: torch.device) -> Optional[torch.Tensor]:
         """The permutation that puts the stepped members' squared norms (slab by slab) in registration order
         (None: they are), made once per layout and set of stepped members."""
         key = tuple((id(slab), rows if rows is None else tuple(rows)) for slab, rows in stepped)
@@ -586,7 +518,7 @@ class ZenFlowRuntime:
         self.counters["host_reads"] += 1
         return self.transfers.read_to_host(tensor)
 
-    def _host_scores(self, slabs: list[tuple[Slab, Optional[list[int]]]]) -> list[torch.Tensor]:
+    def _host_scores(self, slabs: Stepped) -> list[torch.Tensor]:
         """Every slab's step scores ([n, C]) on the host, in one transfer."""
         if not slabs:
             return []
@@ -646,12 +578,10 @@ class ZenFlowRuntime:
             return 0
         return (t - cfg.full_warm_up_rounds + 1) // cfg.reselect_every
 
-    def _update_boundary(self, param_groups: list[dict], overlap: bool) -> None:
+    def _update_boundary(self, hyperparameters: list[dict], overlap: bool) -> None:
         if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
-            if self._update_future is not None:  # None right after a checkpoint load: already finished
-                self._wait(self._update_future)
             self._apply_host_columns()
-        self._update_future = self._launch_cpu_update(param_groups)
+        self.host_work.launch_update(self.slabs, self.acc_slot, hyperparameters, self.config.interval_aware_update)
         self.steps_accumulated = 0
         self.acc_slot ^= 1
         for m in self.members.values():
@@ -660,42 +590,12 @@ class ZenFlowRuntime:
         self.update_pending = overlap
         self.counters["overlapped_boundaries"] += overlap
         if not overlap:
-            self._wait(self._update_future)
             self._apply_host_columns()
 
-    def _launch_cpu_update(self, param_groups: list[dict]) -> Future:
-        """One task on the update worker: per slab, one fused CPU AdamW per lr multiplier (1, or with the opt-in
-        interval_aware_update the member's accumulated steps: its update stands for them), with each group's
-        values at launch. A matrix that got no gradient all interval is skipped."""
-        acc_slot, work = self.acc_slot, []
-        for slab in self.slabs:
-            if not (slab.is_matrix and slab.u):
-                continue
-            by_scale: dict[float, list[tuple[int, int]]] = {}
-            for i, m in enumerate(slab.members):
-                if m.steps_accumulated:
-                    scale = m.steps_accumulated if self.config.interval_aware_update else 1
-                    by_scale.setdefault(scale, []).append((i, m.steps_accumulated))
-            if not by_scale:
-                continue
-            slab.unapplied = True  # its new columns reach the device at the next apply (every rank)
-            if slab.has_host_part:
-                work.append((slab, by_scale, _hyperparameters(param_groups[slab.key.group_index])))
-
-        def cpu_update():
-            for slab, by_scale, hyper in work:
-                slab.update_host_columns(by_scale, acc_slot, hyper)
-
-        return self.update_worker.submit(cpu_update, after=self._last_accumulate)
-
     def _apply_host_columns(self) -> None:
-        """Write the last launched CPU update into the device parameters of the slabs it updated."""
-        unapplied = [slab for slab in self.slabs if slab.unapplied]
-        # Data parallel: the other ranks wait in the broadcast for the owners' CPU updates (counted as stall).
-        waiting = self._counted_wait() if self.data_parallel is not None and unapplied else contextlib.nullcontext()
-        with waiting:
-            for slab in unapplied:
-                self.counters["bytes_host_to_device"] += slab.apply_host_columns(self.data_parallel)
+        """The last launched CPU update (waited for) written into the device parameters of the slabs it
+        updated."""
+        self.counters["bytes_host_to_device"] += self.host_work.apply_update(self.slabs, self.data_parallel)
         self.update_pending = False
 
     def _reselect(self, t: int, slabs: list, host_scores: list[torch.Tensor]) -> None:
@@ -713,97 +613,32 @@ class ZenFlowRuntime:
         self.counters["reselections"] += 1
         self.counters["selection_churn"] = moved / (2 * total) if total else 0.0
 
-    # -- waiting, errors ----------------------------------------------------------------------------------
-    def _wait(self, future: Future) -> None:
-        """The training thread waits for CPU work: the documented stall, measured."""
-        if future.done():
-            joined(future)
-            if future.exception() is not None:
-                self._fail(future.exception())
-            return
-        with self._counted_wait():
-            try:
-                wait_for(future)
-            except BaseException as error:
-                self._fail(error)
-
-    @contextlib.contextmanager
-    def _counted_wait(self):
-        """Time the training thread spends waiting for CPU work (here or on another rank): counted and
-        measured as stall."""
-        self.counters["host_waits"] += 1
-        marker, start = self.stall_clock.before_wait(), time.perf_counter()
-        try:
-            yield
-        finally:
-            self.stall_clock.after_wait(marker, time.perf_counter() - start)
-
-    def _fail(self, error: BaseException):
-        """Record a CPU worker's failure and raise it in the training thread (and at every later call)."""
-        if self._failure is None:
-            self._failure = ("ZenFlow CPU worker failed", f"{type(error).__name__}: {error}")
-            self._forget_failed_tasks()
-        raise RuntimeError(self._failure_message()) from error
-
-    def _failure_message(self) -> str:
-        what, cause = self._failure
-        return (f"{what}; the optimizer state is no longer consistent. Restore from the last checkpoint "
-                "(model.load_state_dict(...) and opt.load_state_dict(...), after opt.zero_grad()), or build a "
-                f"new optimizer. Cause: {cause}")
-
-    def _forget_failed_tasks(self) -> None:
-        """The failure is kept as text: a stored exception (or a future holding it) keeps its traceback's
-        frames alive, and with them the training loop's locals and this optimizer, for as long as the
-        parameters' hooks hold this runtime (the optimizer could then never be freed or replaced)."""
-        self._accumulate_done = [None, None]
-        self._last_accumulate = self._update_future = None
-        for worker in (self.accumulate_worker, self.update_worker):
-            worker.forget_failures()
-
+    # -- failures (runtime/failures.py) ----------------------------------------------------------------------
     @property
     def failed(self) -> bool:
-        return self._failure is not None
-
-    def settle_after_failure(self) -> None:
-        """Before a checkpoint load clears a failure: let the tasks still queued on the old states finish
-        (their errors were already reported)."""
-        for worker in (self.accumulate_worker, self.update_worker):
-            worker.wait_all()
-            worker.forget_failures()
-
-    def clear_failure(self) -> None:
-        """A checkpoint load replaced every state: the optimizer is consistent again."""
-        self._failure = None
+        return self.host_work.failure.failed
 
     def check_failure(self) -> None:
-        """Raise if the optimizer failed (a worker's error, an interrupted step), also on a step with
-        nothing to do: a failed optimizer refuses to go on until a checkpoint is loaded."""
-        if self._failure is not None:
-            raise RuntimeError(self._failure_message())
-        for worker in (self.accumulate_worker, self.update_worker):
-            try:
-                worker.raise_if_failed()
-            except BaseException as error:
-                self._fail(error)
+        """Raise if the optimizer failed (a worker's error, an interrupted step): a failed optimizer refuses to
+        go on until a checkpoint is loaded."""
+        self.host_work.check()
+
+    def settle_after_failure(self) -> None:
+        self.host_work.settle_after_failure()
+
+    def clear_failure(self) -> None:
+        self.host_work.failure.clear()
 
     def synchronize(self) -> None:
         """Wait for all CPU work and apply any in-flight update to the device parameters."""
         self.check_failure()
-        self._drain()
+        self.host_work.drain()
         self._adopt_external_writes()
         if self.update_pending:
             self._apply_host_columns()
 
-    def _drain(self) -> None:
-        for worker in (self.accumulate_worker, self.update_worker):
-            try:
-                worker.drain()
-            except BaseException as error:
-                self._fail(error)
-
     def close(self) -> None:
-        for worker in (self.accumulate_worker, self.update_worker):
-            worker.shutdown()
+        self.host_work.shutdown()
         for pid in self.params:
             registry.unregister_param(pid)
 
@@ -813,18 +648,19 @@ class ZenFlowRuntime:
         steps = max(1, self.counters["steps"])
         stats["bytes_device_to_host_per_step"] = self.counters["bytes_device_to_host"] / steps
         stats["bytes_host_to_device_per_step"] = self.counters["bytes_host_to_device"] / steps
-        host_wait = self.stall_clock.host_seconds if self.stall_clock else 0.0
-        device_idle = self.stall_clock.device_idle_seconds() if self.stall_clock else None
+        clock, workers = self.host_work.stall_clock, self.host_work
+        host_wait = clock.host_seconds if clock else 0.0
+        device_idle = clock.device_idle_seconds() if clock else None
         stats["host_wait_seconds"] = host_wait
         # Device idle caused by waiting for the CPU (events on the compute stream); where the device is the
         # host, the host wait.
         stats["stall_seconds"] = host_wait if device_idle is None else device_idle
-        stats["cpu_update_seconds"] = self.update_worker.busy_seconds
-        stats["accumulate_seconds"] = self.accumulate_worker.busy_seconds
+        stats["cpu_update_seconds"] = workers.update_worker.busy_seconds
+        stats["accumulate_seconds"] = workers.accumulate_worker.busy_seconds
         # CPU time of the worker threads (with torch's intra-op threads at 1, all of the work; on a shared
         # machine the wall times above also count waiting for a core).
-        stats["cpu_update_thread_seconds"] = self.update_worker.busy_cpu_seconds
-        stats["accumulate_thread_seconds"] = self.accumulate_worker.busy_cpu_seconds
+        stats["cpu_update_thread_seconds"] = workers.update_worker.busy_cpu_seconds
+        stats["accumulate_thread_seconds"] = workers.accumulate_worker.busy_cpu_seconds
         stats["current_interval"] = self.steps_accumulated
         stats["update_pending"] = self.update_pending
         # Host memory held for optimizer state (data parallel: this rank's share).
@@ -865,7 +701,7 @@ class ZenFlowRuntime:
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
         self.check_failure()
-        self._drain()
+        self.host_work.drain()
         self._adopt_external_writes()
 
     def export_globals(self) -> dict:
@@ -895,5 +731,4 @@ class ZenFlowRuntime:
             for pid, owner in self.owners.items():
                 self.data_parallel.claim(owner, self.params[pid][0].numel())
         self.grad_slot = self.acc_slot = 0
-        self._accumulate_done = [None, None]
-        self._last_accumulate = self._update_future = None
+        self.host_work.reset()

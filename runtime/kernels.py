@@ -1,10 +1,11 @@
 """The runtime's kernels, each choice behind one function.
 
-- `device_adamw_`: AdamW of a slab's selected columns, in place on the device; every column owns its update
-  count. Triton's multi-parameter kernel (one launch over the slab's rows) on CUDA, or under
-  TRITON_INTERPRET=1; the slab's plain-torch twin otherwise (torch's fused CPU AdamW while the slab's counts
-  agree).
-- `write_columns_`: write columns into the parameters of a slab (the device AdamW's, the CPU-updated ones).
+- `device_adamw_`: AdamW of a slab's selected columns, in place on the device (every column owns its update
+  count), then the new columns written into the members' parameters. The Triton kernel (one launch for the
+  slab) on CUDA, or under TRITON_INTERPRET=1; its torch twin otherwise (torch's fused CPU AdamW while the
+  slab's counts agree).
+- `write_columns_`: write columns into the parameters of a slab (the device AdamW's, the CPU-updated ones),
+  in a fixed number of torch calls.
 - `column_scores`: per-column squared norms of a gradient, for the eager path (the compiled backward
   computes them itself, fused by Inductor into the kernels that produce the gradient).
 - `accumulate_scaled_`: the host accumulator's `acc += coef * grad` (fp32 accumulator, fp32/bf16/fp16
@@ -27,8 +28,7 @@ import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
 from zenflow_compile.runtime import native_accumulate
-from zenflow_compile.triton_kernels import adamw_selected_columns_, column_sq_norms, merge_host_columns_
-from zenflow_compile.triton_kernels.adamw_columns import adamw_slab_
+from zenflow_compile.triton_kernels import adamw_slab_, column_sq_norms
 from zenflow_compile.triton_kernels._triton import triton_available
 
 
@@ -40,25 +40,13 @@ def device_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tenso
     `columns` ([n, k]) of the members' parameters ([R, C] views); `rows`: the members that take part (None:
     all); `whole`: the columns are all of each parameter's, in order; `master_rows`: `master.unbind(0)`, if the
     caller keeps it."""
-    hyperparameters = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
-    if triton_available(master.device):  # one launch over the members' rows, gathering nothing
-        members = range(len(params)) if rows is None else rows
-        adamw_selected_columns_([grad[i] for i in members], [master[i] for i in members],
-                                [exp_avg[i] for i in members], [exp_avg_sq[i] for i in members],
-                                [counts[i] for i in members], [params[i] for i in members],
-                                [columns[i] for i in members], validate=False, grad_scale=grad_scale,
-                                **hyperparameters)
-        return
-    if rows is not None:  # some members: their rows gathered, updated, scattered back
+    adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, rows=rows, grad_scale=grad_scale, lr=lr, beta1=beta1,
+                beta2=beta2, eps=eps, weight_decay=weight_decay)
+    if rows is not None:
         index = torch.tensor(rows, device=master.device)
-        state = [t.index_select(0, index) for t in (master, exp_avg, exp_avg_sq, counts)]
-        adamw_slab_(grad.index_select(0, index), *state, grad_scale=grad_scale, **hyperparameters)
-        for full, part in zip((master, exp_avg, exp_avg_sq, counts), state):
-            full.index_copy_(0, index, part)
-        write_columns_([params[i] for i in rows], columns.index_select(0, index), state[0], whole=whole)
-        return
-    adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, grad_scale=grad_scale, **hyperparameters)
-    if whole and master_rows is not None:
+        write_columns_([params[i] for i in rows], columns.index_select(0, index), master.index_select(0, index),
+                       whole=whole)
+    elif whole and master_rows is not None:
         torch._foreach_copy_(params, master_rows)
     else:
         write_columns_(params, columns, master, whole=whole)
@@ -73,10 +61,6 @@ def write_columns_(params: list[torch.Tensor], columns: torch.Tensor, values: to
     a shared slab are small)."""
     if whole:
         torch._foreach_copy_(params, list(values.unbind(0)))
-        return
-    if triton_available(values.device):
-        for param, cols, vals in zip(params, columns.unbind(0), values.unbind(0)):
-            merge_host_columns_(param, cols, vals.t())
         return
     dtype = params[0].dtype
     if len(params) == 1:

@@ -30,6 +30,9 @@ load) exports the members' state (`MemberState`) and builds new slabs from it.
 
 Data parallel: every rank holds the device part of every member; only a member's `owner` holds its host part,
 so a slab's key says whether this rank owns its members' host parts (`owns_host`).
+
+Sharded parameters (FSDP2, runtime/sharding.py): a member is this rank's rows of its parameter (R = the local
+rows, possibly 0); its slab is keyed by the global shape, so every rank has the same slabs in the same order.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from zenflow_compile.runtime import kernels
+from zenflow_compile.runtime.sharding import local_shard
 from zenflow_compile.runtime.transfers import Transfers, wait_events
 
 # Largest parameter (elements) that shares a slab with others: stacking its gradient in the hand-off copies it
@@ -66,7 +70,7 @@ def host_order(counts: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
 def matrix_shape(param: torch.Tensor) -> tuple[int, int]:
     """[R, C] of a parameter as the state sees it: a matrix [shape[0], rest], a vector [N, 1]."""
     if param.dim() >= 2:
-        return param.shape[0], param.numel() // param.shape[0]
+        return param.shape[0], math.prod(param.shape[1:])  # (a rank's shard may hold no rows)
     return param.numel(), 1
 
 
@@ -121,6 +125,8 @@ class MemberState:
     accumulator: Optional[torch.Tensor] = None  # fp32 [R, C] (host columns)
     square_accumulator: Optional[torch.Tensor] = None
     applied: Optional[torch.Tensor] = None  # [R, C] param dtype: the host columns as the device holds them
+    selected_written: Optional[torch.Tensor] = None  # [R, k] param dtype: the selected columns as the device holds
+    # them, where that is not the master cast (after a cast, until the device update rewrites them)
     unapplied: bool = False  # a CPU update of the host columns has not reached the device yet
     step_grad: Optional[torch.Tensor] = None  # [R, C] param dtype: the gradient handed over this step
     step_scores: Optional[torch.Tensor] = None  # [C] fp32: its column scores
@@ -141,6 +147,10 @@ class Member:
     """One parameter's place in its slab (`slab`, `index`) and its per-parameter bookkeeping."""
 
     def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int, owns_host: bool):
+        # A parameter sharded by FSDP2 (runtime/sharding.py): the state is that of this rank's rows, and the
+        # slab it joins is chosen by its global shape (`key_rows`, `key_numel`), the same on every rank.
+        self.key_rows, self.key_numel = matrix_shape(param)[0], param.numel()
+        param = local_shard(param)
         self.param, self.pid, self.group_index = param, pid, group_index
         self.owner, self.owns_host = owner, owns_host
         self.is_matrix = param.dim() >= 2
@@ -169,7 +179,7 @@ class Member:
 class SlabKey(NamedTuple):
     group_index: int
     dtype: torch.dtype
-    rows: int
+    rows: int  # (sharded parameters: the global rows; the slab holds this rank's share of them)
     cols: int
     num_selected: int  # k (0 before a matrix's first selection; a vector's is its one column)
     owner: int  # the rank holding the members' host parts (data parallel; else 0)
@@ -178,8 +188,8 @@ class SlabKey(NamedTuple):
 
 def slab_key(member: Member, num_selected: int) -> SlabKey:
     param = member.param
-    large = param.numel() > SHARED_SLAB_MAX_NUMEL.get(param.device.type, 0)
-    return SlabKey(member.group_index, param.dtype, member.rows, member.cols, num_selected, member.owner,
+    large = member.key_numel > SHARED_SLAB_MAX_NUMEL.get(param.device.type, 0)
+    return SlabKey(member.group_index, param.dtype, member.key_rows, member.cols, num_selected, member.owner,
                    member.pid if large else None)
 
 
@@ -194,7 +204,7 @@ class Slab:
     def __init__(self, key: SlabKey, members: list[Member], states: list[MemberState], transfers: Transfers,
                  accumulate_squares: bool):
         self.key, self.members, self.transfers = key, members, transfers
-        self.n, self.R, self.C, self.k = len(members), key.rows, key.cols, key.num_selected
+        self.n, self.R, self.C, self.k = len(members), members[0].rows, key.cols, key.num_selected
         self.u = self.C - self.k
         self.dtype, self.device = key.dtype, members[0].param.device
         self.is_matrix = members[0].is_matrix
@@ -219,6 +229,15 @@ class Slab:
         self.exp_avg = exp_avg.gather(2, pick).to(dev)
         self.exp_avg_sq = exp_avg_sq.gather(2, pick).to(dev)
         self.counts = counts.gather(1, selected).to(dev)
+        # What the members' selected columns hold where it is not their master in the slab's dtype (after a
+        # cast: an upcast leaves bf16 values beside fp32 masters), until the device update rewrites them.
+        self.selected_written: Optional[torch.Tensor] = None
+        written = [s.selected_written for s in states]
+        if k and any(w is not None for w in written):
+            cast = self.master.to(self.dtype)
+            written = torch.stack([c if w is None else w.to(dev, self.dtype) for c, w in zip(cast, written)])
+            if not torch.equal(written, cast):
+                self.selected_written = written
         self.grad = torch.zeros(n, R, k, dtype=self.dtype, device=dev)
         self.scores = torch.zeros(n, C, device=dev)
         self.selected, self.host_columns = selected.to(dev), host_columns.to(dev)
@@ -293,8 +312,9 @@ class Slab:
         return self._params
 
     def device_buffers(self) -> list[torch.Tensor]:
+        written = [] if self.selected_written is None else [self.selected_written]
         return [self.master, self.exp_avg, self.exp_avg_sq, self.counts, self.grad, self.scores, self.selected,
-                self.host_columns]
+                self.host_columns, *written]
 
     def host_buffers(self) -> list[torch.Tensor]:
         if not self.has_host_part:
@@ -476,6 +496,11 @@ class Slab:
         kernels.device_adamw_(self.grad, self.master, self.exp_avg, self.exp_avg_sq, self.counts,
                               self.params, self.selected, rows=rows, whole=self.whole, grad_scale=grad_scale,
                               master_rows=self.master_rows, **hyperparameters)
+        if self.selected_written is not None:  # the update wrote the masters into these members' columns
+            if rows is None:
+                self.selected_written = None
+            else:
+                self.selected_written[rows] = self.master[rows].to(self.dtype)
 
     def copies_in_flight(self, grad_slot: int) -> list:
         """The events of this step's copies into the gradient buffers (none where the device is the host).
@@ -610,6 +635,8 @@ class Slab:
         state = MemberState(master, exp_avg, exp_avg_sq, step, self.selected_cpu[i].clone(),
                             host_columns=None if self.has_host_part else self.host_columns_cpu[i].clone(),
                             unapplied=self.unapplied)
+        if self.selected_written is not None:
+            state.selected_written = self.selected_written[i].cpu()
         if self.has_host_part:
             self.transfers.host_access(reads=self.host_weights)
             state.accumulator = self._host_full(self.accumulators[acc_slot], i)
@@ -662,6 +689,9 @@ class Slab:
         self.exp_avg.copy_(exp_avg.gather(2, pick))
         self.exp_avg_sq.copy_(exp_avg_sq.gather(2, pick))
         self.counts.copy_(step.gather(1, selected))
+        if self.selected_written is not None:  # a member whose columns changed took this step's device update
+            changed = arriving.any(1).to(self.device).view(-1, 1, 1)
+            self.selected_written = torch.where(changed, self.master.to(self.dtype), self.selected_written)
         self.grad.zero_()
         self.offload_done = [[], []]
         for slot_extras in self.extra_grads:
@@ -705,7 +735,11 @@ class Slab:
         self._params = None  # (its storage may be new)
         current = member.as_columns().detach()
         if self.k:
-            adopt_changed(current.index_select(1, self.selected[i]), self.master[i].to(current.dtype), self.master[i])
+            now = current.index_select(1, self.selected[i])
+            written = self.master[i].to(current.dtype) if self.selected_written is None else self.selected_written[i]
+            adopt_changed(now, written, self.master[i])
+            if self.selected_written is not None:
+                self.selected_written[i] = now
         if self.has_host_part:
             wait_events(self.upload_done)  # an upload may still be reading the host weights
             self.transfers.host_access(writes=self.host_weights)
@@ -720,7 +754,8 @@ class Slab:
     def left_in_param(self, i: int) -> torch.Tensor:
         """[R, C] on the host, in the slab's dtype: what the optimizer last wrote into member i's parameter."""
         left = torch.zeros(self.R, self.C, dtype=self.dtype)
-        left[:, self.selected_cpu[i]] = self.master[i].cpu().to(self.dtype)
+        written = self.master[i].to(self.dtype) if self.selected_written is None else self.selected_written[i]
+        left[:, self.selected_cpu[i]] = written.cpu()
         if self.has_host_part:
             self.transfers.host_access(reads=self.host_weights)
             left[:, self.host_columns_cpu[i]] = self.applied_weights()[i].t()

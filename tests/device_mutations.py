@@ -52,11 +52,11 @@ MUTATIONS = [
     Mutation("M07", "accumulate worker: reads the offloaded gradients without waiting for their copies",
              "runtime/slab.py", "        wait_events(copies)\n", ""),
     Mutation("M08", "accumulate task: submitted without this step's copy events",
-             "runtime/engine.py", "        work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]",
+             "runtime/host_work.py", "        work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]",
              "        work = [(slab, rows, []) for slab, rows in stepped]"),
     Mutation("M09", "a step's backward refills the gradient buffer the accumulate task of two steps ago reads, "
                     "without joining that task (a pinned buffer reused one step early)",
-             "runtime/engine.py", "            if pending is not None:\n                self._wait(pending)\n", ""),
+             "runtime/host_work.py", "        if pending is not None:\n            self.wait(pending)\n", ""),
     Mutation("M10", "gradient buffers single-buffered: every step's backward refills the buffer the previous "
                     "step's accumulate task reads", "runtime/engine.py", "        self.grad_slot ^= 1\n", "",
              ordered_anyway="the first backward of a step joins the accumulate task that last read its buffer, now "
@@ -92,21 +92,16 @@ MUTATIONS = [
              "            wait_events(self.upload_done)  # an upload may still be reading the host weights\n"
              "            self.transfers.host_access(writes=self.host_weights)\n",
              "            self.transfers.host_access(writes=self.host_weights)\n"),
-    Mutation("M19", "a cast is adopted while copies into or out of the old buffers may be in flight",
-             "runtime/engine.py",
-             "            for events in slab.offload_done:\n                wait_events(events)\n", "",
-             ordered_anyway="the cast is adopted after the workers are drained (which joined the accumulate tasks that "
-                            "waited for the older copies) and the export of this step's gradient waits for its own"),
     Mutation("M20", "a reselection rewrites host buffers an upload may still read",
              "runtime/slab.py",
              "        wait_events(self.upload_done)  # an upload may still read the host weights rewritten below\n", ""),
     Mutation("M22", "the CPU update starts without joining the accumulate task it follows",
-             "runtime/engine.py", "        return self.update_worker.submit(cpu_update, after=self._last_accumulate)",
-             "        return self.update_worker.submit(cpu_update)"),
-    Mutation("M23", "overlap: the previous boundary's CPU update is applied without waiting for it",
-             "runtime/engine.py",
-             "            if self._update_future is not None:  # None right after a checkpoint load: already finished\n"
-             "                self._wait(self._update_future)\n", ""),
+             "runtime/host_work.py", "        self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)",
+             "        self._update = self.update_worker.submit(cpu_update)"),
+    Mutation("M23", "the CPU update is applied without waiting for it",
+             "runtime/host_work.py",
+             "        if self._update is not None:  # (None right after a checkpoint load: already finished)\n"
+             "            self.wait(self._update)\n", ""),
     Mutation("M24", "a worker task seen finished does not order the caller after it",
              "runtime/worker.py", "            joined(future)  # (seen finished", "            pass  # (seen finished"),
 ]

@@ -116,6 +116,6 @@ def test_optimizer_workers_follow_the_config():
     opt.synchronize()
     expected = cpu_affinity.split_cores(sorted(main_before[0]), 0.5).workers
     runtime = opt._runtime
-    for worker in (runtime.accumulate_worker, runtime.update_worker):
+    for worker in runtime.host_work.workers:
         assert worker.submit(_placement_of_current_thread).result(30) == (set(expected), len(expected))
     assert _placement_of_current_thread() == main_before

@@ -33,6 +33,7 @@ import zenflow_compile
 import zenflow_compile.runtime.kernels
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime.engine import ZenFlowRuntime
+from zenflow_compile.runtime.host_work import HostWork
 from helpers import loss_fn, make_batches, max_param_diff, tiny_model
 
 KEYS = dict(topk_ratio=0.25, update_interval=2, overlap_step=True, select_strategy="step", select_interval=2)
@@ -92,7 +93,7 @@ def test_an_interrupted_step_refuses_to_go_on_and_a_checkpoint_brings_it_back(mo
 
     # Ctrl-C at step 3's boundary, after its device update: the CPU update is never launched.
     _train(model, opt, batches, range(2, 3))
-    _fail_once(monkeypatch, ZenFlowRuntime, "_launch_cpu_update", KeyboardInterrupt)
+    _fail_once(monkeypatch, HostWork, "launch_update", KeyboardInterrupt)
     loss_fn(model, batches[3]).backward()
     with pytest.raises(KeyboardInterrupt):
         opt.step()

@@ -316,26 +316,33 @@ def test_a_step_costs_a_fixed_number_of_calls_per_slab_whatever_its_members(devi
 
 
 def test_slabs_through_the_triton_kernels(monkeypatch):
-    """The device AdamW's Triton kernel (interpreted on CPU) takes a slab's rows as its per-parameter tensors,
-    as on CUDA, in one launch per slab (tests/test_transfers.py runs the Tiny model, whose matrices are each
-    alone in their slab)."""
+    """The device AdamW's Triton kernel (interpreted on CPU, as compiled on CUDA) takes a slab whole: one launch
+    per slab, one program per member and tile of columns, and training equals the reference
+    (tests/test_transfers.py runs the Tiny model, whose matrices are each alone in their slab)."""
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    from zenflow_compile.runtime import kernels
-    from zenflow_compile.triton_kernels import triton_available
+    from zenflow_compile.triton_kernels import adamw_slab, triton_available
 
     assert triton_available(torch.device("cpu"))
     launched = []
-    real = kernels.adamw_selected_columns_
+    real = adamw_slab._kernel
 
-    def recording(grads, *args, **kwargs):
-        launched.append(tuple(tuple(g.shape) for g in grads))
-        return real(grads, *args, **kwargs)
+    class Recording:
+        def on(self, device):
+            kernel = real.on(device)
 
-    monkeypatch.setattr(kernels, "adamw_selected_columns_", recording)
+            class Launch:
+                def __getitem__(self, grid):
+                    def launch(grad, *args, **kwargs):
+                        launched.append((tuple(grad.shape), grid, kwargs["HAS_ROWS"]))
+                        return kernel[grid](grad, *args, **kwargs)
+                    return launch
+            return Launch()
+
+    monkeypatch.setattr(adamw_slab, "_kernel", Recording())
     a, b, opt, ref = pair(Blocks, CONFIGS["S2-reselect"])
     run_pair(a, b, opt, ref, range(5), blocks_batch)
-    assert ((16, 4),) * 4 in launched  # the four block weights' selected columns, one launch
+    assert ((4, 16, 4), (4,), False) in launched  # the four block weights' selected columns: one launch
     assert opt.stats()["reselections"] > 0
 
 
@@ -464,31 +471,43 @@ def test_conv_stack_with_scalar_gates_equals_reference(compiled, device, monkeyp
         assert False in layouts  # (channels-last gradients did reach the slabs)
 
 
-def test_a_write_after_an_upcast_is_adopted_only_where_it_changed(device):
-    """After a bf16 model is cast to fp32, the device holds the bf16 values while the host columns' masters keep
-    their fp32 bits; a later write into one element of a host column is adopted there only (the other host
-    columns' masters keep their bits, as with any write). (The selected columns are compared with their masters
-    cast, not with what the device holds since the cast: see the issue note.)"""
-    torch.manual_seed(0)
-    model = nn.Linear(64, 16).to(torch.bfloat16)
-    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2,
-                                       select_strategy="step", select_interval=1000)
-    for _ in range(2):  # t = 1 is a boundary: the host columns' masters now carry bits bf16 cannot hold
-        model(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-    model.float()
-    before = opt.master(model.weight)  # (adopts the cast: nothing changes, an upcast keeps every bit)
+@pytest.mark.parametrize("resumed", [False, True], ids=["", "resumed"])
+@pytest.mark.parametrize("where", ["selected-column", "host-column", "bias"])
+def test_a_write_after_an_upcast_is_adopted_only_where_it_changed(where, resumed, device):
+    """After a bf16 model is cast to fp32 the parameters hold bf16 values beside fp32 masters (an upcast keeps
+    every master bit). A later write into one element is adopted there only, whichever side of the selection
+    it is on and for vectors too: every other master keeps its bits (before, the selected columns and vectors
+    were compared with their masters cast to fp32, so the first write re-adopted all of them as bf16 values).
+    Training then matches the reference."""
+    keys = dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=1000)
+    a, b, opt, ref = pair(lambda: nn.Linear(64, 16).to(torch.bfloat16), keys)
+    batch = lambda i, dtype: (torch.randn(4, 64, generator=torch.Generator().manual_seed(i)).to(dtype),
+                              torch.zeros(4, 16))
+    run_pair(a, b, opt, ref, range(2), batch, dtype=torch.bfloat16)  # t = 1: a boundary, masters carry fp32 bits
+    a.float()
+    b.float()
+    before = opt.master(a.weight)
     assert not torch.equal(before, before.bfloat16().float())
-    column = next(c for c in range(64) if c not in opt.selected_columns(model.weight).tolist())
+    selected = opt.selected_columns(a.weight).tolist()
+    param, index = {"selected-column": (lambda m: m.weight, (0, selected[0])),
+                    "host-column": (lambda m: m.weight, (0, next(c for c in range(64) if c not in selected))),
+                    "bias": (lambda m: m.bias, (3,))}[where]
+    if resumed:  # a fresh model and optimizer from a checkpoint taken after the cast
+        saved = copy.deepcopy(opt.state_dict())
+        a = copy.deepcopy(a)
+        opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
+        opt.load_state_dict(saved)
+    masters_before = {name: opt.master(p) for name, p in a.named_parameters()}
     with torch.no_grad():
-        model.weight[0, column] += 1.0
-    after = opt.master(model.weight)
-    host = torch.ones(64, dtype=torch.bool)
-    host[opt.selected_columns(model.weight)] = False
-    changed = (after != before)[:, host]
-    assert changed.sum() == 1 and (after != before)[0, column]
-    assert after[0, column] == model.weight[0, column]
+        for model in (a, b):
+            param(model)[index] += 1.0
+    for name, p in a.named_parameters():
+        changed = opt.master(p) != masters_before[name]
+        expected = torch.zeros_like(changed)
+        if p is param(a):
+            expected[index] = True
+        assert torch.equal(changed, expected), f"{name}: {int(changed.sum())} masters re-adopted"
+    run_pair(a, b, opt, ref, range(2, 5), batch)
 
 
 @pytest.mark.parametrize("when", ["before-backward", "before-step"])

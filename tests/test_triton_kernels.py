@@ -8,12 +8,11 @@ where Triton cannot run.
 Tolerances (fp32 unit roundoff u = 2**-24 ~ 6e-8):
 - column norms: a sum of R <= 129 non-negative fp32 terms has relative error <= (R + 1) u ~ 8e-6; rtol 1e-5,
   atol 0 (measured: <= 3e-7).
-- merge: a pure cast, so bit-exact against torch's `.to(dtype)` (round-to-nearest-even).
 - AdamW vs float64: about ten fp32 roundings per element, each <= u relative to operands of magnitude <= ~3,
   so rtol 1e-5 / atol 1e-6 leaves a margin of >3x (measured on CPU: master <= 2.7e-7, exp_avg <= 1.4e-8,
-  exp_avg_sq <= 1e-9 abs). Counts are exact integers.
-  The parameter columns are bit-exact casts of the kernel's own fp32 master, and within 1 ulp of the float64
-  result cast to the param dtype (a tie-near value may round the other way).
+  exp_avg_sq <= 1e-9 abs). Counts are exact integers. Members a step leaves out keep every bit.
+- AdamW kernel vs its torch twin: the same fp32 formula (lerp's formula, IEEE division and square root), up to
+  FMA contraction: rtol 1e-6 / atol 1e-7.
 - AdamW vs torch.optim.AdamW over several steps (fp32): the same fp32 formula with different operation
   order / FMA contraction; rtol 1e-5 / atol 1e-6 (measured on CPU: <= 1.2e-7 abs).
 """
@@ -23,12 +22,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from zenflow_compile.triton_kernels import (  # noqa: E402
-    adamw_selected_columns_,
-    column_sq_norms,
-    merge_host_columns_,
-    triton_available,
-)
+from zenflow_compile.triton_kernels import adamw_slab_, column_sq_norms, triton_available  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]  # cuda: skipped without a GPU (conftest.py)
 IMPLS = ["triton", "torch"]
@@ -47,19 +41,6 @@ def _use_triton(impl, device):
     if not triton_available(device):
         pytest.skip(f"triton cannot run on {device}")
     return True
-
-
-_MANTISSA_BITS = {torch.float32: 23, torch.bfloat16: 7, torch.float16: 10}
-
-
-def _ulp(x: torch.Tensor) -> torch.Tensor:
-    """Spacing of `x`'s dtype at |x| (as float64)."""
-    a = x.double().abs().clamp_min(torch.finfo(x.dtype).tiny)
-    return torch.exp2(torch.floor(torch.log2(a)) - _MANTISSA_BITS[x.dtype])
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
 
 
 def _noncontig(t: torch.Tensor, how: str) -> torch.Tensor:
@@ -97,194 +78,123 @@ def test_column_sq_norms(device, impl, R, C, dtype, layout, split):
     assert torch.equal(column_sq_norms(g, split_rows=split, use_triton=use), res)
 
 
-# ------------------------------------------------------------------------------------------------ merge
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("R,C,n,dtype,layout", [
-    (1, 1, 1, torch.float32, ""),
-    (3, 17, 17, torch.bfloat16, "t"),      # n = C: every column
-    (129, 3, 1, torch.float16, "stride"),  # n = 1
-    (17, 129, 70, torch.bfloat16, "stride"),
-    (129, 17, 9, torch.float32, "t"),
-])
-def test_merge_host_columns(device, impl, R, C, n, dtype, layout):
-    use = _use_triton(impl, device)
-    gen = torch.Generator().manual_seed(R * 1000 + C + n)
-    param = _noncontig(torch.randn(R, C, generator=gen).to(dtype).to(device), layout)
-    cols = torch.randperm(C, generator=gen)[:n].to(device)  # not sorted
-    values = torch.randn(n, R, generator=gen).to(device)
-    if layout:  # values as a transposed view too
-        values = values.t().contiguous().t()
-    before = param.clone()
-    param[:, cols] = float("nan")  # poison the columns that must be written
-    out = merge_host_columns_(param, cols, values, use_triton=use)
-    assert out is param
-    expected = before.clone()
-    expected[:, cols] = values.t().to(dtype)  # torch's cast (round to nearest even)
-    assert torch.equal(_bits(param), _bits(expected))  # written columns exact, the others untouched
-
-
 # ------------------------------------------------------------------------------------------------ AdamW
 HP = dict(lr=3e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
-# (R, C, k, param dtype, grad dtype (None: param's), gather from the full gradient?, grad layout, state layout)
-PARAM_CASES = [
-    (1, 1, 1, torch.float32, None, False, "", ""),
-    (3, 17, 5, torch.bfloat16, None, True, "t", ""),          # gather variant, transposed full gradient
-    (17, 3, 3, torch.float16, None, False, "stride", "t"),    # k = C, strided grad, transposed state
-    (129, 17, 1, torch.float32, None, False, "t", ""),        # k = 1, many rows
-    (33, 40, 40, torch.bfloat16, None, True, "", "stride"),   # gather, k = C, strided state
-    (5, 7, 0, torch.float32, None, False, "", ""),            # nothing selected: skipped
-    (4, 9, 2, torch.bfloat16, torch.float32, False, "", ""),  # fp32 gradient for a bf16 parameter
+# (n, R, k, grad dtype, rows): slabs of n members, [R, k] selected columns each
+SLAB_CASES = [
+    (1, 1, 1, torch.float32, None),
+    (3, 17, 5, torch.bfloat16, None),
+    (4, 129, 1, torch.float32, [0, 2, 3]),   # k = 1, many rows, some members
+    (2, 33, 40, torch.float16, [1]),         # two column tiles, one member
+    (5, 4, 2, torch.bfloat16, [4, 0]),       # members in any order
 ]
 
 
-def _make_param(case, device, gen):
-    R, C, k, dtype, gdtype, gather, g_layout, s_layout = case
-    gdtype = gdtype or dtype
-    param = torch.randn(R, C, generator=gen).to(dtype).to(device)
-    cols = torch.randperm(C, generator=gen)[:k].to(device)
-    master = _noncontig(param[:, cols].float() + 1e-3 * torch.randn(R, k, generator=gen).to(device), s_layout)
-    exp_avg = _noncontig(0.1 * torch.randn(R, k, generator=gen).to(device), s_layout)
-    exp_avg_sq = _noncontig(0.01 * torch.rand(R, k, generator=gen).to(device), s_layout)
-    steps = torch.randint(0, 50, (k,), generator=gen).float().to(device)  # per-column counts that differ
-    if gather:
-        gcols = torch.randperm(C, generator=gen)[:k].to(device)
-        grad = _noncontig(torch.randn(R, C, generator=gen).to(gdtype).to(device), g_layout)
-    else:
-        gcols = None
-        grad = _noncontig(torch.randn(R, k, generator=gen).to(gdtype).to(device), g_layout)
-    return dict(grad=grad, master=master, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=steps, param=param,
-                cols=cols, gcols=gcols)
+def _make_slab(case, device, gen):
+    n, R, k, gdtype, rows = case
+    return dict(grad=torch.randn(n, R, k, generator=gen).to(gdtype).to(device),
+                master=torch.randn(n, R, k, generator=gen).to(device),
+                exp_avg=0.1 * torch.randn(n, R, k, generator=gen).to(device),
+                exp_avg_sq=0.01 * torch.rand(n, R, k, generator=gen).to(device),
+                counts=torch.randint(0, 50, (n, k), generator=gen).float().to(device))  # counts that differ
 
 
-def _expected_f64(p, scale, lr, beta1, beta2, eps, weight_decay):
-    """One AdamW step in float64 from the inputs, per column count n (after the increment)."""
-    g = p["grad"].double()
-    g = (g[:, p["gcols"]] if p["gcols"] is not None else g) * scale
-    n = p["step"].double() + 1
-    w = p["master"].double() * (1 - lr * weight_decay)
-    m = p["exp_avg"].double() + (1 - beta1) * (g - p["exp_avg"].double())
-    v = beta2 * p["exp_avg_sq"].double() + (1 - beta2) * g * g
-    denom = v.sqrt() / (1 - beta2 ** n).sqrt() + eps
-    w = w - lr / (1 - beta1 ** n) * m / denom
-    return dict(master=w, exp_avg=m, exp_avg_sq=v, step=n)
+def _expected_f64(slab, scale, lr, beta1, beta2, eps, weight_decay):
+    """One AdamW step in float64 from the inputs, per column count c (after the increment)."""
+    g = slab["grad"].double() * scale
+    c = (slab["counts"].double() + 1).unsqueeze(1)
+    w = slab["master"].double() * (1 - lr * weight_decay)
+    m = slab["exp_avg"].double() + (1 - beta1) * (g - slab["exp_avg"].double())
+    v = beta2 * slab["exp_avg_sq"].double() + (1 - beta2) * g * g
+    denom = v.sqrt() / (1 - beta2 ** c).sqrt() + eps
+    w = w - lr / (1 - beta1 ** c) * m / denom
+    return dict(master=w, exp_avg=m, exp_avg_sq=v, counts=c.squeeze(1))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("scale_kind", ["float", "tensor"])
-def test_adamw_selected_columns_many_params(device, impl, scale_kind):
+@pytest.mark.parametrize("case", SLAB_CASES, ids=lambda c: f"n{c[0]}-R{c[1]}-k{c[2]}-{c[3]}-rows{c[4]}")
+def test_adamw_slab_against_float64(device, impl, scale_kind, case):
+    """The members in `rows` take one step (to fp32 rounding of the float64 math); the others keep every bit."""
     use = _use_triton(impl, device)
-    gen = torch.Generator().manual_seed(7)
-    ps = [_make_param(case, device, gen) for case in PARAM_CASES]
+    slab = _make_slab(case, device, torch.Generator().manual_seed(7))
+    rows = case[4]
     scale = 0.37
     grad_scale = scale if scale_kind == "float" else torch.tensor(scale, device=device)
-    expected = [_expected_f64(p, scale, **HP) for p in ps]
-    before = [p["param"].clone() for p in ps]
-    for p in ps:
-        p["param"][:, p["cols"]] = float("nan")  # poison the columns the kernel writes
+    expected = _expected_f64(slab, scale, **HP)
+    before = {key: t.clone() for key, t in slab.items()}
+    adamw_slab_(slab["grad"], slab["master"], slab["exp_avg"], slab["exp_avg_sq"], slab["counts"], rows=rows,
+                grad_scale=grad_scale, use_triton=use, **HP)
+    stepped = list(range(case[0])) if rows is None else rows
+    for i in range(case[0]):
+        for key in ("master", "exp_avg", "exp_avg_sq", "counts"):
+            if i not in stepped:
+                assert torch.equal(slab[key][i], before[key][i]), f"member {i} {key} changed"
+            elif key == "counts":
+                assert torch.equal(slab[key][i].double(), expected[key][i])
+            else:
+                torch.testing.assert_close(slab[key][i].double(), expected[key][i], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m: f"member {i} {key}: {m}")
 
-    adamw_selected_columns_(
-        [p["grad"] for p in ps], [p["master"] for p in ps], [p["exp_avg"] for p in ps],
-        [p["exp_avg_sq"] for p in ps], [p["step"] for p in ps], [p["param"] for p in ps], [p["cols"] for p in ps],
-        grad_scale=grad_scale, grad_columns=[p["gcols"] for p in ps], use_triton=use, **HP)
 
-    for case, p, exp, b in zip(PARAM_CASES, ps, expected, before):
-        for key in ("master", "exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(p[key].double(), exp[key], rtol=1e-5, atol=1e-6, msg=f"{case} {key}")
-        assert torch.equal(p["step"].double(), exp["step"]), case
-        dtype, cols = p["param"].dtype, p["cols"]
-        got = p["param"][:, cols]
-        # The device copy is the cast of the master (bit-exact) ...
-        assert torch.equal(_bits(got), _bits(p["master"].to(dtype))), case
-        # ... and within 1 ulp of the float64 result cast.
-        ref = exp["master"].to(dtype)
-        ulp = torch.maximum(_ulp(ref), _ulp(got))
-        assert ((got.double() - ref.double()).abs() <= ulp).all(), case
-        # Columns not selected keep their exact bits.
-        untouched = torch.ones(p["param"].shape[1], dtype=torch.bool, device=device)
-        untouched[cols] = False
-        assert torch.equal(_bits(p["param"][:, untouched]), _bits(b[:, untouched])), case
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", SLAB_CASES[1:], ids=lambda c: f"n{c[0]}-R{c[1]}-k{c[2]}-{c[3]}-rows{c[4]}")
+def test_adamw_slab_kernel_equals_its_torch_twin(device, case):
+    """The Triton kernel and the torch twin agree to fp32 rounding, step after step, with per-column counts
+    that differ (the twin's per-column path: the fused CPU AdamW needs equal counts)."""
+    _use_triton("triton", device)
+    gen = torch.Generator().manual_seed(3)
+    slabs = [_make_slab(case, device, torch.Generator().manual_seed(9)) for _ in range(2)]
+    for _ in range(3):
+        grad = torch.randn(slabs[0]["grad"].shape, generator=gen).to(slabs[0]["grad"].dtype).to(device)
+        for slab, use in zip(slabs, (True, False)):
+            adamw_slab_(grad, slab["master"], slab["exp_avg"], slab["exp_avg_sq"], slab["counts"], rows=case[4],
+                        use_triton=use, **HP)
+    for key in ("master", "exp_avg", "exp_avg_sq", "counts"):
+        torch.testing.assert_close(slabs[0][key], slabs[1][key], rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("beta1,clip", [(0.9, False), (0.3, True)])  # beta1=0.3: lerp's weight >= 0.5 branch
-def test_adamw_selected_columns_matches_torch_adamw(device, impl, beta1, clip):
-    """fp32 params, all columns selected, several steps: the kernel == torch.optim.AdamW to fp32 rounding."""
+def test_adamw_slab_matches_torch_adamw(device, impl, beta1, clip):
+    """A slab of three [17, 5] parameters, every column selected, several steps: == torch.optim.AdamW to fp32
+    rounding (the clip coefficient left on the device)."""
     use = _use_triton(impl, device)
     gen = torch.Generator().manual_seed(11)
-    shapes = [(17, 5), (3, 33), (1, 1)]
     hp = dict(HP, beta1=beta1)
-    ref_params = [torch.randn(*s, generator=gen).to(device) for s in shapes]
+    ref_params = [torch.randn(17, 5, generator=gen).to(device) for _ in range(3)]
     opt = torch.optim.AdamW(ref_params, lr=hp["lr"], betas=(beta1, hp["beta2"]), eps=hp["eps"],
                             weight_decay=hp["weight_decay"], foreach=False)
-    params = [p.detach().clone() for p in ref_params]
-    masters = [p.clone() for p in params]
-    exp_avgs = [torch.zeros_like(p) for p in params]
-    exp_avg_sqs = [torch.zeros_like(p) for p in params]
-    steps = [torch.zeros(p.shape[1], device=device) for p in params]
-    cols = [torch.arange(p.shape[1], device=device) for p in params]
+    master = torch.stack([p.detach() for p in ref_params])
+    exp_avg, exp_avg_sq, counts = torch.zeros_like(master), torch.zeros_like(master), torch.zeros(3, 5, device=device)
     for _ in range(4):
-        grads = [torch.randn(*s, generator=gen).to(device) for s in shapes]
+        grad = torch.randn(3, 17, 5, generator=gen).to(device)
         coef = 1.0
-        if clip:  # what clip_grad_norm_ does, with the coefficient left on the device
-            norm = torch.sqrt(sum(g.square().sum() for g in grads))
-            coef = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
-        for p, g in zip(ref_params, grads):
+        if clip:  # what clip_grad_norm_ does
+            coef = torch.clamp(0.5 / (grad.square().sum().sqrt() + 1e-6), max=1.0)
+        for p, g in zip(ref_params, grad):
             p.grad = g * coef
         opt.step()
-        adamw_selected_columns_(grads, masters, exp_avgs, exp_avg_sqs, steps, params, cols, grad_scale=coef,
-                                use_triton=use, **hp)
-    for p, w, m, v, ref in zip(params, masters, exp_avgs, exp_avg_sqs, ref_params):
+        adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, grad_scale=coef, use_triton=use, **hp)
+    for i, ref in enumerate(ref_params):
         st = opt.state[ref]
-        torch.testing.assert_close(w, ref.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(p, ref.detach(), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(m, st["exp_avg"], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(v, st["exp_avg_sq"], rtol=1e-5, atol=1e-6)
-    assert all(torch.equal(s, torch.full_like(s, 4.0)) for s in steps)
+        torch.testing.assert_close(master[i], ref.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(exp_avg[i], st["exp_avg"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(exp_avg_sq[i], st["exp_avg_sq"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(counts, torch.full_like(counts, 4.0))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_adamw_selected_columns_one_launch_per_dtype_pair(device, monkeypatch):
-    """The launch strategy: one kernel launch per (param dtype, grad dtype) group, however many parameters."""
-    _use_triton("triton", device)
-    from zenflow_compile.triton_kernels import adamw_columns
-
-    launches = []
-    real = adamw_columns._kernel
-
-    class Counting:
-        def on(self, dev):
-            kernel = real.on(dev)
-
-            class Launch:
-                def __getitem__(self, grid):
-                    launches.append(grid)
-                    return kernel[grid]
-            return Launch()
-
-    monkeypatch.setattr(adamw_columns, "_kernel", Counting())
-    gen = torch.Generator().manual_seed(3)
-    ps = [_make_param(case, device, gen) for case in PARAM_CASES]
-    args = [[p[key] for p in ps] for key in ("grad", "master", "exp_avg", "exp_avg_sq", "step", "param", "cols")]
-    adamw_selected_columns_(*args, grad_columns=[p["gcols"] for p in ps], use_triton=True, **HP)
-    # Groups: fp32/fp32, bf16/bf16, fp16/fp16, bf16/fp32; one program per 32-column tile of each parameter.
-    assert len(launches) == 4
-    k_tiles = sum(-(-case[2] // 32) for case in PARAM_CASES)
-    assert sum(grid[0] for grid in launches) == k_tiles
-
-
-def test_adamw_selected_columns_rejects_bad_shapes():
-    p = torch.randn(4, 6)
-    cols = torch.tensor([1, 3])
-    z = torch.zeros(4, 2)
-    with pytest.raises(ValueError, match="master"):
-        adamw_selected_columns_([z], [torch.zeros(4, 3)], [z], [z], [torch.zeros(2)], [p], [cols], **HP)
-    with pytest.raises(ValueError, match="grad_columns"):
-        adamw_selected_columns_([torch.zeros(4, 6)], [z], [z], [z], [torch.zeros(2)], [p], [cols],
-                                grad_columns=[torch.tensor([0])], **HP)
+def test_adamw_slab_rejects_bad_shapes():
+    z = torch.zeros(2, 4, 3)
+    with pytest.raises(ValueError, match=r"exp_avg must be a contiguous \[2, 4, 3\] tensor"):
+        adamw_slab_(z, z, torch.zeros(2, 4, 2), z, torch.zeros(2, 3), **HP)
+    with pytest.raises(ValueError, match=r"counts must be contiguous fp32 \[2, 3\]"):
+        adamw_slab_(z, z, z, z, torch.zeros(3), **HP)
+    with pytest.raises(ValueError, match="master must be a contiguous"):
+        adamw_slab_(z, z.transpose(1, 2).contiguous().transpose(1, 2), z, z, torch.zeros(2, 3), **HP)
 
 
 def test_triton_available_cpu_follows_interpret(monkeypatch):

@@ -4,8 +4,8 @@ Triton is optional. Every kernel module keeps a plain-torch reference beside its
 when `triton_available(device)` is False.
 
 Why kernels are built twice: `triton.jit` picks compiled or interpreted mode once, at decoration time, from
-`TRITON_INTERPRET`. We want both in one process: compiled kernels for CUDA tensors (the interpreter would be
-handed raw CUDA addresses inside our pointer tables and crash), and interpreted kernels for CPU tensors
+`TRITON_INTERPRET`. We want both in one process: compiled kernels for CUDA tensors (the interpreter runs on the
+host and would be handed device addresses), and interpreted kernels for CPU tensors
 (there is no CPU backend) when the user opted in with `TRITON_INTERPRET=1`. So each kernel is a plain Python
 function wrapped lazily in a `JITFunction` (CUDA) or an `InterpretedFunction` (CPU), whatever the environment
 said when triton was imported.
@@ -49,7 +49,7 @@ constexpr = tl.constexpr if HAVE_TRITON else None
 DeviceLike = Union[str, torch.device]
 
 __all__ = ["HAVE_TRITON", "triton", "tl", "constexpr", "triton_available", "DualKernel", "add_combine", "f32",
-           "split_f64", "TORCH_TO_TL"]
+           "split_f64"]
 
 
 def triton_available(device: DeviceLike) -> bool:
@@ -116,12 +116,3 @@ def split_f64(x: float) -> tuple:
     """
     hi = f32(x)
     return hi, f32(x - hi)
-
-
-def _tl_dtypes():
-    if not HAVE_TRITON:
-        return {}
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-
-
-TORCH_TO_TL = _tl_dtypes()

@@ -53,7 +53,7 @@ from zenflow_compile.grad_hooks import any_user_grad_hooks, user_grad_hooks
 from zenflow_compile.passes.backward_graph import graph_outputs, is_backward_graph
 from zenflow_compile.passes.context import DEFAULT_BUCKET_NUMEL, ZenFlowPassContext
 from zenflow_compile.passes.pipeline import rewrite_backward
-from zenflow_compile.runtime import registry
+from zenflow_compile.runtime import registry, sharding
 from zenflow_compile.runtime.slab import SHARED_SLAB_MAX_NUMEL
 
 __all__ = ["zenflow_backend", "ZenFlowGraphPass", "GraphOwnerBinding", "make_pass_context", "register",
@@ -394,7 +394,13 @@ def _handoff_settings(runtimes) -> tuple[Optional[int], int]:
 
 def _needs_owner(value: Any) -> bool:
     # Under no_grad no backward is built, so an un-owned parameter is harmless (e.g. eval-only compiles).
-    return (isinstance(value, torch.nn.Parameter) and value.requires_grad and torch.is_grad_enabled())
+    if not (isinstance(value, torch.nn.Parameter) and value.requires_grad and torch.is_grad_enabled()):
+        return False
+    # FSDP2's unsharded parameter (what it all-gathers for the forward, not the registered DTensor): the graph
+    # returns its gradient, FSDP2 reduce-scatters it into the sharded parameter's .grad, and step() takes that
+    # as eagerly. It needs an owner of the sharded parameter.
+    sharded_param = sharding.fsdp_sharded_param_of(value)
+    return sharded_param is None or registry.param_id(sharded_param) is None
 
 
 def _unowned_message(name: str, value: torch.Tensor) -> str:

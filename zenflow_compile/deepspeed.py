@@ -167,8 +167,11 @@ def _adamw_from(ds_config, user_config: Mapping[str, Any]) -> dict:
 def _check_zero(zero) -> None:
     if int(zero.stage) == 3:
         raise _config_error("zero_optimization.stage", 3,
-                            "ZenFlow keeps every parameter whole on the device (stage 3 partitions parameters); "
-                            "use stage 1 or 2 (what DeepSpeed ZenFlow requires) or 0")
+                            "ZenFlow keeps every parameter whole on the device here (stage 3 partitions "
+                            "parameters); use stage 1 or 2 (what DeepSpeed ZenFlow requires) or 0. To shard the "
+                            "parameters too, use PyTorch's FSDP2 without DeepSpeed: fully_shard the model (per "
+                            "block and the root), then zenflow_compile.ZenFlowAdamW(model.parameters(), ...) "
+                            "(README, 'Sharded parameters (FSDP2)')")
     offload = zero.offload_optimizer
     if offload is not None:
         device = getattr(offload.device, "value", offload.device)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from zenflow_compile.runtime.sharding import local_shard
+
 if TYPE_CHECKING:
     from zenflow_compile.runtime.engine import ZenFlowRuntime
 
@@ -47,6 +49,8 @@ def hand_over_grads(runtime: "ZenFlowRuntime", params: list[torch.Tensor], pids:
         return False
     if len(taken) < len(grads):
         params, pids, grads = [params[i] for i in taken], [pids[i] for i in taken], [grads[i] for i in taken]
+    if runtime.sharding is not None:  # FSDP2: this rank's rows of the reduce-scattered gradient
+        grads = list(map(local_shard, grads))
     if any(layout != torch.strided for layout in map(_LAYOUT, grads)):
         for param, grad in zip(params, grads):
             _dense_only(param, grad)

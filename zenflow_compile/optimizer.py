@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
 from zenflow_compile.grad_hooks import DataParallelHooks, hand_over_grads
-from zenflow_compile.runtime import collectives
+from zenflow_compile.runtime import collectives, sharding as sharded
 from zenflow_compile.runtime.engine import ZenFlowRuntime
 
 
@@ -132,8 +132,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise NotImplementedError(
                 f"ZenFlowConfig.overlap_reselect={config.overlap_reselect!r} is not implemented by ZenFlowAdamW yet "
                 "(zenflow_compile.reference.ZenFlowReference specifies it); use overlap_reselect='wait'")
-        data_parallel = collectives.data_parallel_group(process_group)
-        self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size)
+        params = _param_list(params)
+        # FSDP2-sharded (DTensor) parameters: the mesh comes from them, and FSDP2 reduces the gradients.
+        sharding = sharded.sharding_of(_tensors_in(params), process_group)
+        data_parallel = None if sharding is not None else collectives.data_parallel_group(process_group)
+        self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size, sharding=sharding)
         self._constructed = False
         self._param_ids: dict[int, int] = {}  # id(param) -> runtime id, for the parameters in param_groups
         self._group_of: dict[int, int] = {}  # runtime id -> its param group
@@ -170,6 +173,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         _check_params(params, group_index, self._param_ids, self._runtime)
+        sharded.check_added(params, self._runtime.sharding, self._constructed)
         per_group = sorted(key for key in param_group if key in ZENFLOW_KEYS)
         if per_group:  # (torch.optim would keep them in the group, where nothing reads them)
             raise ValueError(
@@ -221,6 +225,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                             "parameter, keep it in its group and freeze it (requires_grad_(False)); or give it "
                             "to a new optimizer")
                 _check_params(added, group_index, self._param_ids, self._runtime)
+                sharded.check_added(added, self._runtime.sharding, self._constructed)
                 self._register(added, group_index)
             for param in params:
                 pid = self._param_ids.get(id(param))
@@ -250,6 +255,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """Data parallel: every rank must hold the same optimizer (else a clear error on every rank, not a
         hang in the first mismatched collective); then rank 0's parameter values are everyone's."""
         data_parallel = self._runtime.data_parallel
+        if self._runtime.sharding is not None:  # sharded: the same config and (global) shapes, nothing to broadcast
+            self._runtime.sharding.collectives.check_same_on_every_rank(dict(
+                **{f"config key {key}": value for key, value in self.config.to_dict().items()},
+                max_grad_norm=self.max_grad_norm,
+                parameters=[f"shape {tuple(p.shape)} dtype {p.dtype}" for p in params]))
+            return
         if data_parallel is None:
             return
         data_parallel.check_same_on_every_rank(dict(
@@ -291,6 +302,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._runtime.check_failure()  # (nothing to do, but a failed optimizer still says so)
         if self._dp_hooks is not None:
             self._dp_hooks.step_done()
+        if self._runtime.sharding is not None:
+            self._mark_sharded_state()
         if grad_scaler is not None:
             device = grad_scaler._get_scale_async().device
             found_inf = torch.full((), 0.0 if stepped else 1.0, device=device)
@@ -344,6 +357,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         first step)."""
         stats = self._runtime.stats()
         stats["grad_norm"] = self._runtime.grad_norm
+        if self._runtime.sharding is not None:  # (host_state_bytes: this rank's rows)
+            stats.update(self._runtime.sharding.stats())
         return stats
 
     def selected_columns(self, param: torch.Tensor) -> Optional[torch.Tensor]:
@@ -363,7 +378,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 f"ZenFlowAdamW.master: the unselected columns of this parameter (shape {tuple(param.shape)}) live "
                 f"on rank {entry['host_owner']}'s host, not on this rank's; call master() there, or gather the "
                 "whole state with consolidated_state_dict()")
-        return entry["master"].reshape(param.shape)
+        return entry["master"].reshape(sharded.local_shard(param).shape)  # (sharded: this rank's rows)
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def _params_in_order(self) -> list[torch.Tensor]:
@@ -381,12 +396,35 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                    if id(p) in self._param_ids and self._runtime.has_state(self._param_ids[id(p)])]
         saved["state"] = {i: self._runtime.export_state(pid) for i, pid in indexed}
         saved["zenflow"] = self._runtime.export_globals()
+        if self._runtime.sharding is not None:
+            self._sharded_state_dict(saved)
         data_parallel = self._runtime.data_parallel
         if data_parallel is not None:  # this rank's share: loadable at this world size, by this rank
             saved["zenflow"]["data_parallel"] = dict(
                 world_size=data_parallel.world_size, rank=data_parallel.rank,
                 owners={i: self._runtime.owners[pid] for i, pid in indexed})
         return saved
+
+    def _sharded_state_dict(self, saved: dict) -> None:
+        """FSDP2-sharded parameters: `saved` in the form torch.distributed.checkpoint expects (see
+        runtime/sharding.py): per-row state as DTensors over the mesh, a template entry for every trainable
+        parameter without state yet (so a fresh optimizer's state_dict() is what `dcp.load` fills in), and the
+        "zenflow" entry also in param_groups[0] (`get_optimizer_state_dict` keeps only state and
+        param_groups)."""
+        sharding, params = self._runtime.sharding, self._params_in_order()
+        for i, param in enumerate(params):
+            if i not in saved["state"] and id(param) in self._param_ids and param.requires_grad:
+                saved["state"][i] = sharding.fresh_entry(param, self.config.interval_second_moment)
+        saved["state"] = {i: sharding.dcp_entry(entry, params[i]) for i, entry in saved["state"].items()}
+        saved["param_groups"][0]["zenflow"] = saved["zenflow"]
+
+    def _mark_sharded_state(self) -> None:
+        """torch.distributed.checkpoint's get/set_optimizer_state_dict take an optimizer with an empty `state`
+        for one that never stepped and make it step once with zero gradients and lr 0 (which would move
+        ZenFlow's schedule and moments): `state` names the parameters whose state the runtime holds."""
+        for param, pid in zip(*self._followed):
+            if self._runtime.has_state(pid) and param not in self.state:
+                self.state[param] = {"zenflow": "held by the ZenFlow runtime: see ZenFlowAdamW.state_dict()"}
 
     def consolidated_state_dict(self, to_rank: int = 0) -> Optional[dict]:
         """Data parallel: gather every rank's share into one world-size-free state_dict on `to_rank` (None
@@ -406,9 +444,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict()`. As torch.optim restores the saved lr, betas, eps and weight_decay, the saved
         `max_grad_norm` is restored too (set `opt.max_grad_norm` after loading to change it)."""
-        if "zenflow" not in state_dict:
+        groups = state_dict.get("param_groups") or [{}]
+        zenflow = state_dict.get("zenflow", groups[0].get("zenflow"))  # (DCP's get_optimizer_state_dict form)
+        if zenflow is None:
             raise ValueError("not a ZenFlowAdamW state_dict (no 'zenflow' entry); a torch.optim.AdamW "
                              "checkpoint cannot be resumed exactly by ZenFlow")
+        groups = [{k: v for k, v in group.items() if k != "zenflow"} for group in state_dict["param_groups"]]
         if self._runtime.holds_step_grads:
             # torch.optim would keep `.grad` for the next step; here the gradients already live in the states
             # that loading re-creates, so they would be lost without a word.
@@ -416,18 +457,28 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowAdamW.load_state_dict() was called between a backward and step(): that backward's "
                 "gradients were already handed to the optimizer and loading would discard them. Load the "
                 "checkpoint before the backward, or after step() (or call zero_grad() first to drop them)")
-        owners = self._share_owners(state_dict["zenflow"].get("data_parallel"))
+        owners = self._share_owners(zenflow.get("data_parallel"))
         if self._runtime.failed:  # a worker failure or an interrupted step: loading replaces every state
             self._runtime.settle_after_failure()
         else:
             self._runtime.quiesce()
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        self._runtime.import_globals(state_dict["zenflow"], owners)
-        if "max_grad_norm" in state_dict["zenflow"]:
-            self.max_grad_norm = state_dict["zenflow"]["max_grad_norm"]
-        self._runtime.import_states({self.param_id(param): state_dict["state"][i]
-                                     for i, param in enumerate(self._params_in_order()) if i in state_dict["state"]})
+        super().load_state_dict({"state": {}, "param_groups": groups})
+        self._runtime.import_globals(zenflow, owners)
+        if "max_grad_norm" in zenflow:
+            self.max_grad_norm = zenflow["max_grad_norm"]
+        # A parameter's entry is keyed as its place in the saved param groups says: its index (torch.optim's
+        # state_dict) or its name (torch.distributed.checkpoint's get_optimizer_state_dict).
+        keys = [key for group in groups for key in group["params"]]
+        entries = {self.param_id(param): state_dict["state"][keys[i]]
+                   for i, param in enumerate(self._params_in_order()) if keys[i] in state_dict["state"]}
+        if self._runtime.sharding is not None:
+            entries = {pid: sharded.local_entry(entry) for pid, entry in entries.items()}
+        self._runtime.import_states(entries)
         self._runtime.clear_failure()
+        if self._runtime.sharding is not None:
+            self._groups_seen = None
+            self._follow_param_groups()
+            self._mark_sharded_state()
 
     def _share_owners(self, saved: Optional[dict]) -> Optional[dict[int, int]]:
         """pid -> owner of a data-parallel share saved by this rank at this world size (None for a full
@@ -458,6 +509,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """copy.deepcopy(opt) and pickling (torch.save({"model": m, "opt": opt})) rebuild the optimizer over the
         copied parameters from `state_dict()`: the copy resumes exactly where this one is (a state_dict
         resume). Refused where that cannot hold: data parallel, or between a backward and step()."""
+        if self._runtime.sharding is not None:
+            raise TypeError(
+                "a ZenFlowAdamW over FSDP2-sharded parameters cannot be copied or pickled: its state is this "
+                "rank's rows. Fix: save opt.state_dict() on every rank and load it into a ZenFlowAdamW built on "
+                "every rank")
         if self._runtime.data_parallel is not None:
             raise TypeError(
                 "a data-parallel ZenFlowAdamW cannot be copied or pickled: its state is this rank's share and "
@@ -481,6 +537,35 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
+
+
+def _param_list(params):
+    """`params` as torch.optim takes them, with every iterable made a list (they are read twice: once to find
+    sharded parameters, once by torch.optim)."""
+    if isinstance(params, torch.Tensor):
+        return params  # (torch.optim's own error)
+    items = []
+    for item in params:
+        if isinstance(item, Mapping) and "params" in item and not isinstance(item["params"], torch.Tensor):
+            item = {**item, "params": list(item["params"])}
+        items.append(item)
+    return items
+
+
+def _tensors_in(params) -> list:
+    """The tensors of a `_param_list` (plain, named (name, tensor) pairs, or param groups)."""
+    if isinstance(params, torch.Tensor):
+        return [params]
+    tensors = []
+    for item in params:
+        if isinstance(item, Mapping):
+            inner = item.get("params", [])
+            tensors += _tensors_in([inner] if isinstance(inner, torch.Tensor) else inner)
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            tensors.append(item[1])
+        else:
+            tensors.append(item)
+    return tensors
 
 
 def _rebuild(cls, groups: list[dict], options: dict, state_dict: dict) -> "ZenFlowAdamW":

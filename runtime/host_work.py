@@ -1,0 +1,185 @@
+"""HostWork: the two CPU workers of one optimizer and what the schedule gives them.
+
+The accumulate worker folds each step's offloaded gradients into the interval's accumulators (one task per
+step, every slab in it); the update worker runs the CPU AdamW of every slab's host columns at an update
+boundary (one task, after the interval's last accumulation). Two workers, so a long update never delays the
+next step's accumulation. The training thread waits for them only at fixed points of the schedule (`wait`,
+counted and timed as stall), so results never depend on thread timing. A worker's error marks the optimizer
+failed (`failures.Failure`) and is raised in the training thread, then at every later call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future
+from typing import Optional
+
+from zenflow_compile.runtime.failures import Failure
+from zenflow_compile.runtime.slab import Slab
+from zenflow_compile.runtime.transfers import StallClock, Transfers
+from zenflow_compile.runtime.worker import CpuWorker, joined, wait_for
+
+Stepped = list[tuple[Slab, Optional[list[int]]]]  # slabs with the members that took a gradient (None: all)
+
+
+class HostWork:
+    def __init__(self, pt_reserved_cores_perc: Optional[float], counters: dict):
+        self.accumulate_worker = CpuWorker("accumulate", pt_reserved_cores_perc=pt_reserved_cores_perc)
+        self.update_worker = CpuWorker("update", pt_reserved_cores_perc=pt_reserved_cores_perc)
+        self.failure = Failure()
+        self.counters = counters  # the runtime's; waits are counted in "host_waits"
+        self.stall_clock: Optional[StallClock] = None  # set with the device (`use_device`)
+        self._accumulate_done: list[Optional[Future]] = [None, None]  # per grad slot: its buffers' last reader
+        self._last_accumulate: Optional[Future] = None
+        self._update: Optional[Future] = None  # the last launched CPU update
+
+    @property
+    def workers(self) -> tuple[CpuWorker, CpuWorker]:
+        return self.accumulate_worker, self.update_worker
+
+    def use_device(self, transfers: Transfers) -> None:
+        self.stall_clock = StallClock(transfers)
+        for worker in self.workers:
+            worker.ordering = transfers.ordering
+
+    # -- accumulation ---------------------------------------------------------------------------------------
+    def accumulate(self, stepped: Stepped, grad_slot: int, acc_slot: int, coef: float) -> None:
+        """Fold this step's offloaded gradients (x `coef`) into the interval's accumulators: one task for every
+        slab, run once the step's copies have landed (their events taken now: the next step replaces them)."""
+        if not stepped:
+            return
+        work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]
+
+        def accumulate():
+            for slab, rows, copies in work:
+                slab.accumulate(rows, grad_slot, acc_slot, coef, copies)
+
+        future = self.accumulate_worker.submit(accumulate)
+        self._accumulate_done[grad_slot] = future
+        self._last_accumulate = future
+
+    def free_grad_buffers(self, grad_slot: int) -> None:
+        """Before a step's first gradient: the accumulate task of two steps ago read the buffers it fills."""
+        pending = self._accumulate_done[grad_slot]
+        if pending is not None:
+            self.wait(pending)
+
+    def fold_backwards(self, folding: list[tuple[Slab, list[int]]], grad_slot: int) -> None:
+        """Several backwards in one step: the accumulate worker sums the members' offloaded host parts and scores
+        the sum; the training thread waits for it (the norm needs those scores)."""
+        self.wait(self.accumulate_worker.submit(
+            lambda: [slab.host_step_scores(grad_slot, rows) for slab, rows in folding]))
+
+    # -- the CPU update -------------------------------------------------------------------------------------
+    def launch_update(self, slabs: list[Slab], acc_slot: int, hyperparameters: list[dict],
+                      interval_aware: bool) -> None:
+        """One task on the update worker: per slab, one fused CPU AdamW per lr multiplier (1, or with
+        `interval_aware` the member's accumulated steps: its update stands for them), with each param group's
+        `hyperparameters` at launch. A matrix that got no gradient all interval is skipped. The slabs updated
+        are marked `unapplied` on every rank: their new columns reach the device at the next `apply_update`."""
+        work = []
+        for slab in slabs:
+            if not (slab.is_matrix and slab.u):
+                continue
+            by_scale: dict[float, list[tuple[int, int]]] = {}
+            for i, m in enumerate(slab.members):
+                if m.steps_accumulated:
+                    scale = m.steps_accumulated if interval_aware else 1
+                    by_scale.setdefault(scale, []).append((i, m.steps_accumulated))
+            if not by_scale:
+                continue
+            slab.unapplied = True
+            if slab.has_host_part:
+                work.append((slab, by_scale, hyperparameters[slab.key.group_index]))
+
+        def cpu_update():
+            for slab, by_scale, hyper in work:
+                slab.update_host_columns(by_scale, acc_slot, hyper)
+
+        self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)
+
+    def apply_update(self, slabs: list[Slab], data_parallel=None) -> int:
+        """Wait for the last launched CPU update and write it into the device parameters of the slabs it
+        updated; returns the bytes uploaded. Data parallel: the other ranks wait in the owners' broadcasts
+        (counted as stall)."""
+        if self._update is not None:  # (None right after a checkpoint load: already finished)
+            self.wait(self._update)
+        unapplied = [slab for slab in slabs if slab.unapplied]
+        waiting = self.counted_wait() if data_parallel is not None and unapplied else contextlib.nullcontext()
+        with waiting:
+            return sum(slab.apply_host_columns(data_parallel) for slab in unapplied)
+
+    # -- waiting --------------------------------------------------------------------------------------------
+    def wait(self, future: Future) -> None:
+        """The training thread waits for CPU work: the documented stall, measured."""
+        if future.done():
+            joined(future)
+            if future.exception() is not None:
+                self._raise_worker_error(future.exception())
+            return
+        with self.counted_wait():
+            try:
+                wait_for(future)
+            except BaseException as error:
+                self._raise_worker_error(error)
+
+    @contextlib.contextmanager
+    def counted_wait(self):
+        """Time the training thread spends waiting for CPU work (here or on another rank): counted and
+        measured as stall."""
+        self.counters["host_waits"] += 1
+        marker, start = self.stall_clock.before_wait(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stall_clock.after_wait(marker, time.perf_counter() - start)
+
+    def drain(self) -> None:
+        """Wait for every task (a reader or writer of the host state is about to run on this thread)."""
+        for worker in self.workers:
+            try:
+                worker.drain()
+            except BaseException as error:
+                self._raise_worker_error(error)
+
+    def reset(self) -> None:
+        """Every state was replaced (a checkpoint load): no task of the old states is waited for again."""
+        self._accumulate_done = [None, None]
+        self._last_accumulate = self._update = None
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
+
+    # -- failures -------------------------------------------------------------------------------------------
+    def record_failure(self, what: str, error: BaseException) -> None:
+        """The optimizer failed (the first failure is kept). Its tasks' futures are let go: they hold the
+        exception, whose frames would keep the training loop's locals and this optimizer alive."""
+        if self.failure.record(what, error):
+            self.reset()
+            for worker in self.workers:
+                worker.forget_failures()
+
+    def _raise_worker_error(self, error: BaseException):
+        self.record_failure("ZenFlow CPU worker failed", error)
+        raise self.failure.error() from error
+
+    def check(self) -> None:
+        """Raise if the optimizer failed (also on a step with nothing to do), or a worker's task did."""
+        self.failure.raise_if_failed()
+        for worker in self.workers:
+            try:
+                worker.raise_if_failed()
+            except BaseException as error:
+                self._raise_worker_error(error)
+
+    def settle_after_failure(self) -> None:
+        """Before a checkpoint load clears a failure: let the tasks still queued on the old states finish
+        (their errors were already reported)."""
+        for worker in self.workers:
+            worker.wait_all()
+            worker.forget_failures()
+
+
+__all__ = ["HostWork", "Stepped"]

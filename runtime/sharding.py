@@ -1,0 +1,237 @@
+"""Sharded parameters (ZeRO-3 class) through FSDP2: the shard group of one ZenFlowAdamW.
+
+`torch.distributed.fsdp.fully_shard` turns each parameter into a `DTensor` with placement `Shard(0)` on a 1-D
+device mesh: every rank holds a block of rows of every column (ranks may hold different numbers of rows,
+some none at all). That fits ZenFlow's column selection exactly:
+
+- a rank's state of a parameter is the state of its own rows: a member's `param` is the DTensor's local
+  tensor (`local_shard`), its slab rows are the local rows, and everything the slabs do (device AdamW of the
+  selected columns, offload, accumulation, CPU AdamW of the others) runs on those rows with no ownership
+  bookkeeping and no second gradient reduction (FSDP2 reduce-scatters the gradients; the optimizer sees each
+  rank's shard in `.grad`);
+- a column's score is the sum over ranks of each rank's partial squared norm, so ONE all-reduce of the step's
+  score vectors (`Sharding.all_reduce_scores`, C floats per matrix, one per vector) gives every rank the same
+  scores. The global norm (non-finite skip, clipping), Zen-auto's means, the first selection and every
+  reselection are computed from them, so every rank selects the same columns (ties to the lower index) and
+  makes the same decisions, and issues the same collectives in the same order. For that, slabs are keyed by
+  the parameters' global shapes (`slab_key`), so every rank groups its members into the same slabs in the
+  same order, whatever rows it holds.
+
+What is refused, with the fix: a 2-D (HSDP) mesh and any placement other than `Shard(0)` (tensor parallel,
+`fully_shard(shard_placement_fn=...)`): a column is then split across ranks in ways the per-column scores do
+not add up over one group; FSDP2's `CPUOffloadPolicy`: ZenFlow already keeps the unselected columns' state on
+the host and moves only their gradients and updates, while the policy would also move the selected columns and
+the parameters themselves, every step; DTensor parameters beside plain ones (the plain ones' gradients would
+not be reduced) or beside a `process_group=` (ZenFlow's own data parallelism, which reduces gradients itself).
+
+Checkpoints (`ZenFlowAdamW.state_dict()`): the form `torch.distributed.checkpoint` (DCP) and its
+`get_optimizer_state_dict` expect. Per-row state (fp32 masters, moments, accumulators) as DTensors `Shard(0)`
+over the mesh (`dcp_entry`), so DCP saves each rank's rows and reshards them on a load at another world size;
+per-column state (counts, selection) and the schedule replicated (every rank holds the same). The per-row
+DTensors keep their local tensors on the host (on a CUDA mesh too: never copied to the devices).
+
+The collectives go through `collectives.DataParallel` (payload counted, a failure raised as `CollectiveError`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+import torch
+
+from zenflow_compile.runtime.collectives import DataParallel
+
+__all__ = ["Sharding", "sharding_of", "check_added", "local_shard", "local_entry", "is_sharded", "fsdp_sharded_param_of"]
+
+try:  # (a torch built without distributed has no DTensor: nothing is ever sharded)
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover
+    DTensor, Shard = (), None
+
+
+def is_sharded(tensor: Any) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """The rows of `tensor` this rank holds (a DTensor's local tensor, a view of FSDP2's sharded storage: writes
+    into it are what the next all-gather reads); any other tensor itself."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+class Sharding:
+    """The 1-D mesh a ZenFlowAdamW's parameters are sharded over, and its one collective per step."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.collectives = DataParallel(mesh.get_group())
+        self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
+
+    def all_reduce_scores(self, scores: list[torch.Tensor]) -> None:
+        """Each rank's partial column scores (squared norms over its rows) become the full scores, in place:
+        one all-reduce for all of them. Called with the same tensors' shapes in the same order on every
+        rank (slabs keyed by global shapes)."""
+        packed = torch.cat([t.reshape(-1) for t in scores])
+        self.collectives.all_reduce(packed)
+        for tensor, reduced in zip(scores, packed.split([t.numel() for t in scores])):
+            tensor.copy_(reduced.view_as(tensor))
+
+    # -- checkpoints (torch.distributed.checkpoint) -----------------------------------------------------------
+    def dcp_entry(self, entry: dict, param: torch.Tensor) -> dict:
+        """A parameter's checkpoint entry (`checkpoint.export_entry`, this rank's rows) in the form DCP saves and
+        reshards: tensors with a row per parameter row become DTensors `Shard(0)` of the parameter's global rows;
+        the others (per-column counts, selection, flags) are the same on every rank (replicated). Every matrix
+        entry has the same keys, so a fresh optimizer's `state_dict()` is a template `dcp.load` fills in."""
+        out = dict(entry)
+        if param.dim() >= 2:
+            rows, cols = out["master"].shape
+            if "device_columns" not in out:  # (read only while a CPU update is pending)
+                out["device_columns"] = torch.zeros(rows, cols, dtype=param.dtype)
+            out["unapplied"] = torch.tensor(bool(out.get("unapplied", False)))
+            out["steps_accumulated"] = torch.tensor(int(out["steps_accumulated"]))
+        for key in ROW_KEYS:
+            if key in out:
+                out[key] = self._rows(out[key], param)
+        return out
+
+    def _rows(self, local: torch.Tensor, param: torch.Tensor) -> "DTensor":
+        """`local` (this rank's rows, on the host) as a DTensor of the parameter's global rows. Built directly
+        rather than by `DTensor.from_local`, which would copy it to the mesh's device: the host state of a
+        sharded model is many times what fits on the devices."""
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        shape = torch.Size((param.shape[0], *local.shape[1:]))
+        stride = torch.empty(shape, device="meta").stride()
+        spec = DTensorSpec(self.mesh, (Shard(0),), tensor_meta=TensorMeta(shape, stride, local.dtype))
+        return DTensor(local.contiguous(), spec, requires_grad=False)
+
+    @staticmethod
+    def fresh_entry(param: torch.Tensor, accumulate_squares: bool) -> dict:
+        """The entry of a parameter with no state yet (its values, zero moments and counts): what a checkpoint
+        of it would hold before its first gradient, so a fresh optimizer's `state_dict()` is a full template."""
+        local = local_shard(param).detach()
+        if param.dim() < 2:
+            master = local.float().cpu().clone()
+            return dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
+                        step=torch.zeros(1))
+        rows, cols = local.shape[0], math.prod(local.shape[1:])
+        master = local.reshape(rows, cols).float().cpu().clone()
+        entry = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
+                     step=torch.zeros(cols), selected=torch.zeros(cols, dtype=torch.bool), steps_accumulated=0,
+                     zen_auto=torch.zeros(2, dtype=torch.float64), accumulator=torch.zeros_like(master))
+        if accumulate_squares:
+            entry["square_accumulator"] = torch.zeros_like(master)
+        return entry
+
+    def stats(self) -> dict:
+        stats = self.collectives.stats()
+        return dict(shard_world_size=stats["world_size"], shard_rank=stats["rank"],
+                    comm_bytes_sent=stats["comm_bytes_sent"], comm_bytes_received=stats["comm_bytes_received"])
+
+
+# Entries of a parameter's checkpoint entry with one row per parameter row (saved sharded like the parameter).
+ROW_KEYS = ("master", "exp_avg", "exp_avg_sq", "accumulator", "square_accumulator", "device_columns")
+
+
+def local_entry(entry: dict) -> dict:
+    """A checkpoint entry as `checkpoint.state_from_entry` reads it: this rank's rows of its DTensors."""
+    return {key: value.to_local() if isinstance(value, DTensor) else value for key, value in entry.items()}
+
+
+def _fsdp_params() -> Iterable:
+    """Every FSDP2 parameter (`FSDPParam`) of the live `fully_shard`-ed modules of this process."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:  # pragma: no cover
+        return
+    for ref in list(_module_state_mapping.values()):
+        state = ref()
+        group = getattr(state, "_fsdp_param_group", None) if isinstance(state, FSDPState) else None
+        if group is not None:
+            yield from group.fsdp_params
+
+
+def fsdp_sharded_param_of(tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """If `tensor` is the unsharded parameter FSDP2 all-gathers for a forward (what a compiled graph sees as
+    its input, not the registered DTensor), the sharded parameter it stands for; else None."""
+    for fsdp_param in _fsdp_params():
+        if getattr(fsdp_param, "_unsharded_param", None) is tensor:
+            return fsdp_param.sharded_param
+    return None
+
+
+def _where(index: int, param: torch.Tensor) -> str:
+    return f"parameter {index} (shape {tuple(param.shape)})"
+
+
+def check_added(params: list, sharding: Optional[Sharding], constructed: bool) -> None:
+    """Parameters added after construction (add_param_group, an edit of param_groups) must be sharded like the
+    others: DTensors of the optimizer's mesh over sharded parameters, plain tensors otherwise."""
+    if not constructed:
+        return
+    tensors = [p for p in params if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex())]
+    for i, param in enumerate(tensors):
+        if sharding is None and isinstance(param, DTensor):
+            raise ValueError(
+                f"ZenFlowAdamW: {_where(i, param)} added to an optimizer over plain parameters is a DTensor "
+                "(sharded by FSDP2). Fix: give sharded parameters to a ZenFlowAdamW built over sharded "
+                "parameters (one optimizer per mesh)")
+        if sharding is not None and not (isinstance(param, DTensor) and param.device_mesh == sharding.mesh):
+            raise ValueError(
+                f"ZenFlowAdamW: {_where(i, param)} added to an optimizer over FSDP2-sharded parameters is not a "
+                "DTensor of its mesh; its gradient would not be reduced like the others. Fix: fully_shard its "
+                "module first (on the same mesh), or give it to an optimizer of its own")
+    if sharding is not None:
+        sharding_of(tensors)  # (the placement and offload checks)
+
+
+def sharding_of(params: list, process_group: Any = None) -> Optional[Sharding]:
+    """The Sharding of an optimizer's parameters: None when none is a DTensor; else they must all be FSDP2
+    `Shard(0)` DTensors of one 1-D mesh (ValueError naming the fix otherwise)."""
+    floating = [p for p in params if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex())]
+    sharded = [i for i, p in enumerate(floating) if isinstance(p, DTensor)]
+    if not sharded:
+        return None
+    if len(sharded) != len(floating):
+        plain = next(i for i, p in enumerate(floating) if not isinstance(p, DTensor))
+        raise ValueError(
+            f"ZenFlowAdamW: {_where(plain, floating[plain])} is a plain tensor while others are DTensors "
+            "(sharded by FSDP2's fully_shard); its gradient would not be reduced across ranks. Fix: call "
+            "fully_shard on the root module too (it shards every parameter not sharded yet), or give the "
+            "plain parameters to an optimizer of their own")
+    if process_group is not None:
+        raise ValueError(
+            "ZenFlowAdamW: process_group= is ZenFlow's own data parallelism (it reduces the gradients itself), "
+            "but the parameters are DTensors sharded by FSDP2, which reduce-scatters them. Fix: drop "
+            "process_group=; over fully_shard-ed parameters ZenFlowAdamW takes the mesh from the parameters")
+    mesh = floating[0].device_mesh
+    for i, param in enumerate(floating):
+        if param.device_mesh.ndim != 1:
+            raise ValueError(
+                f"ZenFlowAdamW: {_where(i, param)} is on a {param.device_mesh.ndim}-D device mesh "
+                f"{tuple(param.device_mesh.mesh_dim_names or ())} (HSDP or tensor parallel): ZenFlow over "
+                "sharded parameters supports a 1-D mesh (fully_shard with a 1-D mesh, the default). Fix: "
+                "fully_shard(module, mesh=init_device_mesh(device, (world_size,)))")
+        if tuple(param.placements) != (Shard(0),):
+            raise ValueError(
+                f"ZenFlowAdamW: {_where(i, param)} has placements {tuple(param.placements)}; ZenFlow over "
+                "sharded parameters needs FSDP2's Shard(0) (each rank holds whole rows of every column): "
+                "tensor parallel placements, or fully_shard(shard_placement_fn=...) sharding on another dim, "
+                "split columns across ranks. Fix: fully_shard with the default placement, no tensor parallelism")
+        if param.device_mesh != mesh:
+            raise ValueError(
+                f"ZenFlowAdamW: {_where(i, param)} is sharded over another device mesh than parameter 0; one "
+                "ZenFlowAdamW takes parameters of one mesh. Fix: one optimizer per mesh")
+    ours = {id(p) for p in floating}
+    for fsdp_param in _fsdp_params():
+        if id(fsdp_param.sharded_param) in ours and getattr(fsdp_param, "offload_to_cpu", False):
+            raise ValueError(
+                "ZenFlowAdamW: the parameters were sharded with fully_shard(offload_policy=CPUOffloadPolicy()), "
+                "which keeps the whole sharded parameters, gradients and optimizer step on the CPU. ZenFlow "
+                "already offloads what pays: the unselected columns' state stays on the host and only their "
+                "gradients and updates move, while the top-k columns train on the device every step; the "
+                "policy would move the selected columns and the parameters across every step too. Fix: drop "
+                "offload_policy= (ZenFlow's host offload replaces it)")
+    return Sharding(mesh)

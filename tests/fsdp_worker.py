@@ -1,0 +1,256 @@
+"""One rank of the FSDP2 tests (tests/test_fsdp.py): ZenFlowAdamW over `fully_shard`-ed parameters, gloo on CPU.
+
+Launched as `python tests/fsdp_worker.py SCENARIOS.pt OUT_DIR` with RANK, WORLD_SIZE and ZENFLOW_TEST_INIT (a
+FileStore path) in the environment, once per rank. For each scenario (a dict, see `run`) OUT_DIR/<name>.rank<r>.pt
+gets the full (gathered) parameters and the selections after every step, the stats, and the error message if
+the scenario expects one. `one_process` is what the ranks must equal: the same model and optimizer in one
+process, on the concatenated batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import datetime
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import zenflow_compile  # noqa: E402
+import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
+import zenflow_compile.inspect as zf_inspect  # noqa: E402
+from emulated_device import emulated_async_device  # noqa: E402
+from helpers import loss_fn, make_batches  # noqa: E402
+
+GLOBAL_BATCH = 12  # divisible by 2 and 3 ranks
+
+
+class TinyGated(nn.Module):
+    """Tiny (tests/helpers.py) with a 2-row gate and a 12-row projection. Over 3 ranks FSDP2 gives one rank no
+    row of `gate`, and uneven rows of emb [32, 16] and fc2 [16, 24]; on the last rank fc2.bias and proj.bias
+    have as many rows (4) as each other, on the others not (6 and 4): slabs must be grouped by global shapes
+    for every rank to pack its scores alike."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.fc1 = nn.Linear(16, 24)
+        self.norm = nn.LayerNorm(24)
+        self.fc2 = nn.Linear(24, 16)
+        self.gate = nn.Linear(16, 2)
+        self.proj = nn.Linear(16, 12)
+
+    def forward(self, x):
+        e = self.emb(x)
+        gate = torch.sigmoid(self.gate(e))
+        out = self.fc2(self.norm(torch.tanh(self.fc1(e)))) * gate[..., :1] + gate[..., 1:]
+        return out + torch.tanh(self.proj(e)).mean(-1, keepdim=True)
+
+
+def make_model(seed: int = 0) -> TinyGated:
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        return TinyGated()
+
+
+def micro_batch(batch, rank: int, world_size: int):
+    x, y = batch
+    share = x.shape[0] // world_size
+    return x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+
+
+def optimizer(scenario: dict, params, **extra):
+    return zenflow_compile.ZenFlowAdamW(params, lr=scenario.get("lr", 1e-2), max_grad_norm=scenario.get("clip"),
+                                        **scenario["keys"], **extra)
+
+
+def poison(scenario: dict, step: int, grad: torch.Tensor) -> None:
+    """The non-finite step: a NaN in the first element of emb.weight's gradient (rank 0's rows)."""
+    if scenario.get("nan_step") == step:
+        grad.view(-1)[0] = float("nan")
+
+
+# ------------------------------------------------------------------------------------------- one process
+def one_process(scenario: dict, world_size: int):
+    """The run every rank must equal: one process, no sharding, the concatenated batch (the mean of the ranks'
+    mean losses). bf16: the compute is bf16 per rank's micro-batch (as FSDP2's MixedPrecisionPolicy
+    param_dtype=bf16 does), the gradients summed in fp32 (reduce_dtype=fp32) and divided by the world size."""
+    model = make_model(scenario.get("seed", 0))
+    opt = optimizer(scenario, model.parameters())
+    batches = make_batches(64, batch=GLOBAL_BATCH)
+    params, selected = [], []
+    for step in range(scenario["steps"]):
+        if scenario.get("bf16"):
+            low = copy.deepcopy(model).to(torch.bfloat16)
+            sums = [torch.zeros_like(p) for p in model.parameters()]
+            for r in range(world_size):
+                loss_fn(low, micro_batch(batches[step], r, world_size)).backward()
+                for s, p in zip(sums, low.parameters()):
+                    s.add_(p.grad.float())
+                low.zero_grad()
+            for p, s in zip(model.parameters(), sums):
+                p.grad = s / world_size
+        else:
+            for k in range(scenario.get("backwards_per_step", 1)):
+                loss_fn(model, batches[step * scenario.get("backwards_per_step", 1) + k]).backward()
+        poison(scenario, step, model.emb.weight.grad)
+        opt.step()
+        opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+        selected.append([opt.selected_columns(p) for p in model.parameters() if p.dim() >= 2])
+    opt.synchronize()
+    return params, selected, opt
+
+
+# ------------------------------------------------------------------------------------------------ a rank
+def shard(model: nn.Module, scenario: dict, world_size: int) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    kwargs = dict(mesh=init_device_mesh("cpu", (world_size,)),
+                  reshard_after_forward=scenario.get("reshard_after_forward", True))
+    if scenario.get("bf16"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    refuse = scenario.get("refuse")
+    if refuse == "hsdp":
+        kwargs["mesh"] = init_device_mesh("cpu", (1, world_size), mesh_dim_names=("replicate", "shard"))
+    elif refuse == "shard_dim_1":
+        kwargs["shard_placement_fn"] = lambda param: Shard(1) if param.dim() >= 2 else Shard(0)
+    elif refuse == "cpu_offload":
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
+    blocks = [model.fc1] if refuse == "plain_beside_sharded" else [model.emb, model.fc1, model.fc2, model.gate, model.proj]
+    for block in blocks:
+        fully_shard(block, **kwargs)
+    if refuse != "plain_beside_sharded":
+        fully_shard(model, **kwargs)
+    return model
+
+
+def full(param: torch.Tensor) -> torch.Tensor:
+    return param.full_tensor().detach().clone() if hasattr(param, "full_tensor") else param.detach().clone()
+
+
+def build(scenario: dict, world_size: int):
+    model = shard(make_model(scenario.get("seed", 0)), scenario, world_size)
+    extra = dict(process_group=dist.group.WORLD) if scenario.get("refuse") == "process_group" else {}
+    opt = optimizer(scenario, model.parameters(), **extra)
+    if scenario.get("refuse") == "plain_added_later":
+        opt.add_param_group(dict(params=[nn.Parameter(torch.zeros(4, 4))]))
+    run_model = torch.compile(model, backend="zenflow") if scenario["compiled"] else model
+    return model, opt, run_model
+
+
+def train(scenario, model, opt, run_model, rank, world_size, record, first_step: int, steps: int) -> None:
+    batches = make_batches(64, batch=GLOBAL_BATCH)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    backwards = scenario.get("backwards_per_step", 1)
+    for step in range(first_step, first_step + steps):
+        for k in range(backwards):  # (FSDP2 sums each backward's reduce-scattered gradient into .grad)
+            loss_fn(run_model, micro_batch(batches[step * backwards + k], rank, world_size)).backward()
+        if rank == 0:
+            poison(scenario, step, model.emb.weight.grad.to_local())
+        opt.step()
+        opt.zero_grad()
+        if scenario.get("die_rank") == rank and step == scenario.get("die_after_step"):
+            os._exit(3)  # a rank that dies mid-run
+        record["params"].append([full(p) for p in model.parameters()])
+        record["selected"].append([opt.selected_columns(p) for p in matrices])
+
+
+def consolidated(opt) -> dict:
+    """The optimizer's whole state, gathered (every rank gets it): its DTensor entries made full tensors."""
+    saved = opt.state_dict()
+    return dict(zenflow=saved["zenflow"], state={
+        i: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in entry.items()}
+        for i, entry in saved["state"].items()})
+
+
+def dcp_resume(scenario: dict, world_size: int, checkpoint: str):
+    """A fresh model and optimizer, loaded from a DCP checkpoint the way torchtitan does: the state_dict
+    functions of torch.distributed.checkpoint give the template, `dcp.load` fills it in, set_state_dict
+    applies it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, run_model = build(scenario, world_size)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, opt, run_model
+
+
+def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
+    record: dict = dict(params=[], selected=[], error=None)
+    try:
+        # (compiled: every backward graph is compiled and rewritten here, none served by a cache)
+        with zf_inspect.capture() if scenario["compiled"] else contextlib.nullcontext([]) as graphs:
+            if "dcp_load" in scenario:  # a checkpoint of another launch (possibly another world size)
+                model, opt, run_model = dcp_resume(scenario, world_size, scenario["dcp_load"])
+                record["consolidated"] = consolidated(opt)
+                train(scenario, model, opt, run_model, rank, world_size, record, scenario["first_step"],
+                      scenario["steps"])
+            else:
+                model, opt, run_model = build(scenario, world_size)
+                train(scenario, model, opt, run_model, rank, world_size, record, 0, scenario["steps"])
+            if "dcp_save" in scenario:
+                import torch.distributed.checkpoint as dcp
+                from torch.distributed.checkpoint.state_dict import get_state_dict
+
+                model_sd, optim_sd = get_state_dict(model, opt)
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=scenario["dcp_save"])
+                record["consolidated"] = consolidated(opt)
+                train(scenario, model, opt, run_model, rank, world_size, record, scenario["steps"],
+                      scenario["resume_steps"])
+                # Resume in a fresh model and optimizer at this world size.
+                model2, opt2, run_model2 = dcp_resume(scenario, world_size, scenario["dcp_save"])
+                record["resumed"] = dict(params=[], selected=[])
+                train(scenario, model2, opt2, run_model2, rank, world_size, record["resumed"], scenario["steps"],
+                      scenario["resume_steps"])
+        # Which gradients each rewritten backward graph handed to the runtime itself (by parameter name).
+        record["backward_graphs"] = [sorted(g.param_names.values()) for g in graphs]
+        opt.synchronize()
+        record["local_rows"] = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+        record["stats"] = opt.stats()
+        record["device_is_host"] = opt._runtime.transfers.device_is_host
+    except Exception as error:  # noqa: BLE001  (the test asserts on it)
+        if not scenario.get("expect_error"):
+            raise
+        record["error"] = f"{type(error).__name__}: {error}"
+        record["traceback"] = traceback.format_exc()
+    torch.save(record, out_dir / f"{scenario['name']}.rank{rank}.pt")
+
+
+def main() -> None:
+    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    scenarios = torch.load(spec_path, weights_only=False)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("ZENFLOW_TEST_TIMEOUT", "60")))
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
+                            world_size=world_size, timeout=timeout)
+    dies = any(s.get("die_rank") is not None for s in scenarios)
+    emulated = os.environ.get("ZENFLOW_WORKER_DEVICE") == "emulated"
+    try:
+        # The emulated asynchronous device (emulated_device.py): the optimizers' device path (offload copies,
+        # uploads, events) over the CPU tensors gloo reduces; an ordering violation fails the rank.
+        with emulated_async_device() if emulated else contextlib.nullcontext():
+            for scenario in scenarios:
+                run(scenario, rank, world_size, out_dir)
+                if not dies:
+                    dist.barrier()
+    finally:
+        if not dies:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
