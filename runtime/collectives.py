@@ -81,6 +81,14 @@ class DataParallel:
         self._count("all_reduce", tensor, True, True)
         return self._run(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
+    def all_reduce_packed(self, tensors: list[torch.Tensor]) -> None:
+        """Sum over ranks of every tensor in `tensors`, in place, in one all-reduce of them packed (same shapes
+        in the same order on every rank)."""
+        packed = torch.cat([t.reshape(-1) for t in tensors])
+        self.all_reduce(packed)
+        for tensor, reduced in zip(tensors, packed.split([t.numel() for t in tensors])):
+            tensor.copy_(reduced.view_as(tensor))
+
     def reduce(self, tensor: torch.Tensor, owner: int, async_op: bool = False):
         """Sum over ranks into `owner`'s tensor (the others' tensors are left undefined)."""
         self._count("reduce", tensor, owner != self.rank, owner == self.rank)

@@ -246,11 +246,10 @@ class ZenFlowRuntime:
     def _all_reduce_scores(self, slabs: list[Slab]) -> None:
         """Every rank's scores become the full scores of the averaged gradient: each slab's owner reports them
         (the others contribute zeros), one all-reduce for all of them."""
-        mine = [s.scores if s.key.owner == self.rank else torch.zeros_like(s.scores) for s in slabs]
-        packed = torch.cat([t.reshape(-1) for t in mine])
-        self.data_parallel.all_reduce(packed)
-        for slab, reduced in zip(slabs, packed.split([s.scores.numel() for s in slabs])):
-            slab.scores.copy_(reduced.view_as(slab.scores))
+        for slab in slabs:
+            if slab.key.owner != self.rank:
+                slab.scores.zero_()
+        self.data_parallel.all_reduce_packed([slab.scores for slab in slabs])
 
     @property
     def holds_step_grads(self) -> bool:

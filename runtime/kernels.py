@@ -40,10 +40,10 @@ def device_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tenso
     `columns` ([n, k]) of the members' parameters ([R, C] views); `rows`: the members that take part (None:
     all); `whole`: the columns are all of each parameter's, in order; `master_rows`: `master.unbind(0)`, if the
     caller keeps it."""
-    adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, rows=rows, grad_scale=grad_scale, lr=lr, beta1=beta1,
+    index = None if rows is None else torch.tensor(rows, device=master.device)
+    adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, rows=index, grad_scale=grad_scale, lr=lr, beta1=beta1,
                 beta2=beta2, eps=eps, weight_decay=weight_decay)
     if rows is not None:
-        index = torch.tensor(rows, device=master.device)
         write_columns_([params[i] for i in rows], columns.index_select(0, index), master.index_select(0, index),
                        whole=whole)
     elif whole and master_rows is not None:

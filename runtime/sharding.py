@@ -72,10 +72,7 @@ class Sharding:
         """Each rank's partial column scores (squared norms over its rows) become the full scores, in place:
         one all-reduce for all of them. Called with the same tensors' shapes in the same order on every
         rank (slabs keyed by global shapes)."""
-        packed = torch.cat([t.reshape(-1) for t in scores])
-        self.collectives.all_reduce(packed)
-        for tensor, reduced in zip(scores, packed.split([t.numel() for t in scores])):
-            tensor.copy_(reduced.view_as(tensor))
+        self.collectives.all_reduce_packed(scores)
 
     # -- checkpoints (torch.distributed.checkpoint) -----------------------------------------------------------
     def dcp_entry(self, entry: dict, param: torch.Tensor) -> dict:

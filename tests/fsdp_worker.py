@@ -27,12 +27,12 @@ import zenflow_compile  # noqa: E402
 import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
 import zenflow_compile.inspect as zf_inspect  # noqa: E402
 from emulated_device import emulated_async_device  # noqa: E402
-from helpers import loss_fn, make_batches  # noqa: E402
+from helpers import Tiny, loss_fn, make_batches  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3 ranks
 
 
-class TinyGated(nn.Module):
+class TinyGated(Tiny):
     """Tiny (tests/helpers.py) with a 2-row gate and a 12-row projection. Over 3 ranks FSDP2 gives one rank no
     row of `gate`, and uneven rows of emb [32, 16] and fc2 [16, 24]; on the last rank fc2.bias and proj.bias
     have as many rows (4) as each other, on the others not (6 and 4): slabs must be grouped by global shapes
@@ -40,10 +40,6 @@ class TinyGated(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(32, 16)
-        self.fc1 = nn.Linear(16, 24)
-        self.norm = nn.LayerNorm(24)
-        self.fc2 = nn.Linear(24, 16)
         self.gate = nn.Linear(16, 2)
         self.proj = nn.Linear(16, 12)
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -31,7 +35,7 @@ def _test_devices() -> list[str]:
 TEST_DEVICES = _test_devices()
 
 
-__all__ = ["TEST_DEVICES", "Tiny", "tiny_model", "TinyRepeated", "model_for", "make_batches", "loss_fn",
+__all__ = ["TEST_DEVICES", "launch_ranks", "Tiny", "tiny_model", "TinyRepeated", "model_for", "make_batches", "loss_fn",
            "train_steps", "TrainLog", "max_param_diff", "snapshot", "bf16_ulp_distance"]
 
 
@@ -274,3 +278,29 @@ def deepspeed_on_cpu() -> Iterator:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def launch_ranks(worker: Path, world_size: int, scenarios: list[dict], out_dir: Path, timeout: float = 600,
+                 env: Optional[dict] = None) -> list[int]:
+    """Run `worker` (a script taking the scenarios file and `out_dir`) on `world_size` fresh processes, ranks
+    of one gloo group; return their exit codes. A rank that hangs past `timeout` fails the test (TimeoutExpired),
+    and every rank still running is killed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = out_dir / "scenarios.pt"
+    torch.save(scenarios, spec)
+    init = out_dir / "rendezvous"
+    procs = []
+    for rank in range(world_size):
+        rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), ZENFLOW_TEST_INIT=str(init),
+                        OMP_NUM_THREADS="1", **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, str(worker), str(spec), str(out_dir)], env=rank_env))
+    deadline = time.monotonic() + timeout
+    codes = []
+    try:
+        for proc in procs:
+            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    return codes

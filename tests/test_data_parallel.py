@@ -23,7 +23,7 @@ import torch
 
 import zenflow_compile
 from dp_worker import mask_first_rows
-from helpers import TEST_DEVICES, loss_fn, make_batches, max_param_diff, model_for, tiny_model
+from helpers import TEST_DEVICES, launch_ranks, loss_fn, make_batches, max_param_diff, model_for, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "dp_worker.py"
@@ -55,26 +55,7 @@ CHECKPOINT = dict(name="checkpoint", compiled=True, steps=5, resume_steps=4, key
 
 
 def launch(scenarios: list[dict], out_dir: Path, timeout: float = 600, env: dict | None = None) -> list[int]:
-    """Run the scenarios on WORLD_SIZE fresh processes; return their exit codes."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    spec = out_dir / "scenarios.pt"
-    torch.save(scenarios, spec)
-    init = out_dir / "rendezvous"
-    procs = []
-    for rank in range(WORLD_SIZE):
-        rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), ZENFLOW_TEST_INIT=str(init),
-                        OMP_NUM_THREADS="1", **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec), str(out_dir)], env=rank_env))
-    deadline = time.monotonic() + timeout
-    codes = []
-    for proc in procs:
-        try:
-            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-    return codes
+    return launch_ranks(WORKER, WORLD_SIZE, scenarios, out_dir, timeout, env)
 
 
 def load(out_dir: Path, name: str) -> list[dict]:

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from fsdp_worker import one_process
-from helpers import max_param_diff
+from helpers import launch_ranks, max_param_diff
 
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "fsdp_worker.py"
@@ -58,27 +58,7 @@ REFUSALS = {
 
 def launch(world_size: int, scenarios: list[dict], out_dir: Path, timeout: float = 600,
            env: dict | None = None) -> list[int]:
-    """Run the scenarios on `world_size` fresh processes; return their exit codes (a rank that hangs past
-    `timeout` fails the test, the others are killed)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    spec = out_dir / "scenarios.pt"
-    torch.save(scenarios, spec)
-    init = out_dir / "rendezvous"
-    procs = []
-    for rank in range(world_size):
-        rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), ZENFLOW_TEST_INIT=str(init),
-                        OMP_NUM_THREADS="1", **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec), str(out_dir)], env=rank_env))
-    deadline = time.monotonic() + timeout
-    codes = []
-    try:
-        for proc in procs:
-            codes.append(proc.wait(timeout=max(1.0, deadline - time.monotonic())))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    return codes
+    return launch_ranks(WORKER, world_size, scenarios, out_dir, timeout, env)
 
 
 def load(out_dir: Path, name: str, world_size: int) -> list[dict]:

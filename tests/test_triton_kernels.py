@@ -125,8 +125,9 @@ def test_adamw_slab_against_float64(device, impl, scale_kind, case):
     grad_scale = scale if scale_kind == "float" else torch.tensor(scale, device=device)
     expected = _expected_f64(slab, scale, **HP)
     before = {key: t.clone() for key, t in slab.items()}
-    adamw_slab_(slab["grad"], slab["master"], slab["exp_avg"], slab["exp_avg_sq"], slab["counts"], rows=rows,
-                grad_scale=grad_scale, use_triton=use, **HP)
+    adamw_slab_(slab["grad"], slab["master"], slab["exp_avg"], slab["exp_avg_sq"], slab["counts"],
+                rows=None if rows is None else torch.tensor(rows, device=device), grad_scale=grad_scale,
+                use_triton=use, **HP)
     stepped = list(range(case[0])) if rows is None else rows
     for i in range(case[0]):
         for key in ("master", "exp_avg", "exp_avg_sq", "counts"):
@@ -150,8 +151,8 @@ def test_adamw_slab_kernel_equals_its_torch_twin(device, case):
     for _ in range(3):
         grad = torch.randn(slabs[0]["grad"].shape, generator=gen).to(slabs[0]["grad"].dtype).to(device)
         for slab, use in zip(slabs, (True, False)):
-            adamw_slab_(grad, slab["master"], slab["exp_avg"], slab["exp_avg_sq"], slab["counts"], rows=case[4],
-                        use_triton=use, **HP)
+            adamw_slab_(grad, slab["master"], slab["exp_avg"], slab["exp_avg_sq"], slab["counts"],
+                        rows=None if case[4] is None else torch.tensor(case[4], device=device), use_triton=use, **HP)
     for key in ("master", "exp_avg", "exp_avg_sq", "counts"):
         torch.testing.assert_close(slabs[0][key], slabs[1][key], rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}: {m}")
 

@@ -4,7 +4,7 @@ A slab (runtime/slab.py) holds the selected columns of its n members as [n, R, k
     grad                    [n, R, k]  the columns' gradient (param dtype)
     master, exp_avg, exp_avg_sq   fp32 [n, R, k]   (updated in place)
     counts                  fp32 [n, k]  per-column update counts (incremented in place)
-`rows`: the members that take part (None: all of them).
+`rows`: the members that take part, as an int64 index tensor on the slab's device (None: all of them).
 
 Math, per column with count c (after the increment), as torch.optim.AdamW (decoupled weight decay):
     g = grad * grad_scale (fp32); master *= 1 - lr*wd; m = lerp(m, g, 1 - beta1);
@@ -148,7 +148,7 @@ def adamw_columns_torch_(grad, master, exp_avg, exp_avg_sq, counts, *, lr, beta1
 
 
 def adamw_slab_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                counts: torch.Tensor, *, rows: Optional[list[int]] = None, lr: float, beta1: float, beta2: float,
+                counts: torch.Tensor, *, rows: Optional[torch.Tensor] = None, lr: float, beta1: float, beta2: float,
                 eps: float, weight_decay: float, grad_scale: Union[float, torch.Tensor] = 1.0,
                 use_triton: Optional[bool] = None) -> None:
     """One AdamW step of the selected columns of members `rows` (None: all) of a slab, in place (see the module
@@ -172,13 +172,12 @@ def adamw_slab_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
         if rows is None:
             adamw_slab_torch_(grad, master, exp_avg, exp_avg_sq, counts, grad_scale=grad_scale, **hyperparameters)
             return
-        index = torch.tensor(rows, device=device)  # their rows gathered, updated, scattered back
-        state = [t.index_select(0, index) for t in (master, exp_avg, exp_avg_sq, counts)]
-        adamw_slab_torch_(grad.index_select(0, index), *state, grad_scale=grad_scale, **hyperparameters)
-        for full, part in zip((master, exp_avg, exp_avg_sq, counts), state):
-            full.index_copy_(0, index, part)
+        state = [t.index_select(0, rows) for t in (master, exp_avg, exp_avg_sq, counts)]  # gathered, updated,
+        adamw_slab_torch_(grad.index_select(0, rows), *state, grad_scale=grad_scale, **hyperparameters)
+        for full, part in zip((master, exp_avg, exp_avg_sq, counts), state):  # scattered back
+            full.index_copy_(0, rows, part)
         return
-    members = n if rows is None else len(rows)
+    members = n if rows is None else rows.numel()
     if not (members and k and R):
         return
     scale_is_tensor = isinstance(grad_scale, torch.Tensor)
@@ -188,10 +187,9 @@ def adamw_slab_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
         scale_args = (grad_scale.reshape(()).to(torch.float32), 1.0)
     else:
         scale_args = (counts, float(grad_scale))  # any pointer: not read
-    rows_t = counts if rows is None else torch.tensor(rows, dtype=torch.int64, device=device)  # (not read: all)
     tiles = -(-k // _BLOCK_C)
     _kernel.on(device)[(members * tiles,)](
-        grad, master, exp_avg, exp_avg_sq, counts, rows_t, *scale_args, R, k, tiles,
+        grad, master, exp_avg, exp_avg_sq, counts, counts if rows is None else rows, *scale_args, R, k, tiles,
         f32(1 - lr * weight_decay), f32(1 - beta1), f32(beta2), f32(1 - beta2), f32(eps),
         *split_f64(lr), *split_f64(beta1), *split_f64(beta2),
         HAS_ROWS=rows is not None, SCALE_IS_PTR=scale_is_tensor, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,

@@ -138,14 +138,18 @@ def read_tab(path: Path, label: str, text: str, where: dict | None = None) -> tu
     return labels, texts
 
 
+def _labelled(labels: list[str], texts: list[str]) -> tuple[list[str], list[int], list[str]]:
+    """``(texts, label_ids, class_names)``: ids index the sorted class names."""
+    classes = sorted(set(labels))
+    index = {c: i for i, c in enumerate(classes)}
+    return texts, [index[c] for c in labels], classes
+
+
 def load_20newsgroups(split: str) -> tuple[list[str], list[int], list[str]]:
     """``(texts, label_ids, class_names)`` of the "train" or "test" split; ids index the sorted class names."""
     if split not in _NEWSGROUPS_MEMBERS:
         raise ValueError(f"split={split!r} is invalid: expected 'train' or 'test'")
-    labels, texts = read_tab(fetch_20newsgroups() / f"{split}.tab", "Category", "Text")
-    classes = sorted(set(labels))
-    index = {c: i for i, c in enumerate(classes)}
-    return texts, [index[c] for c in labels], classes
+    return _labelled(*read_tab(fetch_20newsgroups() / f"{split}.tab", "Category", "Text"))
 
 
 def load_reuters_r8(split: str) -> tuple[list[str], list[int], list[str]]:
@@ -153,19 +157,13 @@ def load_reuters_r8(split: str) -> tuple[list[str], list[int], list[str]]:
     stories, 8 topics); ids index the sorted class names."""
     if split not in _REUTERS_R8_MEMBERS:
         raise ValueError(f"split={split!r} is invalid: expected 'train' or 'test'")
-    labels, texts = read_tab(fetch_reuters_r8() / f"{split}.tab", "Category", "Text")
-    classes = sorted(set(labels))
-    index = {c: i for i, c in enumerate(classes)}
-    return texts, [index[c] for c in labels], classes
+    return _labelled(*read_tab(fetch_reuters_r8() / f"{split}.tab", "Category", "Text"))
 
 
 def load_election_tweets() -> tuple[list[str], list[int], list[str]]:
     """``(texts, label_ids, class_names)``: the 2016 candidates' own tweets (retweets dropped), label = author."""
-    labels, texts = read_tab(fetch_20newsgroups() / "election-tweets-2016.tab", "Author", "Content",
-                             where={"Is retweet": "False"})
-    classes = sorted(set(labels))
-    index = {c: i for i, c in enumerate(classes)}
-    return texts, [index[c] for c in labels], classes
+    return _labelled(*read_tab(fetch_20newsgroups() / "election-tweets-2016.tab", "Author", "Content",
+                               where={"Is retweet": "False"}))
 
 
 if __name__ == "__main__":
