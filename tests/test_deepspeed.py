@@ -56,12 +56,13 @@ def ds_config(zenflow=None, **top) -> dict:
 
 
 def direct_optimizer(model, config: dict, **overrides):
-    """ZenFlowAdamW written by hand from the same DeepSpeed config (the oracle's optimizer)."""
+    """ZenFlowAdamW written by hand from the same DeepSpeed config (the oracle's optimizer), with DeepSpeed's
+    defaults for the keys the JSON leaves out, as the JSON path has them (also in a subprocess)."""
     params = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **config["optimizer"]["params"]}
     zenflow = dict(config["zero_optimization"]["zenflow"])
     from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT  # (1.0: DeepSpeed clips unless told not to)
     clip = config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT) or None
-    return zenflow_compile.ZenFlowAdamW(model.parameters(), **params, max_grad_norm=clip,
+    return zenflow_compile.ZenFlowAdamW(model.parameters(), **params, max_grad_norm=clip, preset="deepspeed",
                                         **{**zenflow, **overrides})
 
 
