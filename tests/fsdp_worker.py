@@ -74,20 +74,32 @@ def poison(scenario: dict, step: int, grad: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------- one process
-def one_process(scenario: dict, world_size: int):
+def one_process(scenario: dict, world_size: int, compiled: bool = False):
     """The run every rank must equal: one process, no sharding, the concatenated batch (the mean of the ranks'
     mean losses). bf16: the compute is bf16 per rank's micro-batch (as FSDP2's MixedPrecisionPolicy
-    param_dtype=bf16 does), the gradients summed in fp32 (reduce_dtype=fp32) and divided by the world size."""
+    param_dtype=bf16 does), the gradients summed in fp32 (reduce_dtype=fp32) and divided by the world size;
+    `compiled`: that bf16 compute compiled by Inductor, as the ranks' compiled graphs are (Inductor keeps a
+    bf16 graph's pointwise intermediates in fp32, so it is not the eager bf16 arithmetic)."""
     model = make_model(scenario.get("seed", 0))
     opt = optimizer(scenario, model.parameters())
     batches = make_batches(64, batch=GLOBAL_BATCH)
     params, selected = [], []
+    low = copy.deepcopy(model).to(torch.bfloat16) if scenario.get("bf16") else None
+    run_low = low
+    if low is not None and compiled:
+        for block in sharded_blocks(low):  # (the ranks' graphs end where FSDP2's hooks run: so do these)
+            cut = torch.compiler.disable(lambda *args: None)
+            block.register_forward_pre_hook(cut)
+            block.register_forward_hook(cut)
+        run_low = torch.compile(low)
     for step in range(scenario["steps"]):
         if scenario.get("bf16"):
-            low = copy.deepcopy(model).to(torch.bfloat16)
+            with torch.no_grad():  # (the bf16 cast of the fp32 parameters, as FSDP2's all-gather makes it)
+                for lp, p in zip(low.parameters(), model.parameters()):
+                    lp.copy_(p)
             sums = [torch.zeros_like(p) for p in model.parameters()]
             for r in range(world_size):
-                loss_fn(low, micro_batch(batches[step], r, world_size)).backward()
+                loss_fn(run_low, micro_batch(batches[step], r, world_size)).backward()
                 for s, p in zip(sums, low.parameters()):
                     s.add_(p.grad.float())
                 low.zero_grad()
@@ -106,6 +118,11 @@ def one_process(scenario: dict, world_size: int):
 
 
 # ------------------------------------------------------------------------------------------------ a rank
+def sharded_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules `fully_shard` is called on before the root (as FSDP2 users do per block)."""
+    return [model.emb, model.fc1, model.fc2, model.gate, model.proj]
+
+
 def shard(model: nn.Module, scenario: dict, world_size: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -122,7 +139,7 @@ def shard(model: nn.Module, scenario: dict, world_size: int) -> nn.Module:
         kwargs["shard_placement_fn"] = lambda param: Shard(1) if param.dim() >= 2 else Shard(0)
     elif refuse == "cpu_offload":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-    blocks = [model.fc1] if refuse == "plain_beside_sharded" else [model.emb, model.fc1, model.fc2, model.gate, model.proj]
+    blocks = [model.fc1] if refuse == "plain_beside_sharded" else sharded_blocks(model)
     for block in blocks:
         fully_shard(block, **kwargs)
     if refuse != "plain_beside_sharded":

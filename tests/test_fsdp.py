@@ -4,8 +4,8 @@ Each launch starts the ranks (`tests/fsdp_worker.py`, a FileStore rendezvous), w
 save, per rank, the gathered parameters and the selections after every step. The tests compare:
 - every rank against ZenFlowAdamW in this process, unsharded, on the concatenated batch (`one_process`), to
   fp32 reduction-order rounding: overlap, reselection, clipping and a non-finite step in one run, Zen-auto,
-  bf16 compute (MixedPrecisionPolicy), eager and compiled; 3 ranks shard rows unevenly and leave one rank
-  without a row of a matrix;
+  bf16 compute (MixedPrecisionPolicy), eager and compiled (bf16 compiled against a compiled one process);
+  3 ranks shard rows unevenly and leave one rank without a row of a matrix;
 - the compiled run against the eager one, and the ranks against each other (same selections, same bytes);
 - per-rank host state ~ 1/N of the one process's;
 - refusals (ValueError naming the fix): HSDP (2-D mesh), Shard(1), CPUOffloadPolicy, process_group=, plain
@@ -42,10 +42,14 @@ PARITY = {
     "no_reshard_after_forward": dict(steps=6, reshard_after_forward=False,
                                      keys=dict(BASE, overlap_step=False, update_interval=1)),
 }
-# Compiled runs in fp32 only: Inductor computes a bf16 graph's pointwise ops in fp32, so bf16 compiled is not
-# the bf16 eager arithmetic that `one_process` reproduces.
-COMPILED = ("overlap_reselect_clip_nan", "zen_auto")
+COMPILED = ("overlap_reselect_clip_nan", "zen_auto", "bf16_compute")
 BF16_ATOL = 1e-3  # bf16 compute: a 1-ulp fp32 difference in a parameter can change its bf16 cast
+# bf16 compiled: Inductor keeps a bf16 graph's pointwise intermediates in fp32 and rounds to bf16 where a kernel
+# (or a graph: FSDP2's hooks cut one per sharded module) ends, so the reference is compiled too, cut at the same
+# modules (`one_process(compiled=True)`); measured 5e-5 at 2 ranks, 4e-5 at 3 (against the eager reference:
+# 2e-2, and 1e-3 to 2e-3 with the whole model as one graph). What remains is the fp32 reduce-scatter order flipping a
+# bf16 cast in the next step's parameters.
+BF16_COMPILED_ATOL = 2e-4
 REFUSALS = {
     "hsdp": r"2-D device mesh .*1-D mesh.*Fix: fully_shard\(module, mesh=init_device_mesh",
     "shard_dim_1": r"placements \(Shard\(dim=1\),\).*needs FSDP2's Shard\(0\).*Fix:",
@@ -107,8 +111,12 @@ RUNS = [(name, "eager") for name in PARITY] + [(name, "compiled") for name in CO
 def test_ranks_equal_one_process_on_the_concatenated_batch(runs, name, mode):
     out_dir, world_size = runs
     ranks = load(out_dir, f"{name}_{mode}", world_size)
-    expected_params, expected_selected, expected_opt = one_process(PARITY[name], world_size)
-    worst, atol = 0.0, BF16_ATOL if PARITY[name].get("bf16") else ATOL
+    expected_params, expected_selected, expected_opt = one_process(PARITY[name], world_size,
+                                                                   compiled=mode == "compiled")
+    atol = ATOL
+    if PARITY[name].get("bf16"):
+        atol = BF16_COMPILED_ATOL if mode == "compiled" else BF16_ATOL
+    worst = 0.0
     for rank, record in enumerate(ranks):
         assert record["error"] is None
         assert len(record["params"]) == len(expected_params)
@@ -136,11 +144,11 @@ def test_the_run_exercised_what_it_claims(runs):
         assert [r["gate.weight"] for r in rows] == [(1, 16), (1, 16), (0, 16)]
 
 
-@pytest.mark.parametrize("name", COMPILED)
+@pytest.mark.parametrize("name", [name for name in COMPILED if not PARITY[name].get("bf16")])
 def test_compiled_equals_eager(runs, name):
     """Under FSDP2 a compiled graph's parameter inputs are the unsharded parameters FSDP2 all-gathers, not the
     registered DTensors: the rewritten backward hands none of their gradients over (FSDP2 must reduce-scatter
-    them), and step() takes the sharded .grad as eagerly."""
+    them), and step() takes the sharded .grad as eagerly. (fp32 only: compiled bf16 arithmetic is not eager's.)"""
     out_dir, world_size = runs
     compiled_ranks = load(out_dir, f"{name}_compiled", world_size)
     for record in compiled_ranks:
