@@ -27,8 +27,9 @@ not be reduced) or beside a `process_group=` (ZenFlow's own data parallelism, wh
 Checkpoints (`ZenFlowAdamW.state_dict()`): the form `torch.distributed.checkpoint` (DCP) and its
 `get_optimizer_state_dict` expect. Per-row state (fp32 masters, moments, accumulators) as DTensors `Shard(0)`
 over the mesh (`dcp_entry`), so DCP saves each rank's rows and reshards them on a load at another world size;
-per-column state (counts, selection) and the schedule replicated (every rank holds the same). The per-row
-DTensors keep their local tensors on the host (on a CUDA mesh too: never copied to the devices).
+per-column state (counts, selection) and the schedule replicated (every rank holds the same; the counters
+that are a rank's own, such as its bytes moved, are left out). The per-row DTensors keep their local tensors on
+the host (on a CUDA mesh too: never copied to the devices).
 
 The collectives go through `collectives.DataParallel` (payload counted, a failure raised as `CollectiveError`).
 """
@@ -42,7 +43,8 @@ import torch
 
 from zenflow_compile.runtime.collectives import DataParallel
 
-__all__ = ["Sharding", "sharding_of", "check_added", "local_shard", "local_entry", "is_sharded", "fsdp_sharded_param_of"]
+__all__ = ["Sharding", "sharding_of", "check_added", "local_shard", "local_entry", "replicated_globals", "is_sharded",
+           "fsdp_sharded_param_of"]
 
 try:  # (a torch built without distributed has no DTensor: nothing is ever sharded)
     from torch.distributed.tensor import DTensor, Shard
@@ -129,6 +131,17 @@ class Sharding:
 
 # Entries of a parameter's checkpoint entry with one row per parameter row (saved sharded like the parameter).
 ROW_KEYS = ("master", "exp_avg", "exp_avg_sq", "accumulator", "square_accumulator", "device_columns")
+
+# Counters of `opt.stats()` that are this rank's own (the bytes of its rows, its waits for its host). DCP stores
+# one copy of an object every rank saves under one key, taken from any rank, so they stay out of a checkpoint;
+# a rank that loads one keeps counting its own from where it is.
+RANK_LOCAL_COUNTERS = ("bytes_device_to_host", "bytes_host_to_device", "host_waits")
+
+
+def replicated_globals(saved: dict) -> dict:
+    """The optimizer's schedule entry (`ZenFlowRuntime.export_globals`) as every rank holds it alike."""
+    counters = {k: v for k, v in saved["counters"].items() if k not in RANK_LOCAL_COUNTERS}
+    return dict(saved, counters=counters)
 
 
 def local_entry(entry: dict) -> dict:

@@ -416,6 +416,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if i not in saved["state"] and id(param) in self._param_ids and param.requires_grad:
                 saved["state"][i] = sharding.fresh_entry(param, self.config.interval_second_moment)
         saved["state"] = {i: sharding.dcp_entry(entry, params[i]) for i, entry in saved["state"].items()}
+        saved["zenflow"] = sharded.replicated_globals(saved["zenflow"])
         saved["param_groups"][0]["zenflow"] = saved["zenflow"]
 
     def _mark_sharded_state(self) -> None:
