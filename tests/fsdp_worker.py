@@ -67,6 +67,40 @@ def optimizer(scenario: dict, params, **extra):
                                         **scenario["keys"], **extra)
 
 
+def loaded_weights() -> dict:
+    """What a user loads into the model part-way through training (another run's weights)."""
+    return {k: v.detach().clone() for k, v in make_model(seed=1).state_dict().items()}
+
+
+def load_weights(scenario: dict, step: int, model: nn.Module, world_size: int = 1) -> None:
+    """Before step `load_at`: the weights of `loaded_weights` into the model, as `scenario["load"]` says:
+    "copy": model.load_state_dict(sd) (one process: the full tensors; ranks: DTensors of their rows);
+    "assign": the same with assign=True (FSDP2 takes new parameter objects); "repad": each parameter's local
+    tensor replaced the way FSDP2 does it after a parameter swap (new storage, then `reset_sharded_param`,
+    which re-pads an uneven shard), so the DTensor the optimizer holds has a new local tensor."""
+    if scenario.get("load_at") != step:
+        return
+    full_sd = loaded_weights()
+    if world_size == 1 or not hasattr(next(model.parameters()), "device_mesh"):
+        model.load_state_dict(full_sd)
+        return
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = next(model.parameters()).device_mesh
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_sd.items()}
+    if scenario["load"] in ("copy", "assign"):
+        model.load_state_dict(sd, assign=scenario["load"] == "assign")
+        return
+    from zenflow_compile.runtime.sharding import _fsdp_params
+
+    params = dict(model.named_parameters())
+    by_param = {id(f.sharded_param): f for f in _fsdp_params()}
+    with torch.no_grad():
+        for name, param in params.items():
+            param._local_tensor = sd[name].to_local().clone()
+            by_param[id(param)].reset_sharded_param()
+
+
 def poison(scenario: dict, step: int, grad: torch.Tensor) -> None:
     """The non-finite step: a NaN in the first element of emb.weight's gradient (rank 0's rows)."""
     if scenario.get("nan_step") == step:
@@ -93,6 +127,7 @@ def one_process(scenario: dict, world_size: int, compiled: bool = False):
             block.register_forward_hook(cut)
         run_low = torch.compile(low)
     for step in range(scenario["steps"]):
+        load_weights(scenario, step, model)
         if scenario.get("bf16"):
             with torch.no_grad():  # (the bf16 cast of the fp32 parameters, as FSDP2's all-gather makes it)
                 for lp, p in zip(low.parameters(), model.parameters()):
@@ -166,6 +201,7 @@ def train(scenario, model, opt, run_model, rank, world_size, record, first_step:
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     backwards = scenario.get("backwards_per_step", 1)
     for step in range(first_step, first_step + steps):
+        load_weights(scenario, step, model, world_size)
         for k in range(backwards):  # (FSDP2 sums each backward's reduce-scattered gradient into .grad)
             loss_fn(run_model, micro_batch(batches[step * backwards + k], rank, world_size)).backward()
         if rank == 0:

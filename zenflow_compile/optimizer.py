@@ -286,6 +286,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params, pids = self._follow_param_groups()
+        if self._runtime.sharding is not None:
+            self._runtime.sharding.check_still_held(params, self._describe)
         scale = self._loss_scale(grad_scaler)
         try:
             if self._dp_hooks is None:
