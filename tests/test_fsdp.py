@@ -275,6 +275,7 @@ def test_torchrun_example_saves_and_resumes_at_another_world_size(tmp_path):
 
     first = torchrun(2, "--steps", "6")
     assert "host optimizer state bytes per rank: [" in first and "(world size 2)" in first
+    assert "host state share of each rank: 0.50, 0.50 (1/N = 0.50)" in first
     assert f"saved model and optimizer to {checkpoint} (DCP)" in first
     resumed = torchrun(3, "--steps", "2", "--resume")
     assert f"resumed from {checkpoint} at step 6 (world size 3)" in resumed
