@@ -117,6 +117,9 @@ def main() -> None:
     dist.all_gather_object(host_bytes, stats["host_state_bytes"])
     if rank == 0:
         print(f"host optimizer state bytes per rank: {host_bytes} (world size {world_size})")
+        # (their sum is what one process would hold: each rank holds the state of its rows only)
+        shares = ", ".join(f"{b / sum(host_bytes):.2f}" for b in host_bytes)
+        print(f"host state share of each rank: {shares} (1/N = {1 / world_size:.2f})")
         print(f"steps {stats['steps']}  cpu updates {stats['cpu_updates']}  reselections {stats['reselections']}")
     dist.destroy_process_group()
 

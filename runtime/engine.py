@@ -37,11 +37,10 @@ from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.host_work import HostWork, Stepped
 from zenflow_compile.runtime.intake import BucketPlan, rows_taken
 from zenflow_compile.runtime.slab import (Member, MemberState, Slab, adopt_changed, host_order, slab_key,
-                                          top_k_columns)
+                                          top_k_columns, watch_keys)
 from zenflow_compile.runtime.transfers import Transfers
 
 
-_VERSION = operator.attrgetter("_version")
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -396,20 +395,23 @@ class ZenFlowRuntime:
     def _watched_params(self):
         if self._watched is None:
             members = list(self.members.values())
-            self._watched = ([m.param for m in members], [m.watch.seen for m in members])
+            self._watched = ([m.watch.watched for m in members], [m.watch.seen for m in members])
         return self._watched
 
     def _adopt_external_writes(self) -> None:
         """The parameter is the source of truth (docs/semantics.md). Values written into it by anyone else
-        since the optimizer's last write (its version counter or storage changed) become the master."""
+        since the optimizer's last write (its version counter or storage changed) become the master. A
+        sharded parameter's state follows the local tensor its DTensor holds now (`follow_local_shard`)."""
         params, seen = self._watched_params()
-        # (one pass of builtins over every parameter: the common case, nothing written, costs ~0.1 us each)
-        if list(zip(map(_VERSION, params), map(torch.Tensor.data_ptr, params), map(_DTYPE, params))) == seen:
+        if watch_keys(params, self.sharding is not None) == seen:
             return
         written = [m for m in self.members.values() if m.watch.written_externally()]
         if not written:
             return
-        self.check_written_params([m.param for m in written])
+        self.check_written_params([m.registered for m in written])
+        for member in written:
+            if member.sharded is not None:
+                member.follow_local_shard()
         self.host_work.drain()  # CPU work in flight reads and writes the host masters
         cast = [m for m in written if m.param.dtype != m.slab.dtype]
         for member in written:
@@ -448,7 +450,7 @@ class ZenFlowRuntime:
         before the step's first gradient lands in them (else an upcast's gradient is rounded to the old dtype
         on the way in); any other write is adopted at the step, as usual."""
         params, seen = self._watched_params()
-        if list(map(_DTYPE, params)) != [s[2] for s in seen]:
+        if list(map(_DTYPE, params)) != [s[-1] for s in seen]:
             self._adopt_external_writes()
 
     # -- boundaries ---------------------------------------------------------------------------------------

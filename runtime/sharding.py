@@ -22,13 +22,16 @@ What is refused, with the fix: a 2-D (HSDP) mesh and any placement other than `S
 not add up over one group; FSDP2's `CPUOffloadPolicy`: ZenFlow already keeps the unselected columns' state on
 the host and moves only their gradients and updates, while the policy would also move the selected columns and
 the parameters themselves, every step; DTensor parameters beside plain ones (the plain ones' gradients would
-not be reduced) or beside a `process_group=` (ZenFlow's own data parallelism, which reduces gradients itself).
+not be reduced) or beside a `process_group=` (ZenFlow's own data parallelism, which reduces gradients itself);
+at `step()`, a parameter FSDP2 no longer holds (`check_still_held`: `load_state_dict(assign=True)` puts new
+parameter objects in its place, which get the gradients).
 
 Checkpoints (`ZenFlowAdamW.state_dict()`): the form `torch.distributed.checkpoint` (DCP) and its
 `get_optimizer_state_dict` expect. Per-row state (fp32 masters, moments, accumulators) as DTensors `Shard(0)`
 over the mesh (`dcp_entry`), so DCP saves each rank's rows and reshards them on a load at another world size;
-per-column state (counts, selection) and the schedule replicated (every rank holds the same). The per-row
-DTensors keep their local tensors on the host (on a CUDA mesh too: never copied to the devices).
+per-column state (counts, selection) and the schedule replicated (every rank holds the same; the counters
+that are a rank's own, such as its bytes moved, are left out). The per-row DTensors keep their local tensors on
+the host (on a CUDA mesh too: never copied to the devices).
 
 The collectives go through `collectives.DataParallel` (payload counted, a failure raised as `CollectiveError`).
 """
@@ -42,7 +45,8 @@ import torch
 
 from zenflow_compile.runtime.collectives import DataParallel
 
-__all__ = ["Sharding", "sharding_of", "check_added", "local_shard", "local_entry", "is_sharded", "fsdp_sharded_param_of"]
+__all__ = ["Sharding", "sharding_of", "check_added", "local_shard", "local_entry", "replicated_globals", "is_sharded",
+           "fsdp_sharded_param_of"]
 
 try:  # (a torch built without distributed has no DTensor: nothing is ever sharded)
     from torch.distributed.tensor import DTensor, Shard
@@ -67,6 +71,28 @@ class Sharding:
         self.mesh = mesh
         self.collectives = DataParallel(mesh.get_group())
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
+        self._fsdp_params: list = []  # (parameter, the FSDPParam that held it when the optimizer took it)
+
+    def hold(self, params: list) -> None:
+        """Remember which FSDP2 parameter slot holds each of `params` (see `check_still_held`)."""
+        ours = {id(p): p for p in params}
+        self._fsdp_params += [(ours[id(f.sharded_param)], f) for f in _fsdp_params() if id(f.sharded_param) in ours]
+
+    def check_still_held(self, params: list, describe) -> None:
+        """Each parameter is still the one FSDP2 shards, all-gathers and gives gradients to. FSDP2 takes a new
+        parameter object in its place after `model.load_state_dict(sd, assign=True)` (or a module attribute
+        set to another parameter); the optimizer would keep the old one, which no longer gets a gradient
+        (torch.optim.AdamW would silently stop training it too)."""
+        current = set(map(id, params))  # (a parameter removed from the param groups is no concern)
+        for param, fsdp_param in self._fsdp_params:
+            if fsdp_param.sharded_param is not param and id(param) in current:
+                raise ValueError(
+                    f"ZenFlowAdamW: {describe(param)} is no longer the model's parameter: FSDP2 holds another "
+                    "parameter object in its place (model.load_state_dict(..., assign=True) makes new ones), "
+                    "which gets the gradients while the optimizer holds the old one. Fix: load without "
+                    "assign=True (model.load_state_dict(sd) or torch.distributed.checkpoint's "
+                    "set_model_state_dict copy the values into the parameters, and ZenFlow trains on from "
+                    "them), or build the optimizer after loading")
 
     def all_reduce_scores(self, scores: list[torch.Tensor]) -> None:
         """Each rank's partial column scores (squared norms over its rows) become the full scores, in place:
@@ -130,6 +156,17 @@ class Sharding:
 # Entries of a parameter's checkpoint entry with one row per parameter row (saved sharded like the parameter).
 ROW_KEYS = ("master", "exp_avg", "exp_avg_sq", "accumulator", "square_accumulator", "device_columns")
 
+# Counters of `opt.stats()` that are this rank's own (the bytes of its rows, its waits for its host). DCP stores
+# one copy of an object every rank saves under one key, taken from any rank, so they stay out of a checkpoint;
+# a rank that loads one keeps counting its own from where it is.
+RANK_LOCAL_COUNTERS = ("bytes_device_to_host", "bytes_host_to_device", "host_waits")
+
+
+def replicated_globals(saved: dict) -> dict:
+    """The optimizer's schedule entry (`ZenFlowRuntime.export_globals`) as every rank holds it alike."""
+    counters = {k: v for k, v in saved["counters"].items() if k not in RANK_LOCAL_COUNTERS}
+    return dict(saved, counters=counters)
+
 
 def local_entry(entry: dict) -> dict:
     """A checkpoint entry as `checkpoint.state_from_entry` reads it: this rank's rows of its DTensors."""
@@ -182,6 +219,7 @@ def check_added(params: list, sharding: Optional[Sharding], constructed: bool) -
                 "module first (on the same mesh), or give it to an optimizer of its own")
     if sharding is not None:
         sharding_of(tensors)  # (the placement and offload checks)
+        sharding.hold(tensors)
 
 
 def sharding_of(params: list, process_group: Any = None) -> Optional[Sharding]:
@@ -231,4 +269,6 @@ def sharding_of(params: list, process_group: Any = None) -> Optional[Sharding]:
                 "gradients and updates move, while the top-k columns train on the device every step; the "
                 "policy would move the selected columns and the parameters across every step too. Fix: drop "
                 "offload_policy= (ZenFlow's host offload replaces it)")
-    return Sharding(mesh)
+    sharding = Sharding(mesh)
+    sharding.hold(floating)
+    return sharding

@@ -38,13 +38,14 @@ rows, possibly 0); its slab is keyed by the global shape, so every rank has the 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
 from zenflow_compile.runtime import kernels
-from zenflow_compile.runtime.sharding import local_shard
+from zenflow_compile.runtime.sharding import is_sharded, local_shard
 from zenflow_compile.runtime.transfers import Transfers, wait_events
 
 # Largest parameter (elements) that shares a slab with others: stacking its gradient in the hand-off copies it
@@ -85,23 +86,41 @@ def _fp32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 else t.float()
 
 
+_VERSION = operator.attrgetter("_version")
+_DTYPE = operator.attrgetter("dtype")
+_LOCAL = operator.attrgetter("_local_tensor")
+
+
+def watch_keys(watched: list[torch.Tensor], sharded: bool) -> list[tuple]:
+    """What `ParamWatch` compares, for many parameters in one pass of builtins (the common case, nothing
+    written, costs ~0.1 us a parameter). A parameter: (version, storage, dtype). A sharded one (its DTensor):
+    the DTensor's version (an in-place write through the DTensor, as `load_state_dict` makes, bumps the
+    DTensor's counter and not its local tensor's), which local tensor it holds (FSDP2 may give it a new one)
+    and that tensor's version, storage and dtype. The dtype comes last in both."""
+    if not sharded:
+        return list(zip(map(_VERSION, watched), map(torch.Tensor.data_ptr, watched), map(_DTYPE, watched)))
+    local = list(map(_LOCAL, watched))
+    return list(zip(map(_VERSION, watched), map(id, local), map(_VERSION, local),
+                    map(torch.Tensor.data_ptr, local), map(_DTYPE, local)))
+
+
 class ParamWatch:
     """Tells whether anyone but the optimizer wrote a parameter since the optimizer last looked.
 
     The optimizer writes through `param.data`, which leaves the parameter's version counter alone; an in-place
     write by anyone else (`load_state_dict`, an init routine, `p.copy_`) bumps it, and `p.data = other`
-    changes its storage.
+    changes its storage. `watched`: the parameter, or for a sharded one its DTensor (`watch_keys`).
     """
 
-    def __init__(self, param: torch.Tensor):
-        self.param = param
+    def __init__(self, watched: torch.Tensor, sharded: bool):
+        self.watched, self.sharded = watched, sharded
         self.remember()
 
     def remember(self) -> None:
-        self.seen = (self.param._version, self.param.data_ptr(), self.param.dtype)
+        self.seen = watch_keys([self.watched], self.sharded)[0]
 
     def written_externally(self) -> bool:
-        return (self.param._version, self.param.data_ptr(), self.param.dtype) != self.seen
+        return watch_keys([self.watched], self.sharded)[0] != self.seen
 
 
 def adopt_changed(current: torch.Tensor, last_written: torch.Tensor, master: torch.Tensor) -> None:
@@ -150,12 +169,13 @@ class Member:
         # A parameter sharded by FSDP2 (runtime/sharding.py): the state is that of this rank's rows, and the
         # slab it joins is chosen by its global shape (`key_rows`, `key_numel`), the same on every rank.
         self.key_rows, self.key_numel = matrix_shape(param)[0], param.numel()
+        self.sharded = param if is_sharded(param) else None  # (its DTensor: the local tensor may be replaced)
         param = local_shard(param)
         self.param, self.pid, self.group_index = param, pid, group_index
         self.owner, self.owns_host = owner, owns_host
         self.is_matrix = param.dim() >= 2
         self.rows, self.cols = matrix_shape(param)
-        self.watch = ParamWatch(param)
+        self.watch = ParamWatch(self.registered, self.sharded is not None)
         self.slab: Optional[Slab] = None
         self.index = 0
         self.num_grads = 0  # backwards handed over this step
@@ -163,6 +183,26 @@ class Member:
         # Zen-auto: mean selected / unselected scores summed since the last CPU update.
         self.sum_selected_score = 0.0
         self.sum_unselected_score = 0.0
+
+    @property
+    def registered(self) -> torch.Tensor:
+        """The parameter as the optimizer was given it (a sharded one's DTensor)."""
+        return self.param if self.sharded is None else self.sharded
+
+    def follow_local_shard(self) -> None:
+        """A sharded parameter whose DTensor holds another local tensor than the one the state was made for
+        (FSDP2 re-pads the shard after `model.load_state_dict(..., assign=True)` with swapped parameters, a
+        `module._apply`, ...): the state follows the new one. Its rows are the same rows of the parameter."""
+        local = local_shard(self.sharded)
+        if local is self.param:
+            return
+        if matrix_shape(local) != (self.rows, self.cols):
+            raise ValueError(
+                f"ZenFlowAdamW: a parameter of shape {tuple(self.sharded.shape)} now holds {tuple(local.shape)} "
+                f"of its rows on this rank, where its optimizer state holds {self.rows} (resharded over "
+                "another mesh). Fix: build the optimizer over the resharded model, or save its state_dict with "
+                "torch.distributed.checkpoint and load it into a new one")
+        self.param = local
 
     def as_columns(self) -> torch.Tensor:
         """The parameter viewed as [R, C] (a view: writes land in the parameter)."""

@@ -93,6 +93,14 @@ def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
             opt.load_state_dict(saved["optimizer"])
         train(scenario, model, opt, run_model, batches, rank, world_size, record,
               first_step=scenario.get("first_step", 0))
+        if "dcp_share" in scenario:  # the FSDP2 recipe (a fresh optimizer's state_dict as DCP's template)
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save({"optim": opt.state_dict()}, checkpoint_id=scenario["dcp_share"])
+            _, opt2, _ = build(scenario, rank)
+            state = {"optim": opt2.state_dict()}
+            dcp.load(state, checkpoint_id=scenario["dcp_share"])
+            opt2.load_state_dict(state["optim"])
         if "resume_steps" in scenario:
             # Copies, as torch.save would make: like torch.optim's, a state_dict may share live tensors.
             record["share"] = copy.deepcopy(opt.state_dict())

@@ -68,6 +68,40 @@ def optimizer(scenario: dict, params, **extra):
                                         preset="deepspeed", **scenario["keys"], **extra)
 
 
+def loaded_weights() -> dict:
+    """What a user loads into the model part-way through training (another run's weights)."""
+    return {k: v.detach().clone() for k, v in make_model(seed=1).state_dict().items()}
+
+
+def load_weights(scenario: dict, step: int, model: nn.Module, world_size: int = 1) -> None:
+    """Before step `load_at`: the weights of `loaded_weights` into the model, as `scenario["load"]` says:
+    "copy": model.load_state_dict(sd) (one process: the full tensors; ranks: DTensors of their rows);
+    "assign": the same with assign=True (FSDP2 takes new parameter objects); "repad": each parameter's local
+    tensor replaced the way FSDP2 does it after a parameter swap (new storage, then `reset_sharded_param`,
+    which re-pads an uneven shard), so the DTensor the optimizer holds has a new local tensor."""
+    if scenario.get("load_at") != step:
+        return
+    full_sd = loaded_weights()
+    if world_size == 1 or not hasattr(next(model.parameters()), "device_mesh"):
+        model.load_state_dict(full_sd)
+        return
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = next(model.parameters()).device_mesh
+    sd = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in full_sd.items()}
+    if scenario["load"] in ("copy", "assign"):
+        model.load_state_dict(sd, assign=scenario["load"] == "assign")
+        return
+    from zenflow_compile.runtime.sharding import _fsdp_params
+
+    params = dict(model.named_parameters())
+    by_param = {id(f.sharded_param): f for f in _fsdp_params()}
+    with torch.no_grad():
+        for name, param in params.items():
+            param._local_tensor = sd[name].to_local().clone()
+            by_param[id(param)].reset_sharded_param()
+
+
 def poison(scenario: dict, step: int, grad: torch.Tensor) -> None:
     """The non-finite step: a NaN in the first element of emb.weight's gradient (rank 0's rows)."""
     if scenario.get("nan_step") == step:
@@ -75,20 +109,33 @@ def poison(scenario: dict, step: int, grad: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------------------------- one process
-def one_process(scenario: dict, world_size: int):
+def one_process(scenario: dict, world_size: int, compiled: bool = False):
     """The run every rank must equal: one process, no sharding, the concatenated batch (the mean of the ranks'
     mean losses). bf16: the compute is bf16 per rank's micro-batch (as FSDP2's MixedPrecisionPolicy
-    param_dtype=bf16 does), the gradients summed in fp32 (reduce_dtype=fp32) and divided by the world size."""
+    param_dtype=bf16 does), the gradients summed in fp32 (reduce_dtype=fp32) and divided by the world size;
+    `compiled`: that bf16 compute compiled by Inductor, as the ranks' compiled graphs are (Inductor keeps a
+    bf16 graph's pointwise intermediates in fp32, so it is not the eager bf16 arithmetic)."""
     model = make_model(scenario.get("seed", 0))
     opt = optimizer(scenario, model.parameters())
     batches = make_batches(64, batch=GLOBAL_BATCH)
     params, selected = [], []
+    low = copy.deepcopy(model).to(torch.bfloat16) if scenario.get("bf16") else None
+    run_low = low
+    if low is not None and compiled:
+        for block in sharded_blocks(low):  # (the ranks' graphs end where FSDP2's hooks run: so do these)
+            cut = torch.compiler.disable(lambda *args: None)
+            block.register_forward_pre_hook(cut)
+            block.register_forward_hook(cut)
+        run_low = torch.compile(low)
     for step in range(scenario["steps"]):
+        load_weights(scenario, step, model)
         if scenario.get("bf16"):
-            low = copy.deepcopy(model).to(torch.bfloat16)
+            with torch.no_grad():  # (the bf16 cast of the fp32 parameters, as FSDP2's all-gather makes it)
+                for lp, p in zip(low.parameters(), model.parameters()):
+                    lp.copy_(p)
             sums = [torch.zeros_like(p) for p in model.parameters()]
             for r in range(world_size):
-                loss_fn(low, micro_batch(batches[step], r, world_size)).backward()
+                loss_fn(run_low, micro_batch(batches[step], r, world_size)).backward()
                 for s, p in zip(sums, low.parameters()):
                     s.add_(p.grad.float())
                 low.zero_grad()
@@ -107,6 +154,11 @@ def one_process(scenario: dict, world_size: int):
 
 
 # ------------------------------------------------------------------------------------------------ a rank
+def sharded_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules `fully_shard` is called on before the root (as FSDP2 users do per block)."""
+    return [model.emb, model.fc1, model.fc2, model.gate, model.proj]
+
+
 def shard(model: nn.Module, scenario: dict, world_size: int) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -123,7 +175,7 @@ def shard(model: nn.Module, scenario: dict, world_size: int) -> nn.Module:
         kwargs["shard_placement_fn"] = lambda param: Shard(1) if param.dim() >= 2 else Shard(0)
     elif refuse == "cpu_offload":
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
-    blocks = [model.fc1] if refuse == "plain_beside_sharded" else [model.emb, model.fc1, model.fc2, model.gate, model.proj]
+    blocks = [model.fc1] if refuse == "plain_beside_sharded" else sharded_blocks(model)
     for block in blocks:
         fully_shard(block, **kwargs)
     if refuse != "plain_beside_sharded":
@@ -150,6 +202,7 @@ def train(scenario, model, opt, run_model, rank, world_size, record, first_step:
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     backwards = scenario.get("backwards_per_step", 1)
     for step in range(first_step, first_step + steps):
+        load_weights(scenario, step, model, world_size)
         for k in range(backwards):  # (FSDP2 sums each backward's reduce-scattered gradient into .grad)
             loss_fn(run_model, micro_batch(batches[step * backwards + k], rank, world_size)).backward()
         if rank == 0:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 import time
@@ -264,3 +265,18 @@ def test_torchrun_example(tmp_path):
     assert "ranks agree: True  (world size 2)" in result.stdout
     full = torch.load(checkpoint, weights_only=False)
     assert "data_parallel" not in full["zenflow"] and len(full["state"]) == 9  # every parameter of TinyLM
+
+
+def test_a_share_through_dcp_with_a_fresh_template_is_refused_not_loaded_empty(tmp_path):
+    """The FSDP2 checkpoint recipe applied to a data-parallel share (dcp.save of opt.state_dict(), dcp.load into
+    a fresh optimizer's state_dict): DCP loads only the template's keys and a fresh data-parallel optimizer has
+    no per-parameter state, so the schedule would resume at step 4 without a moment. Every rank refuses it,
+    naming the ways that work."""
+    scenario = dict(name="dcp_share", compiled=False, steps=4, keys=dict(BASE, overlap_step=True),
+                    dcp_share=str(tmp_path / "checkpoint"), expect_error=True)
+    assert launch([scenario], tmp_path) == [0] * WORLD_SIZE
+    for record in load(tmp_path, "dcp_share"):
+        assert record["error"] is not None, "the empty share was loaded"
+        assert re.search(r"ValueError: ZenFlowAdamW.load_state_dict: this data-parallel share is at step 4 but "
+                         r"holds 0 parameter entries.*torch.distributed.checkpoint.*Fix: save each rank's share "
+                         r"with torch.save", record["error"], flags=re.S), record["error"]

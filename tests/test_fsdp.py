@@ -4,8 +4,8 @@ Each launch starts the ranks (`tests/fsdp_worker.py`, a FileStore rendezvous), w
 save, per rank, the gathered parameters and the selections after every step. The tests compare:
 - every rank against ZenFlowAdamW in this process, unsharded, on the concatenated batch (`one_process`), to
   fp32 reduction-order rounding: overlap, reselection, clipping and a non-finite step in one run, Zen-auto,
-  bf16 compute (MixedPrecisionPolicy), eager and compiled; 3 ranks shard rows unevenly and leave one rank
-  without a row of a matrix;
+  bf16 compute (MixedPrecisionPolicy), eager and compiled (bf16 compiled against a compiled one process);
+  3 ranks shard rows unevenly and leave one rank without a row of a matrix;
 - the compiled run against the eager one, and the ranks against each other (same selections, same bytes);
 - per-rank host state ~ 1/N of the one process's;
 - refusals (ValueError naming the fix): HSDP (2-D mesh), Shard(1), CPUOffloadPolicy, process_group=, plain
@@ -41,11 +41,20 @@ PARITY = {
     "accumulation": dict(steps=5, backwards_per_step=2, clip=0.05, keys=BASE),
     "no_reshard_after_forward": dict(steps=6, reshard_after_forward=False,
                                      keys=dict(BASE, overlap_step=False, update_interval=1)),
+    # Weights loaded part-way (before step 3, a CPU update in flight): model.load_state_dict(sd) writes through
+    # the DTensors, which leaves their local tensors' version counters alone; "repad": FSDP2 gives each
+    # DTensor a new local tensor (as after a parameter swap), which the optimizer's state must follow.
+    "load_weights": dict(steps=6, load_at=3, load="copy", keys=BASE),
+    "load_weights_repad": dict(steps=6, load_at=3, load="repad", keys=BASE),
 }
-# Compiled runs in fp32 only: Inductor computes a bf16 graph's pointwise ops in fp32, so bf16 compiled is not
-# the bf16 eager arithmetic that `one_process` reproduces.
-COMPILED = ("overlap_reselect_clip_nan", "zen_auto")
+COMPILED = ("overlap_reselect_clip_nan", "zen_auto", "bf16_compute", "load_weights")
 BF16_ATOL = 1e-3  # bf16 compute: a 1-ulp fp32 difference in a parameter can change its bf16 cast
+# bf16 compiled: Inductor keeps a bf16 graph's pointwise intermediates in fp32 and rounds to bf16 where a kernel
+# (or a graph: FSDP2's hooks cut one per sharded module) ends, so the reference is compiled too, cut at the same
+# modules (`one_process(compiled=True)`); measured 5e-5 at 2 ranks, 4e-5 at 3 (against the eager reference:
+# 2e-2, and 1e-3 to 2e-3 with the whole model as one graph). What remains is the fp32 reduce-scatter order flipping a
+# bf16 cast in the next step's parameters.
+BF16_COMPILED_ATOL = 2e-4
 REFUSALS = {
     "hsdp": r"2-D device mesh .*1-D mesh.*Fix: fully_shard\(module, mesh=init_device_mesh",
     "shard_dim_1": r"placements \(Shard\(dim=1\),\).*needs FSDP2's Shard\(0\).*Fix:",
@@ -53,7 +62,11 @@ REFUSALS = {
     "process_group": r"process_group= is ZenFlow's own data parallelism.*Fix: drop process_group=",
     "plain_beside_sharded": r"is a plain tensor while others are DTensors.*Fix: call fully_shard on the root",
     "plain_added_later": r"added to an optimizer over FSDP2-sharded parameters is not a DTensor.*Fix: fully_shard",
+    "load_assign": r"parameter 0 of param group 0 \(shape \(32, 16\)\) is no longer the model's parameter.*"
+                   r"load_state_dict\(\.\.\., assign=True\).*Fix: load without assign=True",
 }
+# Refusals that come after some steps: the scenario's settings (the steps before it are recorded).
+LATE_REFUSALS = {"load_assign": dict(steps=2, load_at=1, load="assign")}
 
 
 def launch(world_size: int, scenarios: list[dict], out_dir: Path, timeout: float = 600,
@@ -82,8 +95,8 @@ def runs(request, tmp_path_factory):
     scenarios = [dict(name=f"{name}_eager", compiled=False, **PARITY[name]) for name in names]
     scenarios += [dict(name=f"{name}_compiled", compiled=True, **PARITY[name]) for name in COMPILED if name in names]
     if world_size == 2:
-        scenarios += [dict(name=f"refuse_{what}", compiled=False, steps=1, keys=BASE, refuse=what, expect_error=True)
-                      for what in REFUSALS]
+        scenarios += [dict(dict(name=f"refuse_{what}", compiled=False, steps=1, keys=BASE, refuse=what,
+                                expect_error=True), **LATE_REFUSALS.get(what, {})) for what in REFUSALS]
     assert launch(world_size, scenarios, out_dir, env=dict(ZENFLOW_WORKER_DEVICE=device)) == [0] * world_size
     return out_dir, world_size
 
@@ -107,8 +120,12 @@ RUNS = [(name, "eager") for name in PARITY] + [(name, "compiled") for name in CO
 def test_ranks_equal_one_process_on_the_concatenated_batch(runs, name, mode):
     out_dir, world_size = runs
     ranks = load(out_dir, f"{name}_{mode}", world_size)
-    expected_params, expected_selected, expected_opt = one_process(PARITY[name], world_size)
-    worst, atol = 0.0, BF16_ATOL if PARITY[name].get("bf16") else ATOL
+    expected_params, expected_selected, expected_opt = one_process(PARITY[name], world_size,
+                                                                   compiled=mode == "compiled")
+    atol = ATOL
+    if PARITY[name].get("bf16"):
+        atol = BF16_COMPILED_ATOL if mode == "compiled" else BF16_ATOL
+    worst = 0.0
     for rank, record in enumerate(ranks):
         assert record["error"] is None
         assert len(record["params"]) == len(expected_params)
@@ -136,11 +153,11 @@ def test_the_run_exercised_what_it_claims(runs):
         assert [r["gate.weight"] for r in rows] == [(1, 16), (1, 16), (0, 16)]
 
 
-@pytest.mark.parametrize("name", COMPILED)
+@pytest.mark.parametrize("name", [name for name in COMPILED if not PARITY[name].get("bf16")])
 def test_compiled_equals_eager(runs, name):
     """Under FSDP2 a compiled graph's parameter inputs are the unsharded parameters FSDP2 all-gathers, not the
     registered DTensors: the rewritten backward hands none of their gradients over (FSDP2 must reduce-scatter
-    them), and step() takes the sharded .grad as eagerly."""
+    them), and step() takes the sharded .grad as eagerly. (fp32 only: compiled bf16 arithmetic is not eager's.)"""
     out_dir, world_size = runs
     compiled_ranks = load(out_dir, f"{name}_compiled", world_size)
     for record in compiled_ranks:
@@ -183,7 +200,7 @@ def test_what_zenflow_refuses_over_fsdp2_is_a_clear_error(runs, what):
         pytest.skip("refusals run in the 2-rank launch")
     for record in load(out_dir, f"refuse_{what}", world_size):
         assert record["error"] is not None and record["error"].startswith("ValueError: ZenFlowAdamW"), record["error"]
-        assert record["params"] == []
+        assert len(record["params"]) == LATE_REFUSALS.get(what, {}).get("load_at", 0)
         import re
         assert re.search(REFUSALS[what], record["error"], flags=re.S), record["error"]
 
@@ -191,26 +208,29 @@ def test_what_zenflow_refuses_over_fsdp2_is_a_clear_error(runs, what):
 DCP = dict(compiled=False, steps=6, resume_steps=4, keys=BASE)  # (overlap: a CPU update is pending at the save)
 
 
-def test_dcp_checkpoint_resumes_exactly_and_reshards(tmp_path):
+@pytest.mark.parametrize("saved_at,loaded_at", [(2, 3), (3, 2)], ids=["2to3", "3to2"])
+def test_dcp_checkpoint_resumes_exactly_and_reshards(tmp_path, saved_at, loaded_at):
     """torch.distributed.checkpoint with the state_dict functions (get_state_dict / set_state_dict, as
-    torchtitan): saved on 2 ranks after 6 steps, resumed by 2 fresh ranks exactly (bitwise, every step), and
-    loaded by 3 ranks (resharded): the same consolidated state, bitwise, and the run goes on like the 2 ranks'
-    (to fp32 reduction-order rounding)."""
+    torchtitan): saved on `saved_at` ranks after 6 steps, resumed by as many fresh ranks exactly (bitwise, every
+    step), and loaded by `loaded_at` ranks (resharded: 3 ranks hold rows unevenly, one none of the gate): the
+    same consolidated state, bitwise, and the run goes on like the saving ranks' (to fp32 reduction-order
+    rounding)."""
     checkpoint = str(tmp_path / "checkpoint")
-    assert launch(2, [dict(DCP, name="save", dcp_save=checkpoint)], tmp_path / "two") == [0, 0]
-    assert launch(3, [dict(DCP, name="load", dcp_load=checkpoint, first_step=6, steps=4)],
-                  tmp_path / "three") == [0, 0, 0]
-    two, three = load(tmp_path / "two", "save", 2), load(tmp_path / "three", "load", 3)
+    assert launch(saved_at, [dict(DCP, name="save", dcp_save=checkpoint)], tmp_path / "saved") == [0] * saved_at
+    assert launch(loaded_at, [dict(DCP, name="load", dcp_load=checkpoint, first_step=6, steps=4)],
+                  tmp_path / "loaded") == [0] * loaded_at
+    saving, loading = load(tmp_path / "saved", "save", saved_at), load(tmp_path / "loaded", "load", loaded_at)
     steps, more = DCP["steps"], DCP["resume_steps"]
-    for rank, record in enumerate(two):
+    for rank, record in enumerate(saving):
         continued, resumed = record["params"][steps:], record["resumed"]["params"]
         assert len(continued) == len(resumed) == more
         for step, (a, b) in enumerate(zip(continued, resumed)):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), (rank, step)
             assert same_selection(record["selected"][steps + step], record["resumed"]["selected"][step])
-    saved = two[0]["consolidated"]
+    saved = saving[0]["consolidated"]
     assert saved["zenflow"]["update_pending"]  # (the checkpoint holds a pending CPU update)
-    for record in three:
+    worst = 0.0
+    for record in loading:
         got = record["consolidated"]
         assert got["zenflow"] == saved["zenflow"]
         assert sorted(got["state"]) == sorted(saved["state"])
@@ -219,9 +239,12 @@ def test_dcp_checkpoint_resumes_exactly_and_reshards(tmp_path):
             for key, value in entry.items():
                 other = got["state"][i][key]
                 assert (torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other), (i, key)
-        for step, (a, b) in enumerate(zip(record["params"], two[0]["params"][steps:])):
+        assert len(record["params"]) == more
+        for step, (a, b) in enumerate(zip(record["params"], saving[0]["params"][steps:])):
+            worst = max(worst, max_param_diff(a, b))
             assert max_param_diff(a, b) <= ATOL, step
-            assert same_selection(record["selected"][step], two[0]["selected"][steps + step]), step
+            assert same_selection(record["selected"][step], saving[0]["selected"][steps + step]), step
+    print(f"DCP {saved_at} -> {loaded_at} ranks: max |param - the saving run's| over {more} steps = {worst:.3g}")
 
 
 def test_a_rank_that_dies_makes_the_others_raise(tmp_path):
@@ -252,6 +275,7 @@ def test_torchrun_example_saves_and_resumes_at_another_world_size(tmp_path):
 
     first = torchrun(2, "--steps", "6")
     assert "host optimizer state bytes per rank: [" in first and "(world size 2)" in first
+    assert "host state share of each rank: 0.50, 0.50 (1/N = 0.50)" in first
     assert f"saved model and optimizer to {checkpoint} (DCP)" in first
     resumed = torchrun(3, "--steps", "2", "--resume")
     assert f"resumed from {checkpoint} at step 6 (world size 3)" in resumed

@@ -286,6 +286,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params, pids = self._follow_param_groups()
+        if self._runtime.sharding is not None:
+            self._runtime.sharding.check_still_held(params, self._describe)
         scale = self._loss_scale(grad_scaler)
         try:
             if self._dp_hooks is None:
@@ -416,6 +418,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             if i not in saved["state"] and id(param) in self._param_ids and param.requires_grad:
                 saved["state"][i] = sharding.fresh_entry(param, self.config.interval_second_moment)
         saved["state"] = {i: sharding.dcp_entry(entry, params[i]) for i, entry in saved["state"].items()}
+        saved["zenflow"] = sharded.replicated_globals(saved["zenflow"])
         saved["param_groups"][0]["zenflow"] = saved["zenflow"]
 
     def _mark_sharded_state(self) -> None:
@@ -457,6 +460,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowAdamW.load_state_dict() was called between a backward and step(): that backward's "
                 "gradients were already handed to the optimizer and loading would discard them. Load the "
                 "checkpoint before the backward, or after step() (or call zero_grad() first to drop them)")
+        _check_share_complete(state_dict, zenflow)
         owners = self._share_owners(zenflow.get("data_parallel"))
         if self._runtime.failed:  # a worker failure or an interrupted step: loading replaces every state
             self._runtime.settle_after_failure()
@@ -537,6 +541,25 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
+
+
+def _check_share_complete(state_dict: dict, zenflow: dict) -> None:
+    """A data-parallel share must hold an entry for every parameter of its owner map. One that went through
+    torch.distributed.checkpoint with a fresh optimizer's state_dict as the template does not: DCP loads only
+    the template's keys, and a fresh optimizer has no per-parameter state yet (the schedule would resume
+    without any moments)."""
+    share = zenflow.get("data_parallel")
+    if share is None:
+        return
+    missing = [i for i in share["owners"] if i not in state_dict["state"]]
+    if missing or (not state_dict["state"] and zenflow.get("step_count", 0) > 0):
+        raise ValueError(
+            f"ZenFlowAdamW.load_state_dict: this data-parallel share is at step {zenflow.get('step_count')} but "
+            f"holds {len(state_dict['state'])} parameter entries (owner map: {len(share['owners'])}). A share "
+            "loaded through torch.distributed.checkpoint with a fresh optimizer's state_dict as the template "
+            "gets only the template's keys, and a fresh optimizer holds no per-parameter state yet. Fix: save "
+            "each rank's share with torch.save(opt.state_dict(), path_of_this_rank) and load it on that rank "
+            "at the same world size, or save opt.consolidated_state_dict() and load it on every rank")
 
 
 def _param_list(params):
