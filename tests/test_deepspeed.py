@@ -545,7 +545,8 @@ _TWO_RANKS = textwrap.dedent("""
     resumed, _, _ = engine_run(load={CKPT}, start=save_after)
     model = tiny_model()
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, betas=(0.9, 0.999),
-                                       eps=1e-8, **config["zero_optimization"]["zenflow"])  # the default group
+                                       eps=1e-8, preset="deepspeed",  # as the JSON path; the default group
+                                       **config["zero_optimization"]["zenflow"])
     compiled = torch.compile(model, backend="zenflow")
     direct = []
     for i in range(steps):
