@@ -53,8 +53,7 @@ def main() -> None:
 
     torch.manual_seed(rank)  # different on purpose: the optimizer broadcasts rank 0's weights
     model = TinyLM().to(device)
-    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.1, update_interval=4,
-                                       overlap_step=True, max_grad_norm=1.0)  # process_group: the default
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)  # process_group: the default
     run = model if args.eager else torch.compile(model, backend="zenflow")
 
     data = torch.Generator().manual_seed(0)  # the same global batches on every rank

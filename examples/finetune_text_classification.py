@@ -50,10 +50,7 @@ def train(name, args, model_dir, num_labels, train_set, held_out):
     if name == "AdamW":
         opt, forward = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01), model
     else:
-        opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=args.lr, weight_decay=0.01,
-                                           topk_ratio=args.topk_ratio, update_interval=args.update_interval,
-                                           overlap_step=True, interval_aware_update=args.interval_aware_update,
-                                           interval_second_moment=args.interval_aware_update)
+        opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=args.lr, weight_decay=0.01, preset=args.preset)
         forward = torch.compile(model, backend="zenflow")
     ids, mask, labels = train_set
     curve = [(0, *evaluate(model, held_out))]
@@ -82,11 +79,8 @@ def main():
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--eval-size", type=int, default=256)
-    p.add_argument("--topk-ratio", type=float, default=0.1)
-    p.add_argument("--update-interval", type=int, default=4)
-    p.add_argument("--no-interval-aware-update", dest="interval_aware_update", action="store_false",
-                   help="DeepSpeed's update rule instead of the opt-in interval-aware update "
-                        "(interval_aware_update and interval_second_moment)")
+    p.add_argument("--preset", choices=("project", "deepspeed"), default="project",
+                   help="ZenFlow's defaults: this project's (default) or DeepSpeed's")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--png", default="zenflow_vs_adamw.png")
     args = p.parse_args()

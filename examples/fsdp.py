@@ -77,8 +77,7 @@ def main() -> None:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
 
-    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, topk_ratio=0.1,
-                                       update_interval=4, overlap_step=True, max_grad_norm=1.0)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, max_grad_norm=1.0)
     run = torch.compile(model, backend="zenflow") if args.compile else model
 
     first_step = 0

@@ -57,8 +57,7 @@ def main():
 
     torch.manual_seed(0)
     model = TinyLM().to(args.device)
-    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, topk_ratio=0.1,
-                                       update_interval=4, overlap_step=True, full_warm_up_rounds=1)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)  # the project's defaults
     compiled = torch.compile(model, backend="zenflow")
     data = torch.randint(0, 256, (64, 8, 32), device=args.device)  # a repeating synthetic corpus
     for step in range(args.steps):

@@ -60,9 +60,7 @@ def main():
 
     torch.manual_seed(args.seed)
     model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=len(classes))
-    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-4, weight_decay=0.01, topk_ratio=0.1,
-                                       update_interval=4, overlap_step=True, interval_aware_update=True,
-                                       interval_second_moment=True)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     scheduler = transformers.get_linear_schedule_with_warmup(opt, num_warmup_steps=10, num_training_steps=args.steps)
     training_args = transformers.TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=args.batch,

@@ -4,10 +4,17 @@
 picks them (comma-separated): `cpu` (the device is the host: no copies), `emulated` (CPU tensors behind the
 emulated asynchronous device of `emulated_device.py`: the runtime's device path, its copies, events and
 double buffers, checked for ordering), `cuda`. Default: cpu and emulated, plus cuda when one is present.
+
+The preset: a test that builds an optimizer or config without `preset=` gets DeepSpeed's defaults for the
+keys it does not set (`deepspeed_defaults_unless_marked`): most tests check the mechanics against
+`ZenFlowReference` or DeepSpeed's semantics and name only the keys they vary. Tests of the project's own
+defaults are marked `@pytest.mark.project_defaults` and get them as a user does.
 """
 
 import pytest
 import torch
+
+from zenflow_compile import config as config_module
 
 from emulated_device import emulated_async_device
 from helpers import TEST_DEVICES
@@ -34,6 +41,14 @@ def device(request):
         return
     with emulated_async_device():
         yield torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def deepspeed_defaults_unless_marked(request, monkeypatch):
+    """No preset named: DeepSpeed's defaults, except in tests marked `project_defaults` (see the module
+    docstring)."""
+    if request.node.get_closest_marker("project_defaults") is None:
+        monkeypatch.setitem(config_module.PRESETS, "project", dict(config_module.PRESETS["deepspeed"]))
 
 
 @pytest.fixture

@@ -63,8 +63,9 @@ def micro_batch(batch, rank: int, world_size: int):
 
 
 def optimizer(scenario: dict, params, **extra):
+    # DeepSpeed's defaults for the keys the scenario leaves out, as in the tests' own processes (conftest.py)
     return zenflow_compile.ZenFlowAdamW(params, lr=scenario.get("lr", 1e-2), max_grad_norm=scenario.get("clip"),
-                                        **scenario["keys"], **extra)
+                                        preset="deepspeed", **scenario["keys"], **extra)
 
 
 def loaded_weights() -> dict:

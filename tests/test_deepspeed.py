@@ -12,6 +12,7 @@ where the invariants of docs/semantics.md say ZenFlow equals it.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -55,12 +56,13 @@ def ds_config(zenflow=None, **top) -> dict:
 
 
 def direct_optimizer(model, config: dict, **overrides):
-    """ZenFlowAdamW written by hand from the same DeepSpeed config (the oracle's optimizer)."""
+    """ZenFlowAdamW written by hand from the same DeepSpeed config (the oracle's optimizer), with DeepSpeed's
+    defaults for the keys the JSON leaves out, as the JSON path has them (also in a subprocess)."""
     params = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, **config["optimizer"]["params"]}
     zenflow = dict(config["zero_optimization"]["zenflow"])
     from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT  # (1.0: DeepSpeed clips unless told not to)
     clip = config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT) or None
-    return zenflow_compile.ZenFlowAdamW(model.parameters(), **params, max_grad_norm=clip,
+    return zenflow_compile.ZenFlowAdamW(model.parameters(), **params, max_grad_norm=clip, preset="deepspeed",
                                         **{**zenflow, **overrides})
 
 
@@ -421,6 +423,29 @@ def test_project_keys_in_the_zenflow_block_reach_zenflow(ds):
     assert opt.stats()["cpu_updates"] > 0
     with pytest.raises(ValueError, match="interval_second_moment=True needs interval_aware_update=True"):
         ds_initialize(ds_config(dict(interval_second_moment=True)))
+
+
+@pytest.mark.project_defaults
+def test_the_json_keeps_deepspeeds_defaults_unless_its_block_asks_for_the_projects(ds):
+    """Keys the zenflow block leaves out take DeepSpeed's defaults (parity); `"preset": "project"` in the block
+    gives them this project's instead, the keys it sets winning either way."""
+    from zenflow_compile.config import ZenFlowConfig
+
+    block = {"topk_ratio": 0.25}
+    _, opt, _, _ = ds_initialize(ds_config({"preset": "deepspeed"}))
+    assert opt.config == ZenFlowConfig(preset="deepspeed", **ds_config()["zero_optimization"]["zenflow"])
+    config = ds_config()
+    config["zero_optimization"]["zenflow"] = dict(block)
+    _, opt, _, _ = ds_initialize(config)
+    assert opt.config == ZenFlowConfig(preset="deepspeed", **block)
+    assert ZenFlowConfig.from_deepspeed(config) == opt.config
+    config["zero_optimization"]["zenflow"] = dict(block, preset="project")
+    _, opt, _, _ = ds_initialize(copy.deepcopy(config))
+    assert opt.config == ZenFlowConfig(preset="project", **block) == ZenFlowConfig(**block)
+    assert ZenFlowConfig.from_deepspeed(config) == opt.config
+    config["zero_optimization"]["zenflow"]["preset"] = "fast"
+    with pytest.raises(ValueError, match=r"zero_optimization\.zenflow\.preset='fast'.*\"project\""):
+        ds_initialize(config)
 
 
 @pytest.mark.parametrize("change, error, match", [

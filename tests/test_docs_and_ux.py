@@ -64,8 +64,7 @@ loader = [dict(x=torch.randn(8, 32), labels=torch.randint(0, 4, (8,))) for _ in 
 # ---- README.md, first python block, as written
 {snippet}
 # ----
-reference = ZenFlowReference(reference_model.parameters(), lr=2e-5, weight_decay=0.01,
-                             topk_ratio=0.05, update_interval=4, overlap_step=True)
+reference = ZenFlowReference(reference_model.parameters(), lr=2e-5, weight_decay=0.01)  # the defaults
 for batch in loader:
     reference_model(**batch).loss.backward()
     reference.step()

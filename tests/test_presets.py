@@ -1,15 +1,16 @@
 """`preset=` on ZenFlowConfig, ZenFlowAdamW and ZenFlowReference: "deepspeed" gives DeepSpeed's defaults,
-None / "project" this project's, and any key given explicitly overrides the preset. The two presets are equal
-today (the project keeps DeepSpeed's defaults until measurements justify others); the mechanism is checked with
-a stand-in project preset."""
+None / "project" this project's, and any key given explicitly overrides the preset. The mechanism is checked
+with a stand-in project preset; the project's own defaults (tests marked `project_defaults`) by their values
+and by training with them, compiled and eager, against the reference."""
 
 import pytest
+import torch
 
 from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
 from zenflow_compile import config as config_module
 from zenflow_compile.reference import ZenFlowReference
 
-from helpers import tiny_model
+from helpers import loss_fn, make_batches, tiny_model
 
 DEEPSPEED_DEFAULTS = dict(topk_ratio=0.1, select_strategy="auto", select_interval="auto", update_interval="auto",
                           overlap_step=False, offload=False, auto_ratio=0.99, full_warm_up_rounds=0,
@@ -68,3 +69,50 @@ def test_an_unknown_preset_is_an_error_naming_the_allowed_ones():
         ZenFlowConfig(preset="ds")
     with pytest.raises(ValueError, match=r"preset='fast' is invalid"):
         ZenFlowAdamW(tiny_model().parameters(), preset="fast")
+
+
+PROJECT_DEFAULTS = dict(update_interval=4, overlap_step=True, interval_aware_update=True, select_strategy="step",
+                        select_interval=4)
+
+
+@pytest.mark.project_defaults
+def test_the_project_defaults_are_the_measured_settings():
+    """What README "Recommended settings" and "Results" measured: a CPU update every 4 steps, sized for the
+    4 steps it stands for, and the selection renewed at each of them."""
+    config = ZenFlowConfig()
+    assert {k: getattr(config, k) for k in PROJECT_DEFAULTS} == PROJECT_DEFAULTS
+    others = {k: v for k, v in ZenFlowConfig(preset="deepspeed").to_dict().items() if k not in PROJECT_DEFAULTS}
+    assert {k: v for k, v in config.to_dict().items() if k not in PROJECT_DEFAULTS} == others
+
+
+@pytest.mark.project_defaults
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("keys, overlapped", [({}, 0), (dict(select_interval=8), 2)],
+                         ids=["defaults", "select_interval=8"])
+def test_training_with_the_project_defaults_equals_the_reference(keys, overlapped, compiled, device):
+    """A user's `ZenFlowAdamW(params, lr=..., weight_decay=...)` with no ZenFlow key (or one): equal to the
+    reference given the same, step by step. 16 steps make 4 boundaries; with the defaults each reselects and
+    waits for its own CPU update (none overlaps); reselecting every 8 steps lets every other one overlap."""
+    import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow")
+
+    a, b = tiny_model(), tiny_model()
+    opt = ZenFlowAdamW(a.parameters(), lr=1e-2, weight_decay=0.01, **keys)
+    ref = ZenFlowReference(b.parameters(), lr=1e-2, weight_decay=0.01, **keys)
+    run_a = torch.compile(a, backend="zenflow") if compiled else a
+    run_b = torch.compile(b, backend="inductor") if compiled else b  # the same forward/backward numerics
+    for i, batch in enumerate(make_batches(16)):
+        for model, o in ((run_a, opt), (run_b, ref)):
+            loss_fn(model, batch).backward()
+            o.step()
+            o.zero_grad()
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {i} {name}: {m}")
+    ours, theirs = opt.stats(), ref.stats()
+    for key in ("cpu_updates", "reselections", "overlapped_boundaries"):
+        assert ours[key] == theirs[key], key
+    assert (ours["cpu_updates"], ours["overlapped_boundaries"]) == (4, overlapped)
+    opt.synchronize()
+    ref.synchronize()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)

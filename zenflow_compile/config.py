@@ -20,9 +20,13 @@ __all__ = ["ZenFlowConfig", "ZENFLOW_KEYS", "PRESETS"]
 
 _STRATEGIES = ("auto", "step", "epoch")
 # Named sets of defaults: `preset="deepspeed"` gives DeepSpeed's (the dataclass defaults below), "project" (what
-# `preset=None` means) this project's. Keys set explicitly always win over the preset. The project's defaults are
-# DeepSpeed's until measurements across tasks justify others (benchmarks/README.md, "accuracy").
-PRESETS = {"project": {}, "deepspeed": {}}
+# `preset=None` means) this project's: the most accurate settings across the fine-tunes of
+# benchmarks/accuracy.py (README "Results"). Keys set explicitly always win over the preset.
+PRESETS = {
+    "project": dict(update_interval=4, overlap_step=True, interval_aware_update=True, select_strategy="step",
+                    select_interval=4),
+    "deepspeed": {},
+}
 _OVERLAP_RESELECT = ("wait", "incoming", "deferred")
 
 
@@ -84,8 +88,9 @@ def _is_real(v: Any) -> bool:
 class ZenFlowConfig:
     """ZenFlow settings (same names, types and defaults as DeepSpeed's ``ZenFlowConfig``).
 
-    preset (keyword, not stored): which defaults the keys not given take: None or "project" (this project's),
-    "deepspeed" (DeepSpeed's); see PRESETS. Today the two are equal.
+    preset (keyword, not stored): which defaults the keys not given take: None or "project" (this project's:
+    update_interval=4, overlap_step=True, interval_aware_update=True, select_strategy="step",
+    select_interval=4), "deepspeed" (DeepSpeed's, the defaults listed below); see PRESETS.
 
     topk_ratio: fraction r in (0, 1] of each matrix's columns updated on the device every step (1: all).
     select_strategy: when the selected columns are re-chosen: "auto" (on churn), "step" or "epoch".
@@ -98,7 +103,8 @@ class ZenFlowConfig:
     pt_reserved_cores_perc: fraction in [0, 1] of CPU cores left to PyTorch threads (the rest run CPU AdamW).
     steps_per_epoch: int >= 1 steps in an epoch; required by select_strategy "epoch".
     max_update_interval: int >= 1 cap on Zen-auto's interval (this project's key, not DeepSpeed's).
-    interval_aware_update: opt-in (this project's key, not DeepSpeed's; False keeps DeepSpeed parity). At an
+    interval_aware_update: this project's key, not DeepSpeed's: on in the project's defaults, off with
+        preset="deepspeed" (DeepSpeed parity). At an
         update boundary the unselected columns take one AdamW step with the mean of the m accumulated
         gradients, so they move about 1/m as far as under AdamW. True sizes that step for the m steps it
         stands for: lr * m (weight decay included, so the decay is (1 - lr*wd)^m to first order, as the
@@ -230,7 +236,7 @@ class ZenFlowConfig:
         """Build from a DeepSpeed config (JSON file path or dict), reading ``zero_optimization.zenflow``.
 
         ``steps_per_epoch`` fills that key when the block does not set it. Keys the block does not set take
-        DeepSpeed's defaults (``preset="deepspeed"``).
+        DeepSpeed's defaults, or this project's where the block says ``"preset": "project"``.
         """
         where = "the DeepSpeed config"
         if isinstance(config, (str, os.PathLike)):
@@ -249,7 +255,8 @@ class ZenFlowConfig:
         block = dict(block)
         if block.get("steps_per_epoch") is None and steps_per_epoch is not None:
             block["steps_per_epoch"] = steps_per_epoch
-        return cls.from_dict(block, preset="deepspeed")  # a DeepSpeed config keeps DeepSpeed's defaults
+        # A DeepSpeed config keeps DeepSpeed's defaults unless its block asks for the project's.
+        return cls.from_dict(block, preset=block.pop("preset", "deepspeed"))
 
     def to_dict(self) -> dict:
         """All keys as a plain dict (``from_dict(c.to_dict()) == c``)."""

@@ -26,7 +26,8 @@ How the user's config is read. The whole JSON is first validated by DeepSpeed's 
   pass over `training_data` (DeepSpeed's dataloader length // gradient_accumulation_steps). This project's
   own keys (`max_update_interval`, `interval_aware_update`, `interval_second_moment`, `overlap_reselect`: not
   DeepSpeed's, whose config class forbids unknown keys) are taken out of the block before DeepSpeed validates
-  it and validated by `ZenFlowConfig`, so one JSON holds every setting;
+  it and validated by `ZenFlowConfig`, so one JSON holds every setting. The keys the block leaves out take
+  DeepSpeed's defaults (parity), or this project's with `"preset": "project"` in the block;
 - `zero_optimization.stage` 0/1/2 and `offload_optimizer.device` "cpu" (or none) are accepted: they are what
   DeepSpeed ZenFlow requires, and ZenFlow itself keeps the unselected columns' state on the host; stage 3,
   NVMe, parameter offload and partial offload cannot apply and are errors naming the key;
@@ -75,7 +76,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 
-from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
+from zenflow_compile.config import PRESETS, ZENFLOW_KEYS, ZenFlowConfig
 from zenflow_compile.optimizer import ZenFlowAdamW
 
 __all__ = ["initialize", "ZenFlowDeepSpeedPlan", "plan_from_config", "engine_class"]
@@ -111,6 +112,7 @@ class ZenFlowDeepSpeedPlan:
     adamw: dict  # lr, betas, eps, weight_decay
     max_grad_norm: Optional[float]
     zenflow_keys: dict  # ZenFlowConfig keys from zero_optimization.zenflow (steps_per_epoch may be None)
+    preset: str  # which defaults the keys the block does not set take: "deepspeed", or "project" on request
     deepcompile: bool
     engine_config: dict  # the user's config minus what ZenFlow takes over (see the module docstring)
     user_config: dict
@@ -119,12 +121,13 @@ class ZenFlowDeepSpeedPlan:
         keys = dict(self.zenflow_keys)
         if keys.get("steps_per_epoch") is None:
             keys["steps_per_epoch"] = steps_per_epoch
-        if keys["select_strategy"] == "epoch" and keys["steps_per_epoch"] is None:
+        strategy = keys.get("select_strategy", ZenFlowConfig(preset=self.preset).select_strategy)
+        if strategy == "epoch" and keys["steps_per_epoch"] is None:
             raise ValueError(
                 "zero_optimization.zenflow.select_strategy='epoch' needs the epoch length: pass "
                 "training_data=... to zenflow_compile.deepspeed.initialize (an epoch is one pass of DeepSpeed's "
                 "dataloader over it), or set zero_optimization.zenflow.steps_per_epoch (optimizer steps per epoch)")
-        return ZenFlowConfig.from_dict(keys, preset="deepspeed")  # the JSON path keeps DeepSpeed's defaults
+        return ZenFlowConfig.from_dict(keys, preset=self.preset)
 
 
 def _adamw_from(ds_config, user_config: Mapping[str, Any]) -> dict:
@@ -254,17 +257,22 @@ def _check_no_hf_auto(user_config: Mapping[str, Any]) -> None:
                                 "initialize reads it as deepspeed.initialize does, so set a value")
 
 
-def _pop_project_zenflow_keys(user_config: dict) -> dict:
-    """Take this project's ZenFlow keys (those DeepSpeed's ZenFlowConfig does not know) out of
+def _pop_project_zenflow_keys(user_config: dict) -> tuple[dict, str]:
+    """Take this project's ZenFlow keys (those DeepSpeed's ZenFlowConfig does not know) and `preset` out of
     `zero_optimization.zenflow`, so DeepSpeed's validation sees only its own keys."""
     from deepspeed.runtime.zenflow.zenflow_config import ZenFlowConfig as DeepSpeedZenFlowConfig
 
     zero = user_config.get("zero_optimization")
     block = zero.get("zenflow") if isinstance(zero, dict) else None
     if not isinstance(block, dict):
-        return {}
+        return {}, "deepspeed"
+    preset = block.pop("preset", "deepspeed")
+    if preset not in PRESETS:
+        raise _config_error("zero_optimization.zenflow.preset", preset,
+                            f"expected one of {sorted(PRESETS)}: \"deepspeed\" (the default: DeepSpeed's defaults "
+                            "for the keys the block leaves out) or \"project\" (this project's)")
     ours = [k for k in ZENFLOW_KEYS if k not in DeepSpeedZenFlowConfig.model_fields]
-    return {k: block.pop(k) for k in ours if k in block}
+    return {k: block.pop(k) for k in ours if k in block}, preset
 
 
 def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPlan:
@@ -277,7 +285,7 @@ def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPla
 
     user_config = copy.deepcopy(dict(config))
     _check_no_hf_auto(user_config)
-    project_keys = _pop_project_zenflow_keys(user_config)
+    project_keys, preset = _pop_project_zenflow_keys(user_config)
     ds_config = DeepSpeedConfig(copy.deepcopy(user_config), mpu)  # DeepSpeed's validation and errors
     if ds_config.hybrid_engine.enabled:
         raise _config_error("hybrid_engine.enabled", True, "the hybrid (RLHF inference) engine is not supported")
@@ -285,7 +293,9 @@ def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPla
     _check_zero(ds_config.zero_config)
     deepcompile = _check_compile(ds_config.compile_config)
     zenflow = ds_config.zero_config.zenflow
-    zenflow_keys = {k: getattr(zenflow, k) for k in ZENFLOW_KEYS if k in type(zenflow).model_fields}
+    # DeepSpeed's preset: every DeepSpeed key as DeepSpeed's config class has it; the project's: those set.
+    given = zenflow.model_fields_set if preset == "project" else type(zenflow).model_fields
+    zenflow_keys = {k: getattr(zenflow, k) for k in ZENFLOW_KEYS if k in given}
     zenflow_keys.update(project_keys)
     clip = float(ds_config.gradient_clipping or 0.0)
 
@@ -295,7 +305,7 @@ def plan_from_config(config: Mapping[str, Any], mpu=None) -> ZenFlowDeepSpeedPla
     engine_config["zero_optimization"] = {"stage": 0}
     engine_config["gradient_clipping"] = 0.0
     return ZenFlowDeepSpeedPlan(adamw=_adamw_from(ds_config, user_config),
-                                max_grad_norm=clip if clip > 0 else None, zenflow_keys=zenflow_keys,
+                                max_grad_norm=clip if clip > 0 else None, zenflow_keys=zenflow_keys, preset=preset,
                                 deepcompile=deepcompile, engine_config=engine_config, user_config=user_config)
 
 
