@@ -94,7 +94,10 @@ def one_process(spec: dict, steps: int | None = None, state_dict=None, model_sta
     model = model_for(spec.get("model", "tiny"), seed=0)
     if spec.get("row_mask"):
         mask_first_rows(model)
-    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, max_grad_norm=spec.get("clip"), **spec["keys"])
+    # DeepSpeed's defaults for the keys the spec leaves out, as the ranks have them (dp_worker.py): the
+    # module-scoped `runs` fixture calls this before conftest's per-test preset pin applies.
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=1e-2, max_grad_norm=spec.get("clip"),
+                                       preset="deepspeed", **spec["keys"])
     if model_state is not None:
         model.load_state_dict(model_state)
         opt.load_state_dict(state_dict)
