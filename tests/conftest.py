@@ -44,11 +44,15 @@ def device(request):
 
 
 @pytest.fixture(autouse=True)
-def deepspeed_defaults_unless_marked(request, monkeypatch):
+def deepspeed_defaults_unless_marked(request):
     """No preset named: DeepSpeed's defaults, except in tests marked `project_defaults` (see the module
-    docstring)."""
-    if request.node.get_closest_marker("project_defaults") is None:
-        monkeypatch.setitem(config_module.PRESETS, "project", dict(config_module.PRESETS["deepspeed"]))
+    docstring). Its own MonkeyPatch: a test's `monkeypatch.undo()` must not lift the pin mid-test."""
+    if request.node.get_closest_marker("project_defaults") is not None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(config_module.PRESETS, "project", dict(config_module.PRESETS["deepspeed"]))
+        yield
 
 
 @pytest.fixture
