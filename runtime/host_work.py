@@ -137,11 +137,7 @@ class HostWork:
 
     def drain(self) -> None:
         """Wait for every task (a reader or writer of the host state is about to run on this thread)."""
-        for worker in self.workers:
-            try:
-                worker.drain()
-            except BaseException as error:
-                self._raise_worker_error(error)
+        self._on_each_worker(lambda worker: worker.drain())
 
     def reset(self) -> None:
         """Every state was replaced (a checkpoint load): no task of the old states is waited for again."""
@@ -161,6 +157,14 @@ class HostWork:
             for worker in self.workers:
                 worker.forget_failures()
 
+    def _on_each_worker(self, call) -> None:
+        """`call(worker)` for each worker; an error it raises (a task's) fails the optimizer."""
+        for worker in self.workers:
+            try:
+                call(worker)
+            except BaseException as error:
+                self._raise_worker_error(error)
+
     def _raise_worker_error(self, error: BaseException):
         self.record_failure("ZenFlow CPU worker failed", error)
         raise self.failure.error() from error
@@ -168,11 +172,7 @@ class HostWork:
     def check(self) -> None:
         """Raise if the optimizer failed (also on a step with nothing to do), or a worker's task did."""
         self.failure.raise_if_failed()
-        for worker in self.workers:
-            try:
-                worker.raise_if_failed()
-            except BaseException as error:
-                self._raise_worker_error(error)
+        self._on_each_worker(lambda worker: worker.raise_if_failed())
 
     def settle_after_failure(self) -> None:
         """Before a checkpoint load clears a failure: let the tasks still queued on the old states finish

@@ -9,23 +9,19 @@ emulated asynchronous device (emulated_device.py), and an ordering violation fai
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import datetime
 import os
 import sys
 import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import zenflow_compile  # noqa: E402
 import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
-from emulated_device import emulated_async_device  # noqa: E402
-from helpers import loss_fn, make_batches, model_for, tiny_model  # noqa: E402
+from helpers import loss_fn, make_batches, model_for, run_ranks_scenarios  # noqa: E402
 
 
 def micro_batch(global_batch, rank: int, world_size: int):
@@ -128,25 +124,5 @@ def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
     torch.save(record, out_dir / f"{scenario['name']}.rank{rank}.pt")
 
 
-def main() -> None:
-    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    scenarios = torch.load(spec_path, weights_only=False)
-    timeout = datetime.timedelta(seconds=float(os.environ.get("ZENFLOW_TEST_TIMEOUT", "60")))
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
-                            world_size=world_size, timeout=timeout)
-    emulated = os.environ.get("ZENFLOW_WORKER_DEVICE") == "emulated"
-    try:
-        with emulated_async_device() if emulated else contextlib.nullcontext():
-            for scenario in scenarios:
-                run(scenario, rank, world_size, out_dir)
-                if scenario.get("die_rank") is None:
-                    dist.barrier()
-    finally:
-        if not any(s.get("die_rank") is not None for s in scenarios):
-            dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_ranks_scenarios(run)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import os
 import sys
 import traceback
@@ -26,8 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zenflow_compile  # noqa: E402
 import zenflow_compile.backend  # noqa: E402,F401  (registers backend="zenflow")
 import zenflow_compile.inspect as zf_inspect  # noqa: E402
-from emulated_device import emulated_async_device  # noqa: E402
-from helpers import Tiny, loss_fn, make_batches  # noqa: E402
+from helpers import Tiny, loss_fn, make_batches, run_ranks_scenarios  # noqa: E402
 
 GLOBAL_BATCH = 12  # divisible by 2 and 3 ranks
 
@@ -279,28 +277,5 @@ def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
     torch.save(record, out_dir / f"{scenario['name']}.rank{rank}.pt")
 
 
-def main() -> None:
-    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.set_num_threads(1)
-    scenarios = torch.load(spec_path, weights_only=False)
-    timeout = datetime.timedelta(seconds=float(os.environ.get("ZENFLOW_TEST_TIMEOUT", "60")))
-    dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
-                            world_size=world_size, timeout=timeout)
-    dies = any(s.get("die_rank") is not None for s in scenarios)
-    emulated = os.environ.get("ZENFLOW_WORKER_DEVICE") == "emulated"
-    try:
-        # The emulated asynchronous device (emulated_device.py): the optimizers' device path (offload copies,
-        # uploads, events) over the CPU tensors gloo reduces; an ordering violation fails the rank.
-        with emulated_async_device() if emulated else contextlib.nullcontext():
-            for scenario in scenarios:
-                run(scenario, rank, world_size, out_dir)
-                if not dies:
-                    dist.barrier()
-    finally:
-        if not dies:
-            dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    run_ranks_scenarios(run)

@@ -280,6 +280,37 @@ def deepspeed_on_cpu() -> Iterator:
                 os.environ[key] = value
 
 
+def run_ranks_scenarios(run: Callable[[dict, int, int, Path], None]) -> None:
+    """The rank side of `launch_ranks` (a worker script's main): join the gloo group, then `run(scenario, rank,
+    world_size, out_dir)` for each scenario, on the emulated asynchronous device when ZENFLOW_WORKER_DEVICE
+    says so (the optimizers' device path over the CPU tensors gloo reduces; an ordering violation fails the
+    rank). A scenario in which a rank dies has no barrier after it, and the group is then not torn down."""
+    import contextlib
+    import datetime
+
+    import torch.distributed as dist
+
+    from emulated_device import emulated_async_device
+
+    spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(1)
+    scenarios = torch.load(spec_path, weights_only=False)
+    timeout = datetime.timedelta(seconds=float(os.environ.get("ZENFLOW_TEST_TIMEOUT", "60")))
+    dist.init_process_group("gloo", init_method=f"file://{os.environ['ZENFLOW_TEST_INIT']}", rank=rank,
+                            world_size=world_size, timeout=timeout)
+    emulated = os.environ.get("ZENFLOW_WORKER_DEVICE") == "emulated"
+    try:
+        with emulated_async_device() if emulated else contextlib.nullcontext():
+            for scenario in scenarios:
+                run(scenario, rank, world_size, out_dir)
+                if scenario.get("die_rank") is None:
+                    dist.barrier()
+    finally:
+        if not any(s.get("die_rank") is not None for s in scenarios):
+            dist.destroy_process_group()
+
+
 def launch_ranks(worker: Path, world_size: int, scenarios: list[dict], out_dir: Path, timeout: float = 600,
                  env: Optional[dict] = None) -> list[int]:
     """Run `worker` (a script taking the scenarios file and `out_dir`) on `world_size` fresh processes, ranks
