@@ -39,11 +39,14 @@ The collectives go through `collectives.DataParallel` (payload counted, a failur
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Iterable, Optional
 
 import torch
 
 from zenflow_compile.runtime.collectives import DataParallel
+
+_SHARDED_PARAM, _SECOND = operator.attrgetter("sharded_param"), operator.itemgetter(1)
 
 __all__ = ["Sharding", "sharding_of", "check_added", "local_shard", "local_entry", "replicated_globals", "is_sharded",
            "fsdp_sharded_param_of"]
@@ -72,17 +75,22 @@ class Sharding:
         self.collectives = DataParallel(mesh.get_group())
         self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self._fsdp_params: list = []  # (parameter, the FSDPParam that held it when the optimizer took it)
+        self._held_ids: list = []  # their parameters' ids, in that order
 
     def hold(self, params: list) -> None:
         """Remember which FSDP2 parameter slot holds each of `params` (see `check_still_held`)."""
         ours = {id(p): p for p in params}
         self._fsdp_params += [(ours[id(f.sharded_param)], f) for f in _fsdp_params() if id(f.sharded_param) in ours]
+        self._held_ids = [id(param) for param, _ in self._fsdp_params]
 
     def check_still_held(self, params: list, describe) -> None:
         """Each parameter is still the one FSDP2 shards, all-gathers and gives gradients to. FSDP2 takes a new
         parameter object in its place after `model.load_state_dict(sd, assign=True)` (or a module attribute
         set to another parameter); the optimizer would keep the old one, which no longer gets a gradient
         (torch.optim.AdamW would silently stop training it too)."""
+        # (every step: one pass of builtins while FSDP2 still holds what it held, the common case)
+        if list(map(id, map(_SHARDED_PARAM, map(_SECOND, self._fsdp_params)))) == self._held_ids:
+            return
         current = set(map(id, params))  # (a parameter removed from the param groups is no concern)
         for param, fsdp_param in self._fsdp_params:
             if fsdp_param.sharded_param is not param and id(param) in current:
