@@ -699,8 +699,8 @@ class ZenFlowRuntime:
             pids = list(self.params)  # (ranks name a parameter by its place: ids are each process's own)
             place = {pid: i for i, pid in enumerate(pids)}
             unowned = [place[pid] for pid in entries if pid not in self.owners]
-            for place in sorted(set().union(*self.data_parallel.all_gather_object(unowned))):
-                self._owner(pids[place], self.params[pids[place]][0])
+            for index in sorted(set().union(*self.data_parallel.all_gather_object(unowned))):
+                self._owner(pids[index], self.params[pids[index]][0])
             entries = self._with_device_parts({pid: entry for pid, entry in entries.items()
                                                if self.owners[pid] == self.rank})
         members, states = [], []
@@ -723,7 +723,7 @@ class ZenFlowRuntime:
         for rank in range(self.data_parallel.world_size):
             parts = self.data_parallel.broadcast_object(mine if rank == self.rank else None, rank)
             if rank != self.rank:
-                entries.update((pids[place], part) for place, part in parts.items())
+                entries.update((pids[index], part) for index, part in parts.items())
         return dict(sorted(entries.items()))
 
     def quiesce(self) -> None:
