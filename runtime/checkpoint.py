@@ -7,14 +7,21 @@ device `unapplied`; `device_columns`: the host columns as the device holds them,
 master cast (while an update is pending, or after a cast). A vector's entry holds
 its master, moments (its shape) and count ([1]). After a cast, until the device update rewrites them,
 `device_selected` ([R, k] in the parameter's dtype): the selected columns as the device holds them. Data parallel, a matrix whose host part another rank owns:
-only this rank's device part (`host_owner`, `host_columns`, `selected_*`).
+only this rank's device part (`host_owner`, `host_columns`, `selected_*`: `device_part`).
+
+The form torch.distributed.checkpoint (DCP) saves and fills (`dcp_form`): DCP loads into the tensors of a
+template state_dict, so every entry of one parameter has the same keys, tensors only, whatever the state holds,
+and `has_state` (a 0-d bool) says whether it is a state at all or the template of a parameter with none yet
+(`fresh_entry`), which a load skips.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from zenflow_compile.runtime.slab import Member, MemberState, Slab
+from zenflow_compile.runtime.slab import Member, MemberState, Slab, host_order
 
 
 def export_entry(member: Member, acc_slot: int) -> dict:
@@ -98,4 +105,60 @@ def _state(member: Member, entry: dict) -> MemberState:
     return state
 
 
-__all__ = ["export_entry", "state_from_entry", "Slab"]
+def fresh_entry(values: torch.Tensor, accumulate_squares: bool) -> dict:
+    """The entry of a parameter with no state yet (`values`: the parameter, or a sharded one's local rows): what
+    a checkpoint of it would hold before its first gradient, so a fresh optimizer's `state_dict()` is a full
+    template for `dcp.load`."""
+    local = values.detach()
+    if local.dim() < 2:
+        master = local.float().cpu().clone()
+        return dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
+                    step=torch.zeros(1))
+    rows, cols = local.shape[0], math.prod(local.shape[1:])
+    master = local.reshape(rows, cols).float().cpu().clone()
+    entry = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
+                 step=torch.zeros(cols), selected=torch.zeros(cols, dtype=torch.bool), steps_accumulated=0,
+                 zen_auto=torch.zeros(2, dtype=torch.float64), accumulator=torch.zeros_like(master))
+    if accumulate_squares:
+        entry["square_accumulator"] = torch.zeros_like(master)
+    return entry
+
+
+def dcp_form(entry: dict, dtype: torch.dtype, has_state: bool) -> dict:
+    """`entry` (of a parameter of `dtype`) with the keys and types every entry of that parameter has in DCP's
+    form (see the module docstring). What the form adds is what an absent key means: `device_columns` the
+    master cast (the device holds it), `unapplied` False."""
+    out = dict(entry, has_state=torch.tensor(has_state))
+    if "selected" in out:  # a matrix
+        if "device_columns" not in out:  # (a copy: DCP loads into each tensor, an fp32 cast would be the master)
+            out["device_columns"] = out["master"].to(dtype, copy=True)
+        out["unapplied"] = torch.tensor(bool(out.get("unapplied", False)))
+        out["steps_accumulated"] = torch.tensor(int(out["steps_accumulated"]))
+    return out
+
+
+def holds_state(entry: dict) -> bool:
+    """Whether a loaded entry is a parameter's state (not empty, not a template of a parameter without one)."""
+    return bool(entry) and bool(entry.get("has_state", True))
+
+
+def device_part(entry: dict, owner: int) -> dict:
+    """Data parallel: what every rank's device holds of the state in a matrix's full `entry` (its owner's), in
+    the form a non-owner exports and imports (`host_owner`): the selection, the selected columns' state, the
+    order of the host columns. A vector's, or a matrix's with every column selected, is all of it."""
+    if "selected" not in entry or bool(entry["selected"].all()):
+        return entry
+    mask = entry["selected"]
+    selected = mask.nonzero().flatten()
+    step = entry["step"].float()
+    part = dict(selected=mask.clone(), steps_accumulated=entry["steps_accumulated"], zen_auto=entry["zen_auto"],
+                host_owner=owner, host_columns=host_order(step.unsqueeze(0), selected.unsqueeze(0))[0],
+                selected_master=entry["master"][:, mask], selected_exp_avg=entry["exp_avg"][:, mask],
+                selected_exp_avg_sq=entry["exp_avg_sq"][:, mask], selected_step=step[mask],
+                unapplied=bool(entry.get("unapplied", False)))
+    if "device_selected" in entry:
+        part["device_selected"] = entry["device_selected"]
+    return part
+
+
+__all__ = ["export_entry", "state_from_entry", "fresh_entry", "dcp_form", "holds_state", "device_part", "Slab"]

@@ -4,8 +4,12 @@ Everything here is plain torch.distributed (NCCL on CUDA, gloo on CPU). What Zen
 
 - Host optimizer state is partitioned by whole matrices: each matrix (its unselected columns' fp32 masters,
   moments and gradient accumulator) lives on exactly one rank, its *owner*, chosen greedily by size (the
-  matrix goes to the rank with the fewest owned elements so far, ties to the lower rank), in the order the
-  parameters get their state (the same on every rank). Whole matrices rather than column shards: the
+  matrix goes to the rank with the fewest owned elements so far, ties to the lower rank), in param-group order
+  when the optimizer takes its parameters (a parameter that requires no grad then: when it gets its state),
+  the same on every rank. So a fresh optimizer knows every owner before any step, and at the same world size
+  they are the saved run's: each rank saves and loads the state of its own parameters (a checkpoint through
+  torch.distributed.checkpoint), and at a load each owner broadcasts the device part of its parameters'
+  state (`broadcast_object`). Whole matrices rather than column shards: the
   unselected gradient of a matrix is one `reduce` to one rank (gloo has no reduce-scatter), a reselection
   moves state only between the devices and the owner's host, never between hosts, and a model has many
   matrices of similar size, so the split is even. Vectors (replicated on every device) get an owner too:
@@ -60,13 +64,6 @@ class DataParallel:
         self._owned_elements[owner] += numel
         return owner
 
-    def reset_ownership(self) -> None:
-        self._owned_elements = [0] * self.world_size
-
-    def claim(self, owner: int, numel: int) -> None:
-        """Record an ownership decided elsewhere (a checkpoint's), so later assignments stay balanced."""
-        self._owned_elements[owner] += numel
-
     # -- collectives (payload counted) --------------------------------------------------------------------
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.group, group_rank)
@@ -99,6 +96,12 @@ class DataParallel:
         """`owner`'s tensor into every rank's."""
         self._count("broadcast", tensor, owner == self.rank, owner != self.rank)
         return self._run(dist.broadcast, tensor, src=self._global(owner), group=self.group, async_op=async_op)
+
+    def broadcast_object(self, obj: Any, owner: int) -> Any:
+        """`owner`'s picklable object (tensors on the host) on every rank; the others pass None."""
+        objects = [obj if owner == self.rank else None]
+        self._run(dist.broadcast_object_list, objects, src=self._global(owner), group=self.group)
+        return objects[0]
 
     def all_gather_object(self, obj: Any) -> list:
         gathered: list = [None] * self.world_size

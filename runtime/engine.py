@@ -112,6 +112,8 @@ class ZenFlowRuntime:
             self.host_work.use_device(self.transfers)
         pid = registry.register_param(param, self)
         self.params[pid] = (param, group_index)
+        if param.requires_grad:  # (data parallel: every owner known before any step, see collectives.py)
+            self._owner(pid, param)
         return pid
 
     def follow_param_groups(self, group_of: dict[int, int]) -> None:
@@ -191,8 +193,8 @@ class ZenFlowRuntime:
         self._watched = None
 
     def _owner(self, pid: int, param: torch.Tensor) -> int:
-        """The rank that holds the parameter's host state: decided when its state is created, in the same
-        order on every rank (a checkpoint's assignment is restored through `owners`)."""
+        """The rank that holds the parameter's host state: decided when the optimizer takes a trainable
+        parameter (else when its state is created), in the same order on every rank."""
         if self.data_parallel is None:
             return 0
         if pid not in self.owners:
@@ -688,7 +690,19 @@ class ZenFlowRuntime:
         return checkpoint.export_entry(self.members[pid], self.acc_slot)
 
     def import_states(self, entries: dict[int, dict]) -> None:
-        """Checkpoint entries (pid -> entry), after `import_globals`: every state laid out anew."""
+        """Checkpoint entries (pid -> entry), after `import_globals`: every state laid out anew. Data parallel:
+        `entries` are those of the parameters this rank owns (others are ignored), and every rank calls it
+        together: each owner then gives every rank the device part of its parameters' state."""
+        if self.data_parallel is not None:
+            # A parameter that required no grad when the optimizer took it has no owner yet: every rank assigns
+            # the same, in pid order, whichever ranks' entries hold its state.
+            pids = list(self.params)  # (ranks name a parameter by its place: ids are each process's own)
+            place = {pid: i for i, pid in enumerate(pids)}
+            unowned = [place[pid] for pid in entries if pid not in self.owners]
+            for index in sorted(set().union(*self.data_parallel.all_gather_object(unowned))):
+                self._owner(pids[index], self.params[pids[index]][0])
+            entries = self._with_device_parts({pid: entry for pid, entry in entries.items()
+                                               if self.owners[pid] == self.rank})
         members, states = [], []
         for pid, entry in entries.items():
             param, group_index = self.params[pid]
@@ -698,6 +712,19 @@ class ZenFlowRuntime:
             states.append(checkpoint.state_from_entry(member, entry))
         if members:
             self._add_slabs(members, states)
+
+    def _with_device_parts(self, owned: dict[int, dict]) -> dict[int, dict]:
+        """This rank's own entries and, from their owners, the device part of every other parameter's state
+        (one broadcast per rank), in pid order: every rank builds the same slabs in the same order."""
+        pids = list(self.params)  # (sent by place: ids are each process's own)
+        place = {pid: i for i, pid in enumerate(pids)}
+        mine = {place[pid]: checkpoint.device_part(entry, self.rank) for pid, entry in owned.items()}
+        entries = dict(owned)
+        for rank in range(self.data_parallel.world_size):
+            parts = self.data_parallel.broadcast_object(mine if rank == self.rank else None, rank)
+            if rank != self.rank:
+                entries.update((pids[index], part) for index, part in parts.items())
+        return dict(sorted(entries.items()))
 
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
@@ -711,8 +738,8 @@ class ZenFlowRuntime:
                     update_pending=self.update_pending, counters=dict(self.counters), config=self.config.to_dict(),
                     max_grad_norm=self.max_grad_norm)
 
-    def import_globals(self, saved: dict, owners: Optional[dict[int, int]] = None) -> None:
-        """`owners`: pid -> rank for a data-parallel share saved at this world size (None: assign afresh)."""
+    def import_globals(self, saved: dict) -> None:
+        """The schedule of a checkpoint (`export_globals`); the states follow (`import_states`)."""
         if saved["config"] != self.config.to_dict():
             differing = sorted(k for k, v in saved["config"].items() if self.config.to_dict().get(k) != v)
             raise ValueError(f"checkpoint was saved with a different ZenFlow config (keys {differing}); "
@@ -723,13 +750,8 @@ class ZenFlowRuntime:
         self.steps_accumulated = saved["steps_accumulated"]
         self.update_pending = saved["update_pending"]
         self.counters.update(saved["counters"])
-        # States are re-created from the checkpoint (with the checkpoint's owners, if it is a rank's share).
+        # States are re-created from the checkpoint (owners stay this optimizer's: see collectives.py).
         self.members, self.slabs = {}, []
         self._layout_changed()
-        self.owners = dict(owners or {})
-        if self.data_parallel is not None:
-            self.data_parallel.reset_ownership()
-            for pid, owner in self.owners.items():
-                self.data_parallel.claim(owner, self.params[pid][0].numel())
         self.grad_slot = self.acc_slot = 0
         self.host_work.reset()

@@ -38,7 +38,6 @@ The collectives go through `collectives.DataParallel` (payload counted, a failur
 
 from __future__ import annotations
 
-import math
 import operator
 from typing import Any, Iterable, Optional
 
@@ -110,17 +109,10 @@ class Sharding:
 
     # -- checkpoints (torch.distributed.checkpoint) -----------------------------------------------------------
     def dcp_entry(self, entry: dict, param: torch.Tensor) -> dict:
-        """A parameter's checkpoint entry (`checkpoint.export_entry`, this rank's rows) in the form DCP saves and
-        reshards: tensors with a row per parameter row become DTensors `Shard(0)` of the parameter's global rows;
-        the others (per-column counts, selection, flags) are the same on every rank (replicated). Every matrix
-        entry has the same keys, so a fresh optimizer's `state_dict()` is a template `dcp.load` fills in."""
+        """A parameter's checkpoint entry in DCP's form (`checkpoint.dcp_form`, this rank's rows) as DCP saves and
+        reshards it: tensors with a row per parameter row become DTensors `Shard(0)` of the parameter's global
+        rows; the others (per-column counts, selection, flags) are the same on every rank (replicated)."""
         out = dict(entry)
-        if param.dim() >= 2:
-            rows, cols = out["master"].shape
-            if "device_columns" not in out:  # (read only while a CPU update is pending)
-                out["device_columns"] = torch.zeros(rows, cols, dtype=param.dtype)
-            out["unapplied"] = torch.tensor(bool(out.get("unapplied", False)))
-            out["steps_accumulated"] = torch.tensor(int(out["steps_accumulated"]))
         for key in ROW_KEYS:
             if key in out:
                 out[key] = self._rows(out[key], param)
@@ -136,24 +128,6 @@ class Sharding:
         stride = torch.empty(shape, device="meta").stride()
         spec = DTensorSpec(self.mesh, (Shard(0),), tensor_meta=TensorMeta(shape, stride, local.dtype))
         return DTensor(local.contiguous(), spec, requires_grad=False)
-
-    @staticmethod
-    def fresh_entry(param: torch.Tensor, accumulate_squares: bool) -> dict:
-        """The entry of a parameter with no state yet (its values, zero moments and counts): what a checkpoint
-        of it would hold before its first gradient, so a fresh optimizer's `state_dict()` is a full template."""
-        local = local_shard(param).detach()
-        if param.dim() < 2:
-            master = local.float().cpu().clone()
-            return dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
-                        step=torch.zeros(1))
-        rows, cols = local.shape[0], math.prod(local.shape[1:])
-        master = local.reshape(rows, cols).float().cpu().clone()
-        entry = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
-                     step=torch.zeros(cols), selected=torch.zeros(cols, dtype=torch.bool), steps_accumulated=0,
-                     zen_auto=torch.zeros(2, dtype=torch.float64), accumulator=torch.zeros_like(master))
-        if accumulate_squares:
-            entry["square_accumulator"] = torch.zeros_like(master)
-        return entry
 
     def stats(self) -> dict:
         stats = self.collectives.stats()

@@ -42,6 +42,8 @@ def mask_first_rows(model, rows: int = 8) -> None:
 def build(scenario: dict, rank: int):
     model = model_for(scenario.get("model", "tiny"),
                       seed=scenario.get("seed", 0) + (rank if scenario.get("differ_init") else 0))
+    if scenario.get("unused_param"):  # a trainable matrix the forward never uses: it never gets a gradient
+        model.unused = torch.nn.Parameter(torch.ones(4, 8))
     if scenario.get("row_mask"):
         mask_first_rows(model)
         torch._dynamo.reset()  # the graphs compiled for the earlier scenarios' (unhooked) models would refuse it
@@ -76,6 +78,53 @@ def train(scenario, model, opt, run_model, batches, rank, world_size, record, fi
         record["selected"].append([opt.selected_columns(p) for p in matrices])
 
 
+def unused_has_state(model, opt) -> bool:
+    unused = getattr(model, "unused", None)
+    return unused is not None and opt._runtime.has_state(opt.param_id(unused))
+
+
+def owners(model, opt) -> list:
+    """The rank holding each parameter's host state, in the model's order."""
+    return [opt._runtime.owners.get(opt.param_id(p)) for p in model.parameters()]
+
+
+def dcp_resume(scenario: dict, rank: int, checkpoint: str, record: dict | None = None):
+    """A fresh model and optimizer loaded from a DCP checkpoint the way torchtitan does: the state_dict
+    functions of torch.distributed.checkpoint give the template, `dcp.load` fills it in, set_state_dict
+    applies it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, run_model = build(scenario, rank)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    if record is not None:  # (the template's optimizer never stepped: DCP's state_dict functions must not step it)
+        record["template_steps"] = opt._runtime.step_count
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return model, opt, run_model
+
+
+def dcp_save(scenario, rank, world_size, model, opt, run_model, batches, record) -> None:
+    """Save the model and optimizer with DCP after the scenario's steps (and each rank's opt.state_dict() with
+    torch.save), train `more_steps` more, then resume the checkpoint in a fresh model and optimizer at this
+    world size and train the same steps (record["resumed"])."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=scenario["dcp_save"])
+    torch.save(opt.state_dict(), f"{scenario['dcp_save']}.rank{rank}.pt")
+    record["consolidated"] = opt.consolidated_state_dict()
+    record["owners"] = owners(model, opt)
+    more = dict(scenario, steps=scenario["more_steps"])
+    train(more, model, opt, run_model, batches, rank, world_size, record, first_step=scenario["steps"])
+    model2, opt2, run_model2 = dcp_resume(scenario, rank, scenario["dcp_save"])
+    record["resumed"] = dict(params=[], selected=[], owners=owners(model2, opt2),
+                             unused_has_state=unused_has_state(model2, opt2))
+    train(more, model2, opt2, run_model2, batches, rank, world_size, record["resumed"], first_step=scenario["steps"])
+
+
 def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
     torch.manual_seed(0)
     record: dict = dict(params=[], selected=[], error=None)
@@ -87,16 +136,17 @@ def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
             saved = torch.load(scenario["load_from"], weights_only=False)
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["optimizer"])
+        if "load_rank_state" in scenario:  # one rank's torch.save'd opt.state_dict() (of another world size)
+            saved_rank = min(rank, scenario["saved_at"] - 1)
+            opt.load_state_dict(torch.load(f"{scenario['load_rank_state']}.rank{saved_rank}.pt", weights_only=False))
+        if "dcp_load" in scenario:  # a checkpoint of another launch (possibly another world size)
+            model, opt, run_model = dcp_resume(scenario, rank, scenario["dcp_load"], record)
+            record["consolidated"] = opt.consolidated_state_dict()
+            record["unused_has_state"] = unused_has_state(model, opt)
         train(scenario, model, opt, run_model, batches, rank, world_size, record,
               first_step=scenario.get("first_step", 0))
-        if "dcp_share" in scenario:  # the FSDP2 recipe (a fresh optimizer's state_dict as DCP's template)
-            import torch.distributed.checkpoint as dcp
-
-            dcp.save({"optim": opt.state_dict()}, checkpoint_id=scenario["dcp_share"])
-            _, opt2, _ = build(scenario, rank)
-            state = {"optim": opt2.state_dict()}
-            dcp.load(state, checkpoint_id=scenario["dcp_share"])
-            opt2.load_state_dict(state["optim"])
+        if "dcp_save" in scenario:
+            dcp_save(scenario, rank, world_size, model, opt, run_model, batches, record)
         if "resume_steps" in scenario:
             # Copies, as torch.save would make: like torch.optim's, a state_dict may share live tensors.
             record["share"] = copy.deepcopy(opt.state_dict())

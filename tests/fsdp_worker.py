@@ -186,7 +186,10 @@ def full(param: torch.Tensor) -> torch.Tensor:
 
 
 def build(scenario: dict, world_size: int):
-    model = shard(make_model(scenario.get("seed", 0)), scenario, world_size)
+    model = make_model(scenario.get("seed", 0))
+    if scenario.get("unused_param"):  # a trainable matrix the forward never uses: it never gets a gradient
+        model.unused = nn.Parameter(torch.ones(6, 8))
+    model = shard(model, scenario, world_size)
     extra = dict(process_group=dist.group.WORLD) if scenario.get("refuse") == "process_group" else {}
     opt = optimizer(scenario, model.parameters(), **extra)
     if scenario.get("refuse") == "plain_added_later":
@@ -221,6 +224,12 @@ def consolidated(opt) -> dict:
         for i, entry in saved["state"].items()})
 
 
+def unused_state(model, opt) -> dict:
+    """Whether the never-used parameter holds optimizer state, and the pinned host bytes of the optimizer."""
+    return dict(has_state=opt._runtime.has_state(opt.param_id(model.unused)),
+                host_state_bytes=opt.stats()["host_state_bytes"])
+
+
 def dcp_resume(scenario: dict, world_size: int, checkpoint: str):
     """A fresh model and optimizer, loaded from a DCP checkpoint the way torchtitan does: the state_dict
     functions of torch.distributed.checkpoint give the template, `dcp.load` fills it in, set_state_dict
@@ -244,6 +253,7 @@ def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
             if "dcp_load" in scenario:  # a checkpoint of another launch (possibly another world size)
                 model, opt, run_model = dcp_resume(scenario, world_size, scenario["dcp_load"])
                 record["consolidated"] = consolidated(opt)
+                record["unused_state"] = unused_state(model, opt)
                 train(scenario, model, opt, run_model, rank, world_size, record, scenario["first_step"],
                       scenario["steps"])
             else:

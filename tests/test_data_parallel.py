@@ -5,7 +5,8 @@ list of scenarios and save, per rank, the parameters and the selections after ev
 - every rank against ZenFlowAdamW in this process trained on the concatenated batch (mean loss), to fp32
   reduction-order rounding, for the configs of the single-process parity tests, compiled and eager;
 - the two ranks against each other: the same selection and the same parameter bytes after every step;
-- checkpoints: a rank's share resumes exactly at world size 2; the consolidated export loads at world size 1;
+- checkpoints: a rank's own state_dict resumes exactly at world size 2; the consolidated export loads at world
+  size 1; torch.distributed.checkpoint resumes exactly at 2 and 3 ranks and loads at the other;
 - faults: a config mismatch is a ValueError on every rank; a rank that dies makes the other raise.
 """
 
@@ -173,8 +174,11 @@ def test_a_ranks_share_resumes_exactly_at_the_same_world_size(runs):
         assert len(continued) == len(resumed) == CHECKPOINT["resume_steps"]
         for step, (a, b) in enumerate(zip(continued, resumed)):
             assert all(torch.equal(x, y) for x, y in zip(a, b)), (rank, step)
-        share = record["share"]["zenflow"]["data_parallel"]
-        assert (share["world_size"], share["rank"]) == (WORLD_SIZE, rank)
+        saved = record["share"]["zenflow"]["data_parallel"]
+        assert saved["world_size"] == WORLD_SIZE
+        # This rank's entries are those of the parameters it owns; the others' are empty.
+        owned = {i for i, owner in enumerate(saved["owners"].tolist()) if owner == rank}
+        assert owned and {i for i, entry in record["share"]["state"].items() if entry} == owned
 
 
 def test_the_consolidated_export_resumes_at_world_size_one(runs):
@@ -209,7 +213,8 @@ def test_a_share_cannot_be_loaded_as_a_full_state_dict(runs):
     share = load(runs, "checkpoint")[1]["share"]
     model = tiny_model()
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), **CHECKPOINT["keys"])
-    with pytest.raises(ValueError, match=r"rank 1's share of a data-parallel run with world size 2.*"
+    with pytest.raises(ValueError, match=r"has no state for parameter \d \(shape .*\), which rank 0 of the 2 ranks "
+                                         r"that saved it held.*Fix: .*torch.distributed.checkpoint.*"
                                          r"consolidated_state_dict"):
         opt.load_state_dict(share)
 
@@ -269,16 +274,62 @@ def test_torchrun_example(tmp_path):
     assert "data_parallel" not in full["zenflow"] and len(full["state"]) == 9  # every parameter of TinyLM
 
 
-def test_a_share_through_dcp_with_a_fresh_template_is_refused_not_loaded_empty(tmp_path):
-    """The FSDP2 checkpoint recipe applied to a data-parallel share (dcp.save of opt.state_dict(), dcp.load into
-    a fresh optimizer's state_dict): DCP loads only the template's keys and a fresh data-parallel optimizer has
-    no per-parameter state, so the schedule would resume at step 4 without a moment. Every rank refuses it,
-    naming the ways that work."""
-    scenario = dict(name="dcp_share", compiled=False, steps=4, keys=dict(BASE, overlap_step=True),
-                    dcp_share=str(tmp_path / "checkpoint"), expect_error=True)
-    assert launch([scenario], tmp_path) == [0] * WORLD_SIZE
-    for record in load(tmp_path, "dcp_share"):
-        assert record["error"] is not None, "the empty share was loaded"
-        assert re.search(r"ValueError: ZenFlowAdamW.load_state_dict: this data-parallel share is at step 4 but "
-                         r"holds 0 parameter entries.*torch.distributed.checkpoint.*Fix: save each rank's share "
-                         r"with torch.save", record["error"], flags=re.S), record["error"]
+DCP = dict(compiled=False, steps=6, more_steps=4, global_batch=12, unused_param=True,
+           keys=dict(BASE, overlap_step=True))  # (overlap: a CPU update is pending at the save)
+
+
+@pytest.mark.parametrize("saved_at,loaded_at", [(2, 3), (3, 2)], ids=["2to3", "3to2"])
+def test_dcp_checkpoint_resumes_exactly_and_at_another_world_size(tmp_path, saved_at, loaded_at):
+    """torch.distributed.checkpoint with the state_dict functions (get_state_dict / set_state_dict): saved on
+    `saved_at` ranks after 6 steps, resumed by as many fresh ranks exactly (bitwise, every step, the same
+    owners), and loaded by `loaded_at` ranks: the same consolidated state, bitwise, and the run goes on like the
+    saving ranks' (to fp32 reduction-order rounding). A trainable parameter that never got a gradient stays
+    without state through it, and the fresh optimizers giving DCP its template are not stepped. One rank's
+    torch.save'd state_dict loaded at the other world size is refused on every rank."""
+    checkpoint = str(tmp_path / "checkpoint")
+    codes = launch_ranks(WORKER, saved_at, [dict(DCP, name="save", dcp_save=checkpoint)], tmp_path / "saved")
+    assert codes == [0] * saved_at
+    scenarios = [dict(DCP, name="load", dcp_load=checkpoint, first_step=DCP["steps"], steps=DCP["more_steps"]),
+                 dict(DCP, name="rank_state", load_rank_state=checkpoint, saved_at=saved_at, steps=0,
+                      expect_error=True)]
+    assert launch_ranks(WORKER, loaded_at, scenarios, tmp_path / "loaded") == [0] * loaded_at
+    saving = [torch.load(tmp_path / "saved" / f"save.rank{r}.pt", weights_only=False) for r in range(saved_at)]
+    loading = [torch.load(tmp_path / "loaded" / f"load.rank{r}.pt", weights_only=False) for r in range(loaded_at)]
+    steps, more = DCP["steps"], DCP["more_steps"]
+    for rank, record in enumerate(saving):
+        continued, resumed = record["params"][steps:], record["resumed"]["params"]
+        assert len(continued) == len(resumed) == more
+        for step, (a, b) in enumerate(zip(continued, resumed)):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (rank, step)
+            assert same_selection(record["selected"][steps + step], record["resumed"]["selected"][step])
+        assert record["resumed"]["owners"] == record["owners"]
+        assert record["resumed"]["unused_has_state"] is False
+    saved = saving[0]["consolidated"]
+    assert saved["zenflow"]["update_pending"]  # (the checkpoint holds a pending CPU update)
+    assert len(saved["state"]) == len(saving[0]["initial"]) - 1  # every parameter but the unused one
+    worst = 0.0
+    for rank, record in enumerate(loading):
+        assert record["template_steps"] == 0 and record["unused_has_state"] is False
+        got = record["consolidated"]
+        if rank != 0:
+            assert got is None
+            continue
+        assert got["zenflow"] == saved["zenflow"]
+        assert sorted(got["state"]) == sorted(saved["state"])
+        for i, entry in saved["state"].items():
+            assert sorted(got["state"][i]) == sorted(entry), i
+            for key, value in entry.items():
+                other = got["state"][i][key]
+                assert (torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other), (i, key)
+    for record in loading:
+        assert len(record["params"]) == more
+        for step, (a, b) in enumerate(zip(record["params"], saving[0]["params"][steps:])):
+            worst = max(worst, max_param_diff(a, b))
+            assert max_param_diff(a, b) <= ATOL, step
+            assert same_selection(record["selected"][step], saving[0]["selected"][steps + step]), step
+    for rank in range(loaded_at):
+        refused = torch.load(tmp_path / "loaded" / f"rank_state.rank{rank}.pt", weights_only=False)
+        assert re.search(r"ValueError: ZenFlowAdamW.load_state_dict: this state_dict has no state for parameter "
+                         rf"\d+ .*of the {saved_at} ranks that saved it.*Fix: load it on the rank that saved it",
+                         refused["error"] or "", flags=re.S), refused["error"]
+    print(f"DCP {saved_at} -> {loaded_at} ranks: max |param - the saving run's| over {more} steps = {worst:.3g}")

@@ -559,6 +559,7 @@ _TWO_RANKS = textwrap.dedent("""
     outcome = dict(world_size=stats.get("world_size"), engine_vs_direct=diff(ds_run, direct),
                    resume=diff(ds_run[save_after:], resumed), moved=diff(ds_run[-1:], [snapshot(tiny_model())]),
                    files=sorted(os.listdir(os.path.join({CKPT}, "t"))),
+                   optimizer_files=sorted(os.listdir(os.path.join({CKPT}, "t", "zenflow_optim"))),
                    allreduce_bytes=stats["comm_bytes_sent"].get("all_reduce", 0),
                    host_state_bytes=stats["host_state_bytes"], deepspeed_allreduce=engine.enable_backward_allreduce)
     with open(os.path.join({OUT}, "rank" + os.environ["RANK"]), "w") as f:  # one file per rank
@@ -570,7 +571,8 @@ _TWO_RANKS = textwrap.dedent("""
 def test_two_ranks_tutorial_config_equals_direct_data_parallel_and_resumes(ds, tmp_path):
     """Two ranks under torchrun (DS_ACCELERATOR=cpu, gloo): the tutorial-shaped JSON with deepcompile through
     DeepSpeed's engine equals ZenFlowAdamW(process_group=default) + torch.compile on the same micro-batches;
-    each rank saves its share next to DeepSpeed's files and the engine resumes exactly."""
+    the optimizer state goes through torch.distributed.checkpoint next to DeepSpeed's files and the engine
+    resumes exactly."""
     script = tmp_path / "two_ranks.py"
     config = ds_config(train_micro_batch_size_per_gpu=4, compile={"deepcompile": True})
     script.write_text(_TWO_RANKS.replace("{CONFIG}", repr(config)).replace("{OUT}", repr(str(tmp_path)))
@@ -589,6 +591,8 @@ def test_two_ranks_tutorial_config_equals_direct_data_parallel_and_resumes(ds, t
         assert outcome["resume"] == 0.0
         assert outcome["moved"] > 1e-3
         assert outcome["allreduce_bytes"] > 0 and outcome["deepspeed_allreduce"] is False
-        assert {"zenflow_optim_states_rank0.pt", "zenflow_optim_states_rank1.pt"} <= set(outcome["files"])
+        # The optimizer state went through torch.distributed.checkpoint, each rank writing its parameters'.
+        assert "zenflow_optim" in outcome["files"] and ".metadata" in outcome["optimizer_files"]
+        assert sum(name.endswith(".distcp") for name in outcome["optimizer_files"]) == 2
     # The host state is split between the ranks, not replicated.
     assert outcomes[0]["host_state_bytes"] > 0 and outcomes[1]["host_state_bytes"] > 0

@@ -205,7 +205,8 @@ def test_what_zenflow_refuses_over_fsdp2_is_a_clear_error(runs, what):
         assert re.search(REFUSALS[what], record["error"], flags=re.S), record["error"]
 
 
-DCP = dict(compiled=False, steps=6, resume_steps=4, keys=BASE)  # (overlap: a CPU update is pending at the save)
+# (overlap: a CPU update is pending at the save; `unused`: a trainable parameter that never gets a gradient)
+DCP = dict(compiled=False, steps=6, resume_steps=4, keys=BASE, unused_param=True)
 
 
 @pytest.mark.parametrize("saved_at,loaded_at", [(2, 3), (3, 2)], ids=["2to3", "3to2"])
@@ -214,7 +215,7 @@ def test_dcp_checkpoint_resumes_exactly_and_reshards(tmp_path, saved_at, loaded_
     torchtitan): saved on `saved_at` ranks after 6 steps, resumed by as many fresh ranks exactly (bitwise, every
     step), and loaded by `loaded_at` ranks (resharded: 3 ranks hold rows unevenly, one none of the gate): the
     same consolidated state, bitwise, and the run goes on like the saving ranks' (to fp32 reduction-order
-    rounding)."""
+    rounding). The parameter that never got a gradient stays without state (and pinned memory) through it."""
     checkpoint = str(tmp_path / "checkpoint")
     assert launch(saved_at, [dict(DCP, name="save", dcp_save=checkpoint)], tmp_path / "saved") == [0] * saved_at
     assert launch(loaded_at, [dict(DCP, name="load", dcp_load=checkpoint, first_step=6, steps=4)],
@@ -231,6 +232,7 @@ def test_dcp_checkpoint_resumes_exactly_and_reshards(tmp_path, saved_at, loaded_
     assert saved["zenflow"]["update_pending"]  # (the checkpoint holds a pending CPU update)
     worst = 0.0
     for record in loading:
+        assert record["unused_state"]["has_state"] is False
         got = record["consolidated"]
         assert got["zenflow"] == saved["zenflow"]
         assert sorted(got["state"]) == sorted(saved["state"])

@@ -60,8 +60,9 @@ Data parallelism (`deepspeed --num_gpus N` or torchrun): ZenFlowAdamW gets the e
 ZenFlow's hooks, eagerly), every rank selects the same columns, and each rank holds the host state of a
 share of the matrices (what stage 1/2 with `offload_optimizer.device: "cpu"` asks for). DeepSpeed's own
 all-reduce stays off. `zero_optimization.reduce_bucket_size`, when the JSON sets it, sizes ZenFlow's gradient
-buckets. Checkpoints: each rank writes its share of the optimizer state next to DeepSpeed's model file
-(`zenflow_optim_states_rank<r>.pt` in the tag directory) and `load_checkpoint` reads its own back.
+buckets. Checkpoints: on several ranks the optimizer state goes through torch.distributed.checkpoint into
+`zenflow_optim/` in the tag directory (each rank writes the state of the parameters it owns), and
+`load_checkpoint` reads it back at any world size; a one-rank run keeps it in DeepSpeed's model file.
 
 DeepSpeed is imported only inside the functions of this module (the package imports without it).
 """
@@ -89,6 +90,8 @@ _DS_ADAM_DEFAULTS = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
 # kernels): accepted and ignored.
 _IMPLEMENTATION_KEYS = ("torch_adam", "foreach", "fused")
 _BACKEND = "zenflow"
+# The optimizer state of a checkpoint saved by several ranks: a torch.distributed.checkpoint folder in the tag's.
+DCP_OPTIMIZER_DIR = "zenflow_optim"
 
 
 def _require_deepspeed():
@@ -394,27 +397,22 @@ def _define_engine_class():
             super().compile(backend=backend, compile_kwargs=dict(compile_kwargs or {}), schedule=schedule,
                             compiled_autograd_enabled=compiled_autograd_enabled)
 
-        def _data_parallel_share_path(self, checkpoint_dir: str) -> Optional[str]:
-            """Where this rank's share of the optimizer state goes (None on one rank: DeepSpeed's model file
-            holds the whole state)."""
-            data_parallel = self.optimizer._runtime.data_parallel
-            if data_parallel is None:
-                return None
-            return os.path.join(checkpoint_dir, f"zenflow_optim_states_rank{data_parallel.rank}.pt")
-
         def _save_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):
             super()._save_checkpoint(save_dir, tag, client_state=client_state,
                                      exclude_frozen_parameters=exclude_frozen_parameters)
-            share_path = self._data_parallel_share_path(os.path.join(save_dir, str(tag)))
-            if share_path is not None:  # every rank: its own share (DeepSpeed's file is rank 0's alone)
-                self.checkpoint_engine.makedirs(os.path.dirname(share_path), exist_ok=True)
-                self.checkpoint_engine.save(state_dict=self.optimizer.state_dict(), path=share_path)
+            data_parallel = self.optimizer._runtime.data_parallel
+            if data_parallel is not None:  # (a collective: every rank writes the state of its own parameters)
+                import torch.distributed.checkpoint as dcp
+
+                optimizer_dir = os.path.join(save_dir, str(tag), DCP_OPTIMIZER_DIR)
+                dcp.save(self.optimizer.state_dict(), checkpoint_id=optimizer_dir, process_group=data_parallel.group)
 
         def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                             load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
             """DeepSpeed's load (module, scheduler, counters, client state), then ZenFlowAdamW.load_state_dict
-            with the optimizer entry of the same file (DeepSpeed hands it back in the client state when it is
-            told not to load it itself)."""
+            with the optimizer state under `zenflow_optim/` (saved by several ranks), or else the optimizer entry
+            of DeepSpeed's model file (DeepSpeed hands it back in the client state when it is told not to load
+            it itself)."""
             load_path, client_state = super().load_checkpoint(
                 load_dir, tag=tag, load_module_strict=load_module_strict, load_optimizer_states=False,
                 load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
@@ -422,14 +420,20 @@ def _define_engine_class():
             if load_path is None:
                 return load_path, client_state
             saved = client_state.pop("optimizer", None)
-            share_path = self._data_parallel_share_path(os.path.dirname(load_path))
-            if share_path is not None and load_optimizer_states and not load_module_only:
-                saved = self.checkpoint_engine.load(share_path, map_location="cpu")
-            if load_optimizer_states and not load_module_only:
-                if saved is None:
-                    raise ValueError(f"checkpoint {load_path} has no optimizer state; load it with "
-                                     "load_optimizer_states=False or load_module_only=True")
-                self.optimizer.load_state_dict(saved)
+            if not load_optimizer_states or load_module_only:
+                return load_path, client_state
+            optimizer_dir = os.path.join(os.path.dirname(load_path), DCP_OPTIMIZER_DIR)
+            if os.path.isdir(optimizer_dir):  # (the model file holds only rank 0's part then)
+                import torch.distributed.checkpoint as dcp
+
+                data_parallel = self.optimizer._runtime.data_parallel
+                saved = self.optimizer.state_dict()  # the template: the state of this rank's parameters
+                dcp.load(saved, checkpoint_id=optimizer_dir,
+                         process_group=None if data_parallel is None else data_parallel.group)
+            if saved is None:
+                raise ValueError(f"checkpoint {load_path} has no optimizer state; load it with "
+                                 "load_optimizer_states=False or load_module_only=True")
+            self.optimizer.load_state_dict(saved)
             return load_path, client_state
 
     return ZenFlowDeepSpeedEngine

@@ -19,7 +19,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
 from zenflow_compile.grad_hooks import DataParallelHooks, hand_over_grads
-from zenflow_compile.runtime import collectives, sharding as sharded
+from zenflow_compile.runtime import checkpoint, collectives, sharding as sharded
 from zenflow_compile.runtime.engine import ZenFlowRuntime
 
 
@@ -76,8 +76,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     makes the same selection, and each rank holds the host state of a share of the matrices; as when
     compiled, `.grad` is None after the backward (tensor hooks still apply). Do not wrap the model in
     DistributedDataParallel (refused: compiled, at compile time; eagerly, at the first step). Parameters are
-    broadcast from rank 0 at construction. `state_dict()` is this rank's share;
-    `consolidated_state_dict()` gathers a full one.
+    broadcast from rank 0 at construction. `state_dict()` is this rank's part of the state, in the form
+    torch.distributed.checkpoint saves and loads at any world size; `consolidated_state_dict()` gathers a full
+    one.
 
     Follows torch.optim conventions: parameters that never get a gradient (frozen, unused, integer tensors)
     are never touched and cost nothing; one that starts requiring grad later trains from then on; values
@@ -152,6 +153,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._runtime.check_written_params = _written_params_check(weakref.ref(self))
         self._agree_across_ranks(self._params_in_order())
         self._constructed = True
+        if self._runtime.sharding is not None or self._runtime.data_parallel is not None:
+            self._mark_state()
 
     @property
     def config(self) -> ZenFlowConfig:
@@ -304,8 +307,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._runtime.check_failure()  # (nothing to do, but a failed optimizer still says so)
         if self._dp_hooks is not None:
             self._dp_hooks.step_done()
-        if self._runtime.sharding is not None:
-            self._mark_sharded_state()
+        if self._runtime.sharding is not None or self._runtime.data_parallel is not None:
+            self._mark_state()
         if grad_scaler is not None:
             device = grad_scaler._get_scale_async().device
             found_inf = torch.full((), 0.0 if stepped else 1.0, device=device)
@@ -390,6 +393,12 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """torch.optim layout: per-parameter state in its natural shape (fp32 master, moments, per-column
         counts, selection, accumulator) keyed by index, param_groups, plus a "zenflow" entry.
 
+        Data parallel (several ranks) and FSDP2: the form torch.distributed.checkpoint saves and fills (README
+        "Data parallel", "Sharded parameters"). Data parallel: this rank's entries are those of the parameters
+        whose host state it holds (the others' are empty), so every rank's state_dict together is the whole
+        state; FSDP2: this rank's rows. A trainable parameter without state yet has a template entry
+        (`has_state` False), so a fresh optimizer's state_dict is what `dcp.load` fills in.
+
         Saving never changes the run: it waits for CPU work in flight but applies nothing to the device.
         """
         self._runtime.quiesce()
@@ -400,53 +409,84 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         saved["zenflow"] = self._runtime.export_globals()
         if self._runtime.sharding is not None:
             self._sharded_state_dict(saved)
-        data_parallel = self._runtime.data_parallel
-        if data_parallel is not None:  # this rank's share: loadable at this world size, by this rank
-            saved["zenflow"]["data_parallel"] = dict(
-                world_size=data_parallel.world_size, rank=data_parallel.rank,
-                owners={i: self._runtime.owners[pid] for i, pid in indexed})
+        elif self._runtime.data_parallel is not None:
+            self._data_parallel_state_dict(saved)
         return saved
+
+    def _dcp_entries(self, saved: dict, owns: Callable[[int], bool]) -> dict:
+        """`saved["state"]` in DCP's form (`checkpoint.dcp_form`) for the parameters `owns(pid)` says this rank
+        saves, with a template for each trainable one without state; an empty entry for the others."""
+        state = {}
+        for i, param in enumerate(self._params_in_order()):
+            pid = self._param_ids.get(id(param))
+            if pid is None or not (i in saved["state"] or param.requires_grad):
+                continue
+            if not owns(pid):
+                state[i] = {}  # (DCP writes nothing for it; get/set_optimizer_state_dict want every parameter)
+            elif i in saved["state"]:
+                state[i] = checkpoint.dcp_form(saved["state"][i], param.dtype, has_state=True)
+            else:
+                fresh = checkpoint.fresh_entry(sharded.local_shard(param), self.config.interval_second_moment)
+                state[i] = checkpoint.dcp_form(fresh, param.dtype, has_state=False)
+        return state
+
+    def _data_parallel_state_dict(self, saved: dict) -> None:
+        """Data parallel: the entries of the parameters this rank owns (their full state), the schedule as every
+        rank holds it, also in param_groups[0] (`get_optimizer_state_dict` keeps only state and param_groups),
+        and the owner of every parameter (a load checks that it has the entries of its own)."""
+        runtime, params = self._runtime, self._params_in_order()
+        saved["state"] = self._dcp_entries(saved, lambda pid: runtime.owners.get(pid) == runtime.rank)
+        owners = [runtime.owners.get(self._param_ids.get(id(p)), -1) for p in params]
+        saved["zenflow"] = dict(sharded.replicated_globals(saved["zenflow"]), data_parallel=dict(
+            world_size=runtime.data_parallel.world_size, owners=torch.tensor(owners, dtype=torch.long)))
+        saved["param_groups"][0]["zenflow"] = saved["zenflow"]
 
     def _sharded_state_dict(self, saved: dict) -> None:
         """FSDP2-sharded parameters: `saved` in the form torch.distributed.checkpoint expects (see
         runtime/sharding.py): per-row state as DTensors over the mesh, a template entry for every trainable
-        parameter without state yet (so a fresh optimizer's state_dict() is what `dcp.load` fills in), and the
-        "zenflow" entry also in param_groups[0] (`get_optimizer_state_dict` keeps only state and
-        param_groups)."""
+        parameter without state yet, and the "zenflow" entry also in param_groups[0]."""
         sharding, params = self._runtime.sharding, self._params_in_order()
-        for i, param in enumerate(params):
-            if i not in saved["state"] and id(param) in self._param_ids and param.requires_grad:
-                saved["state"][i] = sharding.fresh_entry(param, self.config.interval_second_moment)
-        saved["state"] = {i: sharding.dcp_entry(entry, params[i]) for i, entry in saved["state"].items()}
+        state = self._dcp_entries(saved, lambda pid: True)
+        saved["state"] = {i: sharding.dcp_entry(entry, params[i]) for i, entry in state.items()}
         saved["zenflow"] = sharded.replicated_globals(saved["zenflow"])
         saved["param_groups"][0]["zenflow"] = saved["zenflow"]
 
-    def _mark_sharded_state(self) -> None:
-        """torch.distributed.checkpoint's get/set_optimizer_state_dict take an optimizer with an empty `state`
-        for one that never stepped and make it step once with zero gradients and lr 0 (which would move
-        ZenFlow's schedule and moments): `state` names the parameters whose state the runtime holds."""
-        for param, pid in zip(*self._followed):
-            if self._runtime.has_state(pid) and param not in self.state:
+    def _mark_state(self) -> None:
+        """Data parallel and FSDP2: torch.distributed.checkpoint's get/set_optimizer_state_dict take an optimizer
+        with an empty `state` for one that never stepped and make it step once with zero gradients and lr 0
+        (which would move ZenFlow's schedule and moments): `state` names the parameters whose state the runtime
+        holds or will hold (the trainable ones)."""
+        for param in self._params_in_order():
+            pid = self._param_ids.get(id(param))
+            if pid is not None and param not in self.state and (param.requires_grad or self._runtime.has_state(pid)):
                 self.state[param] = {"zenflow": "held by the ZenFlow runtime: see ZenFlowAdamW.state_dict()"}
 
     def consolidated_state_dict(self, to_rank: int = 0) -> Optional[dict]:
-        """Data parallel: gather every rank's share into one world-size-free state_dict on `to_rank` (None
-        on the other ranks; a collective: call it on every rank). Without data parallelism, `state_dict()`.
-        Load it at any world size; see README "Data parallel" for what differs from resuming a share."""
+        """Data parallel: gather every rank's part into one world-size-free state_dict on `to_rank` (None on
+        the other ranks; a collective: call it on every rank), for `torch.save`. Without data parallelism,
+        `state_dict()`. Load it on every rank at any world size, or in one process."""
         data_parallel = self._runtime.data_parallel
         if data_parallel is None:
             return self.state_dict()
-        shares = data_parallel.gather_object(self.state_dict(), dst=to_rank)
-        if shares is None:
+        parts = data_parallel.gather_object(self.state_dict(), dst=to_rank)
+        if parts is None:
             return None
-        full = shares[to_rank]
-        owners = full["zenflow"].pop("data_parallel")["owners"]
-        full["state"] = {i: shares[owner]["state"][i] for i, owner in owners.items()}
+        full = parts[to_rank]
+        full["zenflow"].pop("data_parallel")
+        full["param_groups"][0].pop("zenflow")
+        full["state"] = {i: {k: v for k, v in entry.items() if k != "has_state"}
+                         for part in parts for i, entry in part["state"].items() if checkpoint.holds_state(entry)}
+        full["state"] = dict(sorted(full["state"].items()))
         return full
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict()`. As torch.optim restores the saved lr, betas, eps and weight_decay, the saved
-        `max_grad_norm` is restored too (set `opt.max_grad_norm` after loading to change it)."""
+        `max_grad_norm` is restored too (set `opt.max_grad_norm` after loading to change it).
+
+        Data parallel: a collective (call it on every rank together). Each rank takes the entries of the
+        parameters it owns (DCP's form, this rank's own `state_dict()` at the same world size, or a full
+        one such as `consolidated_state_dict()`), and their owners give every rank the selected columns'
+        state."""
         groups = state_dict.get("param_groups") or [{}]
         zenflow = state_dict.get("zenflow", groups[0].get("zenflow"))  # (DCP's get_optimizer_state_dict form)
         if zenflow is None:
@@ -460,45 +500,58 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowAdamW.load_state_dict() was called between a backward and step(): that backward's "
                 "gradients were already handed to the optimizer and loading would discard them. Load the "
                 "checkpoint before the backward, or after step() (or call zero_grad() first to drop them)")
-        _check_share_complete(state_dict, zenflow)
-        owners = self._share_owners(zenflow.get("data_parallel"))
+        # A parameter's entry is keyed as its place in the saved param groups says: its index (torch.optim's
+        # state_dict) or its name (torch.distributed.checkpoint's get_optimizer_state_dict).
+        keys = [key for group in groups for key in group["params"]]
+        params = self._params_in_order()
+        entries = {self.param_id(param): state_dict["state"][keys[i]] for i, param in enumerate(params)
+                   if id(param) in self._param_ids and keys[i] in state_dict["state"]}
+        self._check_entries_complete(zenflow.get("data_parallel"), entries)
         if self._runtime.failed:  # a worker failure or an interrupted step: loading replaces every state
             self._runtime.settle_after_failure()
         else:
             self._runtime.quiesce()
         super().load_state_dict({"state": {}, "param_groups": groups})
-        self._runtime.import_globals(zenflow, owners)
+        globals_ = {k: v for k, v in zenflow.items() if k != "data_parallel"}
+        self._runtime.import_globals(globals_)
         if "max_grad_norm" in zenflow:
             self.max_grad_norm = zenflow["max_grad_norm"]
-        # A parameter's entry is keyed as its place in the saved param groups says: its index (torch.optim's
-        # state_dict) or its name (torch.distributed.checkpoint's get_optimizer_state_dict).
-        keys = [key for group in groups for key in group["params"]]
-        entries = {self.param_id(param): state_dict["state"][keys[i]]
-                   for i, param in enumerate(self._params_in_order()) if keys[i] in state_dict["state"]}
+        entries = {pid: entry for pid, entry in entries.items() if checkpoint.holds_state(entry)}
         if self._runtime.sharding is not None:
             entries = {pid: sharded.local_entry(entry) for pid, entry in entries.items()}
         self._runtime.import_states(entries)
         self._runtime.clear_failure()
-        if self._runtime.sharding is not None:
+        if self._runtime.sharding is not None or self._runtime.data_parallel is not None:
             self._groups_seen = None
             self._follow_param_groups()
-            self._mark_sharded_state()
+            self._mark_state()
 
-    def _share_owners(self, saved: Optional[dict]) -> Optional[dict[int, int]]:
-        """pid -> owner of a data-parallel share saved by this rank at this world size (None for a full
-        state_dict); a share of another rank or world size is an error."""
-        if saved is None:
-            return None
+    def _check_entries_complete(self, saved: Optional[dict], entries: dict) -> None:
+        """A data-parallel state_dict holds only its rank's parameters' entries: each parameter this rank owns
+        (every one, without data parallelism) must have its entry where the saving run had an owner for it
+        (one rank's torch.save'd state_dict loaded by another rank, at another world size or in one process
+        lacks them). Data parallel: every rank learns every rank's verdict (a collective), so all raise."""
+        problem = None
+        if saved is not None:
+            runtime, owners = self._runtime, saved["owners"].tolist()
+            for i, param in enumerate(self._params_in_order()):
+                pid = self._param_ids.get(id(param))
+                if pid is None or i >= len(owners) or owners[i] < 0 or runtime.owners.get(pid, runtime.rank) != runtime.rank:
+                    continue
+                if not entries.get(pid):
+                    problem = (f"ZenFlowAdamW.load_state_dict: this state_dict has no state for parameter {i} "
+                               f"(shape {tuple(param.shape)}), which rank {owners[i]} of the {saved['world_size']} "
+                               "ranks that saved it held: it is one rank's state_dict of a data-parallel run, "
+                               "which holds only the state of that rank's parameters")
+                    break
         data_parallel = self._runtime.data_parallel
-        world_size, rank = (1, 0) if data_parallel is None else (data_parallel.world_size, data_parallel.rank)
-        if (saved["world_size"], saved["rank"]) != (world_size, rank):
+        verdicts = [problem] if data_parallel is None else data_parallel.all_gather_object(problem)
+        problem = next((p for p in verdicts if p is not None), None)
+        if problem is not None:
             raise ValueError(
-                f"this ZenFlowAdamW state_dict is rank {saved['rank']}'s share of a data-parallel run with world "
-                f"size {saved['world_size']}; it can only be loaded by rank {saved['rank']} at that world size "
-                f"(here: rank {rank} of {world_size}). To resume at another world size, save "
-                "opt.consolidated_state_dict() instead and load that on every rank")
-        params = self._params_in_order()
-        return {self.param_id(params[int(i)]): owner for i, owner in saved["owners"].items()}
+                f"{problem}. Fix: load it on the rank that saved it, at the same world size; or save with "
+                "torch.distributed.checkpoint (dcp.save of every rank's state_dict, dcp.load into a new "
+                "optimizer's: any world size); or save opt.consolidated_state_dict() and load that anywhere")
 
     def _describe(self, param: torch.Tensor) -> str:
         """How error messages name a parameter: its place in the param groups and its shape."""
@@ -520,9 +573,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "every rank")
         if self._runtime.data_parallel is not None:
             raise TypeError(
-                "a data-parallel ZenFlowAdamW cannot be copied or pickled: its state is this rank's share and "
-                "rebuilding it is a collective over every rank. Fix: save opt.state_dict() (this rank's share) "
-                "or opt.consolidated_state_dict(), and load it into a ZenFlowAdamW built on every rank")
+                "a data-parallel ZenFlowAdamW cannot be copied or pickled: its state is spread over the ranks "
+                "and rebuilding it is a collective over every rank. Fix: save opt.state_dict() on every rank "
+                "(torch.distributed.checkpoint) or opt.consolidated_state_dict(), and load it into a "
+                "ZenFlowAdamW built on every rank")
         if self._runtime.holds_step_grads:
             raise RuntimeError(
                 "ZenFlowAdamW cannot be copied or pickled between a backward and step(): that backward's "
@@ -541,25 +595,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
-
-
-def _check_share_complete(state_dict: dict, zenflow: dict) -> None:
-    """A data-parallel share must hold an entry for every parameter of its owner map. One that went through
-    torch.distributed.checkpoint with a fresh optimizer's state_dict as the template does not: DCP loads only
-    the template's keys, and a fresh optimizer has no per-parameter state yet (the schedule would resume
-    without any moments)."""
-    share = zenflow.get("data_parallel")
-    if share is None:
-        return
-    missing = [i for i in share["owners"] if i not in state_dict["state"]]
-    if missing or (not state_dict["state"] and zenflow.get("step_count", 0) > 0):
-        raise ValueError(
-            f"ZenFlowAdamW.load_state_dict: this data-parallel share is at step {zenflow.get('step_count')} but "
-            f"holds {len(state_dict['state'])} parameter entries (owner map: {len(share['owners'])}). A share "
-            "loaded through torch.distributed.checkpoint with a fresh optimizer's state_dict as the template "
-            "gets only the template's keys, and a fresh optimizer holds no per-parameter state yet. Fix: save "
-            "each rank's share with torch.save(opt.state_dict(), path_of_this_rank) and load it on that rank "
-            "at the same world size, or save opt.consolidated_state_dict() and load it on every rank")
 
 
 def _param_list(params):
