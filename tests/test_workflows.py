@@ -125,6 +125,18 @@ def test_models_recreated_in_a_loop_each_train_like_adamw(mode, device):
         gc.collect()
 
 
+def test_a_deleted_model_and_optimizer_free_their_parameters(device):
+    import weakref
+
+    pair = Pair("eager", tiny_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
+                lambda ps: torch.optim.AdamW(ps, lr=LR))
+    pair.train(make_batches(2), "before del")
+    params = [weakref.ref(p) for p in pair.a.parameters()]
+    del pair
+    gc.collect()
+    assert [ref() for ref in params] == [None] * len(params)
+
+
 def test_two_models_alive_at_once_each_get_their_own_gradients(mode, device):
     batches = make_batches(4)
     first = Pair(mode, lambda: tiny_model(seed=1), lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
