@@ -12,6 +12,7 @@ compared is the optimizer); eager runs against an eager oracle.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -125,10 +126,8 @@ def test_models_recreated_in_a_loop_each_train_like_adamw(mode, device):
         gc.collect()
 
 
-def test_a_deleted_model_and_optimizer_free_their_parameters(device):
-    import weakref
-
-    pair = Pair("eager", tiny_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
+def test_a_deleted_model_and_optimizer_free_their_parameters(mode, device):
+    pair = Pair(mode, tiny_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
                 lambda ps: torch.optim.AdamW(ps, lr=LR))
     pair.train(make_batches(2), "before del")
     params = [weakref.ref(p) for p in pair.a.parameters()]
