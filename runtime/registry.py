@@ -1,6 +1,9 @@
 """Parameter ownership: which ZenFlow runtime owns a tensor, and which parameters a compiled graph ran with.
 
 Every optimized parameter gets an integer id owned by one runtime (weakly: a deleted optimizer frees its ids).
+Parameters are looked up by `id()` and held by the registry while their runtime lives (as the optimizer holds
+them), never weakly: torch refuses to swap the contents of a tensor that has weak references
+(`torch.utils.swap_tensors`, which `model.to()` / `model.float()` use for FSDP2's DTensor parameters).
 
 A compiled backward graph knows no ids: its hand-off op carries the parameter's *slot* (forward-input index),
 because one compiled graph serves every model it is called with (Dynamo reuses a graph for another instance
@@ -17,13 +20,12 @@ import weakref
 from typing import Any, Optional
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 # The owner of a parameter id: a ZenFlowRuntime (runtime/engine.py, which imports this module).
 Runtime = Any
 
 _next_id = itertools.count()
-_id_of_param: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_param_and_id: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (param, its pid)
 _runtime_of_id: dict[int, "weakref.ReferenceType[Runtime]"] = {}
 # Bumped by every (un)registration, so callers can cache "which ids do these tensors have" cheaply.
 _generation = 0
@@ -36,8 +38,8 @@ def generation() -> int:
 
 def register_param(param: torch.Tensor, runtime: "Runtime") -> int:
     """Give `param` an id owned by `runtime`. A parameter can be owned by one optimizer only."""
-    if param in _id_of_param:
-        other = runtime_of(_id_of_param[param])
+    if id(param) in _param_and_id:
+        other = runtime_of(_param_and_id[id(param)][1])
         if other is not None and other is not runtime:
             raise ValueError(
                 "a parameter of shape {} is already owned by another ZenFlowAdamW, which is still alive: "
@@ -47,7 +49,7 @@ def register_param(param: torch.Tensor, runtime: "Runtime") -> int:
                 "to one of them only".format(tuple(param.shape)))
     global _generation
     pid = next(_next_id)
-    _id_of_param[param] = pid
+    _param_and_id[id(param)] = (param, pid)
     _runtime_of_id[pid] = weakref.ref(runtime, _on_runtime_deleted)
     _generation += 1
     return pid
@@ -56,20 +58,27 @@ def register_param(param: torch.Tensor, runtime: "Runtime") -> int:
 def unregister_param(pid: int) -> None:
     global _generation
     _runtime_of_id.pop(pid, None)
+    _forget_params(lambda param_pid: param_pid == pid)
     _generation += 1
 
 
 def _on_runtime_deleted(_ref) -> None:
     global _generation
+    _forget_params(lambda pid: runtime_of(pid) is None)
     _generation += 1
+
+
+def _forget_params(gone) -> None:
+    for key in [key for key, (_, pid) in _param_and_id.items() if gone(pid)]:
+        del _param_and_id[key]
 
 
 def param_id(param: torch.Tensor) -> Optional[int]:
     """The id of `param`, or None if no live ZenFlow optimizer owns it."""
-    pid = _id_of_param.get(param)
-    if pid is None or runtime_of(pid) is None:
+    entry = _param_and_id.get(id(param))
+    if entry is None or entry[0] is not param or runtime_of(entry[1]) is None:
         return None
-    return pid
+    return entry[1]
 
 
 def runtime_of(pid: int) -> Optional["Runtime"]:

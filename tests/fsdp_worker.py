@@ -76,8 +76,13 @@ def load_weights(scenario: dict, step: int, model: nn.Module, world_size: int = 
     "copy": model.load_state_dict(sd) (one process: the full tensors; ranks: DTensors of their rows);
     "assign": the same with assign=True (FSDP2 takes new parameter objects); "repad": each parameter's local
     tensor replaced the way FSDP2 does it after a parameter swap (new storage, then `reset_sharded_param`,
-    which re-pads an uneven shard), so the DTensor the optimizer holds has a new local tensor."""
+    which re-pads an uneven shard), so the DTensor the optimizer holds has a new local tensor; "move": no
+    weights, `model.to(its device)`, which FSDP2 does by swapping each DTensor parameter's contents in place
+    (`torch.utils.swap_tensors`)."""
     if scenario.get("load_at") != step:
+        return
+    if scenario["load"] == "move":
+        model.to(next(model.parameters()).device)
         return
     full_sd = loaded_weights()
     if world_size == 1 or not hasattr(next(model.parameters()), "device_mesh"):

@@ -12,6 +12,7 @@ compared is the optimizer); eager runs against an eager oracle.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -123,6 +124,16 @@ def test_models_recreated_in_a_loop_each_train_like_adamw(mode, device):
         pair.train(batches, f"round {round_}")
         del pair
         gc.collect()
+
+
+def test_a_deleted_model_and_optimizer_free_their_parameters(mode, device):
+    pair = Pair(mode, tiny_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
+                lambda ps: torch.optim.AdamW(ps, lr=LR))
+    pair.train(make_batches(2), "before del")
+    params = [weakref.ref(p) for p in pair.a.parameters()]
+    del pair
+    gc.collect()
+    assert [ref() for ref in params] == [None] * len(params)
 
 
 def test_two_models_alive_at_once_each_get_their_own_gradients(mode, device):

@@ -209,10 +209,9 @@ class GraphOwnerBinding:
         self._cached_ids: Optional[tuple] = None
         self._cached_for: list = []  # weak references to the tensors the cached ids were resolved for
         self._cached_generation = -1
-        self._slot_tensors: list[torch.Tensor] = []  # this call's tensors in the parameter slots
 
-    def _refuse_late_hooks(self) -> None:
-        slot, tensor = next((slot, t) for slot, t in zip(self._slots, self._slot_tensors) if user_grad_hooks(t))
+    def _refuse_late_hooks(self, slot_tensors: list[torch.Tensor]) -> None:
+        slot, tensor = next((slot, t) for slot, t in zip(self._slots, slot_tensors) if user_grad_hooks(t))
         raise RuntimeError(
             f"backend='zenflow': parameter {self.ctx.name(slot)} (shape {tuple(tensor.shape)}) has a gradient "
             f"hook ({user_grad_hooks(tensor)}) that it did not have when this graph was compiled, so the graph "
@@ -223,9 +222,11 @@ class GraphOwnerBinding:
             ".grad, and opt.step() takes it from there")
 
     def __call__(self, *args):
+        # (The call's tensors are not kept: a deleted model's parameters must be freed with it.)
+        slot_tensors = [*self._attr_params.values(), *(args[i] for _, i in self._arg_slots)]
         param_ids = self._param_ids(args)
-        if any_user_grad_hooks(self._slot_tensors):
-            self._refuse_late_hooks()
+        if any_user_grad_hooks(slot_tensors):
+            self._refuse_late_hooks(slot_tensors)
         outputs = self.compiled(*args)
         registry.bind_param_ids(outputs, param_ids, self._edges, self.ctx.param_names)
         return outputs
@@ -234,7 +235,6 @@ class GraphOwnerBinding:
         tensors = [inputs[i] for _, i in self._arg_slots]
         if (self._cached_generation == registry.generation() and len(tensors) == len(self._cached_for)
                 and all(ref() is t for ref, t in zip(self._cached_for, tensors))):
-            self._slot_tensors = [*self._attr_params.values(), *tensors]
             return self._cached_ids
         ids: list[Optional[int]] = [None] * self.ctx.num_inputs
         for slot, tensor in [*self._attr_params.items(), *((s, inputs[i]) for s, i in self._arg_slots)]:
@@ -243,7 +243,6 @@ class GraphOwnerBinding:
                 raise ValueError(_unowned_message(self.ctx.name(slot), tensor))
         self._cached_ids, self._cached_generation = tuple(ids), registry.generation()
         self._cached_for = [weakref.ref(t) for t in tensors]
-        self._slot_tensors = [*self._attr_params.values(), *tensors]
         return self._cached_ids
 
     @property
