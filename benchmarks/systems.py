@@ -92,7 +92,8 @@ def _setup(spec: dict):
 
     device, dtype = _device_and_dtype(spec)
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        torch.ones(1, device=device)  # the caching allocator exists from the first allocation on: before, the
+        torch.cuda.reset_peak_memory_stats(device)  # reset fails ("Invalid device argument")
     model = build_model(spec["model"], spec["seq"], device, dtype, seed=spec.get("seed", 0))
     batches = synthetic_batches(model.config.vocab_size, spec["batch"], spec["seq"], device)
     facts = dict(device=_device_name(device), device_type=device.type, **model_stats(model))

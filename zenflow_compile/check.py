@@ -10,8 +10,9 @@ Parts, each a subprocess with its own time limit, in this order:
   overlap  the async-overlap tests (`-m overlap`) with real streams and events (GPU only)
   bench    benchmarks/bench_offload.py: on a GPU the 1B model in bf16, compiled ZenFlow vs compiled fused AdamW
            (and DeepSpeed's rows when deepspeed is installed); on a CPU its --smoke run (compiled systems)
-  tests    the suite on the `cuda` device (on a CPU: the `emulated` device), without the `slow` tests; on a GPU
-           also without what `kernels` and `overlap` ran
+  tests    on a GPU the suite's CUDA tests (`-m cuda`: the `cuda` device's cases), without what `kernels` and
+           `overlap` ran, over pytest-xdist workers when it is installed; on a CPU the whole suite on the
+           `emulated` device. Never the `slow` tests.
 The bounded parts run first; the suite, whose length grows with the project, takes the time they leave.
 Each part's limit is its share of --time-budget (kernels 90, overlap 90, bench 540, tests 420 of 1140 s),
 and time a part leaves unused goes to the parts after it. A part that fails or runs past its limit is a row
@@ -149,6 +150,14 @@ def describe_machine() -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------- the plan
+def xdist_workers(cpu_count: Optional[int]) -> list[str]:
+    """pytest-xdist's `-n` for the GPU suite: a worker per two cores, at most 8 (each holds a CUDA context
+    and compiles its own graphs); none without xdist."""
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(max(1, min(8, (cpu_count or 2) // 2)))]
+
+
 def plan_parts(args: argparse.Namespace, machine: dict[str, Any], files_dir: Path) -> list[Part]:
     """Every part, in run order; those that will not run say why."""
     has_gpu = machine["gpu"]
@@ -191,8 +200,14 @@ def plan_parts(args: argparse.Namespace, machine: dict[str, Any], files_dir: Pat
                  env=dict(ZENFLOW_TEST_DEVICE=device))
     # Not the check's own tests: they would run the check again.
     selection = ["--ignore=tests/test_check.py"]
-    if has_gpu:  # kernels and overlap run those
-        selection += ["-m", "not slow and not overlap", "--ignore=tests/test_triton_kernels.py"]
+    if has_gpu:
+        # The tests that put tensors on the GPU (the `cuda` marker: the device fixture's cuda leg and the
+        # CUDA-only tests); the rest run on the CPU whatever the machine, as in CI. Kernels and overlap ran
+        # their own. Spread over xdist workers when it is installed: they are independent small models.
+        tests.title = "the suite's CUDA tests"
+        selection += ["-m", "cuda and not slow and not overlap", "--ignore=tests/test_triton_kernels.py"]
+        selection += xdist_workers(machine["cpu_count"])
+        tests.env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # one compile process per worker, not one per core
     else:
         selection += ["-m", "not slow"]
     tests.command = pytest + ["tests", *selection, f"--junitxml={tests.junit}"]
