@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import fresh_cache
 
 import zenflow_compile.backend  # noqa: F401  (registers the backend)
@@ -220,3 +221,36 @@ def test_editing_a_pass_changes_the_cache_key(tmp_path):
     (passes / "another_pass.py").write_text('"""A pass added later."""\n')
     added = uuid_in_a_new_process(root)
     assert len({unchanged, edited, added}) == 3
+
+
+class CountingPass(CustomGraphPass):
+    """A user's post-grad pass: counts the graphs it saw; its uuid is part of Inductor's cache key."""
+
+    def __init__(self, tag: str):
+        self.tag, self.graphs = tag, 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs += 1
+
+    def uuid(self) -> str:
+        return self.tag
+
+
+@pytest.mark.parametrize("torch_211", [False, True], ids=["list-of-passes", "one-pass-setting"])
+def test_a_users_post_grad_pass_runs_before_ours(torch_211, monkeypatch):
+    """A post-grad pass the user installed keeps running, ours after it, on a torch whose setting takes a list
+    of passes and on 2.11's, which takes one (the backend chains them); the cache keys on both."""
+    if torch_211:
+        monkeypatch.setattr(zenflow_compile.backend, "get_custom_graph_passes", None)
+    user_pass = CountingPass(f"user-{torch_211}")
+    runtime = RecordingRuntime()
+    model = mlp()
+    own(model, runtime)
+    with torch._inductor.config.patch(post_grad_custom_post_pass=user_pass):
+        got = train_once(model, "zenflow")
+    assert user_pass.graphs == 2  # forward and backward
+    assert runtime.pids and got["grads"] == [False] * 4  # ours ran: the gradients went to the runtime
+    if torch_211:  # the one pass in the setting keys the cache on every pass in it, or bypasses it
+        chain = zenflow_compile.backend._PassChain
+        assert chain((CountingPass("a"), CountingPass("b"))).uuid() != chain((CountingPass("a"), CountingPass("c"))).uuid()
+        assert chain((lambda graph: None, CountingPass("b"))).uuid() is None

@@ -43,7 +43,13 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 import torch.fx
-from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass, get_custom_graph_passes
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+try:  # torch >= 2.12: a post-grad pass may be a list, and is told whether the graph is an inference graph
+    from torch._inductor.custom_graph_pass import CustomInferenceAwareGraphPass as _PostGradPass
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+except ImportError:  # torch 2.11: one pass, called with the graph alone
+    _PostGradPass, get_custom_graph_passes = CustomGraphPass, None
 
 # By module path: `from zenflow_compile import inspect` would read the package, which is still running its
 # __init__ (that imports this module): an import loop.
@@ -92,7 +98,7 @@ def _pass_source_hash() -> str:
     return _source_hash
 
 
-class ZenFlowGraphPass(CustomInferenceAwareGraphPass):
+class ZenFlowGraphPass(_PostGradPass):
     """Inductor post-grad hook: rewrite backward graphs, leave forward and inference graphs alone.
 
     Picklable and self-contained (no live tensors), so it also works when Inductor compiles in a subprocess.
@@ -102,7 +108,7 @@ class ZenFlowGraphPass(CustomInferenceAwareGraphPass):
         self.ctx = ctx
         self.debug_dir = debug_dir
 
-    def __call__(self, graph: torch.fx.Graph, is_inference: bool) -> None:
+    def __call__(self, graph: torch.fx.Graph, is_inference: bool = False) -> None:
         if is_inference or not is_backward_graph(graph):
             return
         if len(graph_outputs(graph)) != self.ctx.num_inputs:
@@ -148,9 +154,8 @@ def zenflow_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
 
         caches = functorch_config.patch(enable_autograd_cache=False)
     # Keep any post-grad pass the user installed; ours runs last.
-    user_passes = get_custom_graph_passes(patches.get("post_grad_custom_post_pass",
-                                                      inductor_config.post_grad_custom_post_pass))
-    patches["post_grad_custom_post_pass"] = [*user_passes, graph_pass] if user_passes else graph_pass
+    patches["post_grad_custom_post_pass"] = _after_user_passes(
+        patches.get("post_grad_custom_post_pass", inductor_config.post_grad_custom_post_pass), graph_pass)
     log.debug("ZenFlow: compiling a graph with %d ZenFlow parameter input(s)",
               sum(shape is not None for shape in ctx.param_shapes))
     cache_hits = _aot_cache_hits()
@@ -160,6 +165,32 @@ def zenflow_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *,
         _note_cached_rewrite()
     tensor_inputs = tuple(isinstance(value, torch.Tensor) for value, _ in _forward_inputs(gm, example_inputs))
     return GraphOwnerBinding(compiled, gm, ctx, tensor_inputs)
+
+
+def _after_user_passes(user_pass, graph_pass: ZenFlowGraphPass):
+    """The post-grad pass setting that runs the user's passes, then ours."""
+    if not user_pass:
+        return graph_pass
+    if get_custom_graph_passes is not None:
+        return [*get_custom_graph_passes(user_pass), graph_pass]
+    return _PassChain((*(user_pass if isinstance(user_pass, (list, tuple)) else (user_pass,)), graph_pass))
+
+
+class _PassChain(CustomGraphPass):
+    """Several post-grad passes as one, for a torch whose setting holds a single pass (2.11). Cacheable only
+    when every pass in it is (a plain function has no uuid: Inductor then bypasses its cache, as for the
+    function alone)."""
+
+    def __init__(self, passes: Sequence[Any]):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> Optional[str]:
+        uuids = [p.uuid() if isinstance(p, CustomGraphPass) else None for p in self.passes]
+        return None if None in uuids else hashlib.sha256(repr(uuids).encode()).hexdigest()
 
 
 def _aot_cache_hits() -> int:
