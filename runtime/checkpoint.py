@@ -48,11 +48,11 @@ def _entry(member: Member, acc_slot: int) -> dict:
     state = slab.export_member(i, acc_slot)
     entry = dict(master=state.master, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq, step=state.step,
                  **selection)
-    entry["accumulator"] = state.accumulator if state.accumulator is not None else torch.zeros(member.rows,
-                                                                                               member.cols)
+    entry["accumulator"] = (state.accumulator if state.accumulator is not None
+                            else torch.zeros(member.rows, member.cols, device="cpu"))
     if slab.accumulate_squares:
         entry["square_accumulator"] = (state.square_accumulator if state.square_accumulator is not None
-                                       else torch.zeros(member.rows, member.cols))
+                                       else torch.zeros(member.rows, member.cols, device="cpu"))
     if slab.u:
         # What the device holds for the host columns, where it is not the master cast: until a pending update
         # is applied (overlap), or after a cast.
@@ -66,10 +66,11 @@ def _entry(member: Member, acc_slot: int) -> dict:
 
 def _selection_entry(member: Member) -> dict:
     slab, i = member.slab, member.index
-    selected = torch.zeros(member.cols, dtype=torch.bool)
+    selected = torch.zeros(member.cols, dtype=torch.bool, device="cpu")
     selected[slab.selected_cpu[i]] = True
     return dict(selected=selected, steps_accumulated=member.steps_accumulated,
-                zen_auto=torch.tensor([member.sum_selected_score, member.sum_unselected_score], dtype=torch.float64))
+                zen_auto=torch.tensor([member.sum_selected_score, member.sum_unselected_score], dtype=torch.float64,
+                                      device="cpu"))
 
 
 def state_from_entry(member: Member, entry: dict) -> MemberState:
@@ -83,7 +84,7 @@ def _state(member: Member, entry: dict) -> MemberState:
     R, C = member.rows, member.cols
     if not member.is_matrix:
         return MemberState(*(entry[k].float().reshape(R, C) for k in ("master", "exp_avg", "exp_avg_sq")),
-                           entry["step"].float().reshape(C), torch.zeros(0, dtype=torch.long))
+                           entry["step"].float().reshape(C), torch.zeros(0, dtype=torch.long, device="cpu"))
     selected = entry["selected"].nonzero().flatten()
     member.sum_selected_score, member.sum_unselected_score = entry["zen_auto"].tolist()
     member.steps_accumulated = int(entry["steps_accumulated"])
@@ -113,12 +114,13 @@ def fresh_entry(values: torch.Tensor, accumulate_squares: bool) -> dict:
     if local.dim() < 2:
         master = local.float().cpu().clone()
         return dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
-                    step=torch.zeros(1))
+                    step=torch.zeros(1, device="cpu"))
     rows, cols = local.shape[0], math.prod(local.shape[1:])
     master = local.reshape(rows, cols).float().cpu().clone()
     entry = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
-                 step=torch.zeros(cols), selected=torch.zeros(cols, dtype=torch.bool), steps_accumulated=0,
-                 zen_auto=torch.zeros(2, dtype=torch.float64), accumulator=torch.zeros_like(master))
+                 step=torch.zeros(cols, device="cpu"), selected=torch.zeros(cols, dtype=torch.bool, device="cpu"),
+                 steps_accumulated=0,
+                 zen_auto=torch.zeros(2, dtype=torch.float64, device="cpu"), accumulator=torch.zeros_like(master))
     if accumulate_squares:
         entry["square_accumulator"] = torch.zeros_like(master)
     return entry
@@ -128,12 +130,12 @@ def dcp_form(entry: dict, dtype: torch.dtype, has_state: bool) -> dict:
     """`entry` (of a parameter of `dtype`) with the keys and types every entry of that parameter has in DCP's
     form (see the module docstring). What the form adds is what an absent key means: `device_columns` the
     master cast (the device holds it), `unapplied` False."""
-    out = dict(entry, has_state=torch.tensor(has_state))
+    out = dict(entry, has_state=torch.tensor(has_state, device="cpu"))
     if "selected" in out:  # a matrix
         if "device_columns" not in out:  # (a copy: DCP loads into each tensor, an fp32 cast would be the master)
             out["device_columns"] = out["master"].to(dtype, copy=True)
-        out["unapplied"] = torch.tensor(bool(out.get("unapplied", False)))
-        out["steps_accumulated"] = torch.tensor(int(out["steps_accumulated"]))
+        out["unapplied"] = torch.tensor(bool(out.get("unapplied", False)), device="cpu")
+        out["steps_accumulated"] = torch.tensor(int(out["steps_accumulated"]), device="cpu")
     return out
 
 

@@ -355,7 +355,7 @@ class ZenFlowRuntime:
             if self.data_parallel is not None:
                 self._share_selected_columns(member, state)
             if cfg.auto_update and state.selected.numel() < member.cols:
-                unselected = torch.ones(member.cols, dtype=torch.bool)
+                unselected = torch.ones(member.cols, dtype=torch.bool, device="cpu")
                 unselected[state.selected] = False
                 readout.mean_scores[member.pid] = (float(host_scores[state.selected].mean()),
                                                    float(host_scores[unselected].mean()))
@@ -366,7 +366,7 @@ class ZenFlowRuntime:
         order of the others) reach every rank."""
         columns = state.selected
         grad = state.step_grad if state.step_grad is not None else torch.zeros(member.rows, member.cols,
-                                                                                dtype=member.param.dtype)
+                                                                                dtype=member.param.dtype, device="cpu")
         parts = [state.master[:, columns], state.exp_avg[:, columns], state.exp_avg_sq[:, columns],
                  state.step[columns].reshape(1, -1), grad[:, columns].float()]
         packed = torch.cat(parts).to(member.param.device)
@@ -382,7 +382,7 @@ class ZenFlowRuntime:
         state.exp_avg_sq[:, columns] = packed[2 * R:3 * R]
         state.step[columns] = packed[3 * R]
         if state.step_grad is None:
-            state.step_grad = torch.zeros(member.rows, member.cols, dtype=member.param.dtype)
+            state.step_grad = torch.zeros(member.rows, member.cols, dtype=member.param.dtype, device="cpu")
         state.step_grad[:, columns] = packed[3 * R + 1:].to(state.step_grad.dtype)
 
     def _check_hyperparameters(self, param_groups: list[dict]) -> None:

@@ -135,7 +135,7 @@ def _accumulate_converted_(acc: torch.Tensor, grad: torch.Tensor, coef: float,
                            square: Optional[torch.Tensor] = None) -> None:
     flat_acc, flat_grad = acc.view(-1), grad.view(-1)
     flat_square = None if square is None else square.view(-1)
-    scratch = torch.empty(min(_ACCUMULATE_CHUNK, flat_acc.numel()), dtype=acc.dtype)
+    scratch = torch.empty(min(_ACCUMULATE_CHUNK, flat_acc.numel()), dtype=acc.dtype, device="cpu")
     for start in range(0, flat_acc.numel(), _ACCUMULATE_CHUNK):
         end = min(start + _ACCUMULATE_CHUNK, flat_acc.numel())
         chunk = scratch[:end - start]

@@ -155,11 +155,13 @@ class MemberState:
         R, C = matrix_shape(param)
         master = param.detach().reshape(R, C).float().cpu()
         zeros = torch.zeros_like(master)
-        return cls(master, zeros, zeros.clone(), torch.zeros(C), torch.zeros(0, dtype=torch.long))
+        return cls(master, zeros, zeros.clone(), torch.zeros(C, device="cpu"),
+                   torch.zeros(0, dtype=torch.long, device="cpu"))
 
     @classmethod
     def unknown(cls, rows: int, cols: int, selected: torch.Tensor) -> "MemberState":
-        return cls(*(torch.full((rows, cols), math.nan) for _ in range(3)), torch.full((cols,), math.nan), selected)
+        return cls(*(torch.full((rows, cols), math.nan, device="cpu") for _ in range(3)),
+                   torch.full((cols,), math.nan, device="cpu"), selected)
 
 
 class Member:
@@ -254,11 +256,11 @@ class Slab:
             member.slab, member.index = self, i
         n, R, C, k, u, dev = self.n, self.R, self.C, self.k, self.u, self.device
         if k == C:  # every column selected (vectors): the device layout is the parameter's own
-            selected = torch.arange(C).expand(n, C).contiguous()
+            selected = torch.arange(C, device="cpu").expand(n, C).contiguous()
         elif k:
             selected = torch.stack([s.selected for s in states])
         else:
-            selected = torch.zeros(n, 0, dtype=torch.long)
+            selected = torch.zeros(n, 0, dtype=torch.long, device="cpu")
         master, exp_avg, exp_avg_sq = (torch.stack([getattr(s, name) for s in states])
                                        for name in ("master", "exp_avg", "exp_avg_sq"))
         counts = torch.stack([s.step for s in states])
@@ -298,8 +300,8 @@ class Slab:
         self.several_backwards = any(m.num_grads > 1 for m in members)
         step_grads = [s.step_grad for s in states]
         if any(g is not None for g in step_grads):
-            step_grad = torch.stack([torch.zeros(R, C, dtype=self.dtype) if g is None else g.to(self.dtype)
-                                     for g in step_grads])
+            step_grad = torch.stack([torch.zeros(R, C, dtype=self.dtype, device="cpu") if g is None
+                                     else g.to(self.dtype) for g in step_grads])
             self.grad.copy_(step_grad.gather(2, pick).to(dev))
             for i, s in enumerate(states):
                 if s.step_scores is not None:
@@ -316,12 +318,13 @@ class Slab:
         host_zeros = transfers.host_zeros
         self.host_master, self.host_exp_avg, self.host_exp_avg_sq = host(master), host(exp_avg), host(exp_avg_sq)
         self.host_counts = counts.gather(1, host_columns)
-        self.accumulators = [torch.zeros(n, u, R) for _ in range(2)]
-        self.square_accumulators = [torch.zeros(n, u, R) for _ in range(2)] if accumulate_squares else []
+        self.accumulators = [torch.zeros(n, u, R, device="cpu") for _ in range(2)]
+        self.square_accumulators = [torch.zeros(n, u, R, device="cpu") for _ in range(2)] if accumulate_squares else []
         for buffers, name in ((self.accumulators, "accumulator"), (self.square_accumulators, "square_accumulator")):
             saved = [getattr(s, name) for s in states]
             if buffers and any(a is not None for a in saved):
-                buffers[0].copy_(host(torch.stack([torch.zeros(R, C) if a is None else a for a in saved])))
+                buffers[0].copy_(host(torch.stack([torch.zeros(R, C, device="cpu") if a is None else a
+                                                   for a in saved])))
         self.host_grads = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
         self.host_grad_bytes = self.host_grads[0].numel() * self.host_grads[0].element_size()
         if step_grad is not None:
@@ -331,7 +334,7 @@ class Slab:
         # host_weights[1]: what the device holds (the applied weights while an update is pending).
         self.host_weights = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
         applied = host(torch.stack([(s.master if s.applied is None else s.applied).to(self.dtype) for s in states]))
-        pending = torch.tensor([s.unapplied for s in states]).view(n, 1, 1)
+        pending = torch.tensor([s.unapplied for s in states], device="cpu").view(n, 1, 1)
         self.host_weights[0].copy_(torch.where(pending, self.host_master.to(self.dtype), applied))
         self.host_weights[1].copy_(applied)
         self.host_scores = host_zeros((n, u), torch.float32)
@@ -340,7 +343,9 @@ class Slab:
         """[n, u]: each member's unselected columns, ordered by update count (stable: ties by column)."""
         given = [s.host_columns for s in states]
         if all(g is not None for g in given):
-            return torch.stack(given) if given and given[0].numel() else torch.zeros(self.n, self.u, dtype=torch.long)
+            if given and given[0].numel():
+                return torch.stack(given)
+            return torch.zeros(self.n, self.u, dtype=torch.long, device="cpu")
         return host_order(counts, selected)
 
     # -- what the slab holds --------------------------------------------------------------------------------
@@ -606,7 +611,7 @@ class Slab:
             for value, length in zip(values.tolist(), lengths.tolist()):
                 a, b = start, start + length
                 runs.append((flat(self.host_master)[a:b], flat(acc)[a:b], flat(self.host_exp_avg)[a:b],
-                             flat(self.host_exp_avg_sq)[a:b], torch.tensor(value),
+                             flat(self.host_exp_avg_sq)[a:b], torch.tensor(value, device="cpu"),
                              None if squares is None else flat(squares)[a:b]))
                 start = b
         return runs
@@ -651,12 +656,12 @@ class Slab:
         full = []
         for dev, host in ((self.master, self.host_master), (self.exp_avg, self.host_exp_avg),
                           (self.exp_avg_sq, self.host_exp_avg_sq)):
-            t = torch.full((n, R, C), math.nan)
+            t = torch.full((n, R, C), math.nan, device="cpu")
             t.scatter_(2, pick, dev.cpu())
             if host is not None:
                 t.scatter_(2, rest, host.transpose(1, 2))
             full.append(t)
-        step = torch.full((n, C), math.nan)
+        step = torch.full((n, C), math.nan, device="cpu")
         step.scatter_(1, self.selected_cpu, self.counts.cpu())
         if self.host_counts is not None:
             step.scatter_(1, self.host_columns_cpu, self.host_counts)
@@ -664,7 +669,7 @@ class Slab:
 
     def _host_full(self, host: torch.Tensor, i: int, dtype=torch.float32) -> torch.Tensor:
         """Member i's [u, R] host rows as an [R, C] tensor (zero in the selected columns)."""
-        full = torch.zeros(self.R, self.C, dtype=dtype)
+        full = torch.zeros(self.R, self.C, dtype=dtype, device="cpu")
         full[:, self.host_columns_cpu[i]] = host[i].t().to(dtype)
         return full
 
@@ -692,7 +697,7 @@ class Slab:
         """Member i's gradient of this step in [R, C] layout on the host (waits for its offload)."""
         self.fold_extra_grads(grad_slot)
         wait_events(self.offload_done[grad_slot])
-        full = torch.zeros(self.R, self.C, dtype=self.dtype)
+        full = torch.zeros(self.R, self.C, dtype=self.dtype, device="cpu")
         full[:, self.selected_cpu[i]] = self.grad[i].cpu()
         if self.has_host_part:
             self.transfers.host_access(reads=[self.host_grads[grad_slot]])
@@ -793,7 +798,7 @@ class Slab:
 
     def left_in_param(self, i: int) -> torch.Tensor:
         """[R, C] on the host, in the slab's dtype: what the optimizer last wrote into member i's parameter."""
-        left = torch.zeros(self.R, self.C, dtype=self.dtype)
+        left = torch.zeros(self.R, self.C, dtype=self.dtype, device="cpu")
         written = self.master[i].to(self.dtype) if self.selected_written is None else self.selected_written[i]
         left[:, self.selected_cpu[i]] = written.cpu()
         if self.has_host_part:

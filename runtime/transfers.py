@@ -71,7 +71,7 @@ class AcceleratorStreams:
             tensor.record_stream(stream)
 
     def host_zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+        return torch.zeros(shape, dtype=dtype, pin_memory=True, device="cpu")
 
     def device_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
@@ -118,7 +118,7 @@ class Transfers:
     def host_zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer that copies read or write: pinned where the device is not the host."""
         if self.device_is_host:
-            return torch.zeros(shape, dtype=dtype)
+            return torch.zeros(shape, dtype=dtype, device="cpu")
         return self.streams.host_zeros(shape, dtype)
 
     def host_access(self, reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = ()) -> None:

@@ -239,14 +239,15 @@ class EmulatedStreams:
         return _Event(self)  # (every event keeps its completion time)
 
     def host_zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.zeros(shape, dtype=dtype)
+        tensor = torch.zeros(shape, dtype=dtype, device="cpu")
         with self._lock:
             address = tensor.untyped_storage().data_ptr()
             self._host_buffers[address] = _HostBuffer(f"pinned {tuple(shape)} {dtype}", tensor)
         return tensor
 
     def device_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        return torch.full(shape, float("nan"), dtype=dtype)  # what a read before the copy lands sees
+        # (the emulated device memory is host memory, whatever the default device)
+        return torch.full(shape, float("nan"), dtype=dtype, device="cpu")  # what a read before the copy lands sees
 
     def copy_(self, targets, sources, stream: _SideStream) -> None:
         """Queue the copies on `stream`: checked now, landing after a delay."""

@@ -15,7 +15,7 @@ import torch
 
 import zenflow_compile
 import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow" without the installed entry point)
-from helpers import tiny_model as make_model
+from helpers import seeded_generator, tiny_model as make_model
 from zenflow_compile import inspect as zf_inspect
 from zenflow_compile.reference import ZenFlowReference
 
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def batch(i, dtype):
-    g = torch.Generator().manual_seed(1000 + i)
+    g = seeded_generator(1000 + i)
     return torch.randint(0, 32, (8, 6), generator=g), torch.randn(8, 6, 16, generator=g).to(dtype)
 
 

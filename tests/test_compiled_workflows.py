@@ -25,6 +25,8 @@ import zenflow_compile
 import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow" without the installed entry point)
 from zenflow_compile.reference import ZenFlowReference
 
+from helpers import seeded_generator
+
 LR = 1e-2
 KEYS = dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=2,
             full_warm_up_rounds=1, overlap_step=True)
@@ -73,7 +75,7 @@ class MLP(nn.Module):
 
 
 def regression_batch(step, rows=8, dim=16):
-    g = torch.Generator().manual_seed(1000 + step)
+    g = seeded_generator(1000 + step)
     return torch.randn(rows, dim, generator=g), torch.randn(rows, dim, generator=g)
 
 
@@ -175,7 +177,7 @@ class CheckpointedTiedLM(nn.Module):
 
 
 def token_batch(step, batch=4, seq=6):
-    g = torch.Generator().manual_seed(2000 + step)
+    g = seeded_generator(2000 + step)
     return torch.randint(0, 32, (batch, seq + 1), generator=g)
 
 

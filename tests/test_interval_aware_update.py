@@ -16,7 +16,7 @@ import torch
 
 import zenflow_compile
 import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow")
-from helpers import tiny_model
+from helpers import seeded_generator, tiny_model
 from zenflow_compile.reference import ZenFlowReference
 
 LR, WD, STEPS = 1e-2, 0.1, 7
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def batch(i):
-    g = torch.Generator().manual_seed(2000 + i)
+    g = seeded_generator(2000 + i)
     return torch.randint(0, 32, (8, 6), generator=g), torch.randn(8, 6, 16, generator=g)
 
 

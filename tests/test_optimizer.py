@@ -19,7 +19,8 @@ import zenflow_compile
 from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
 from zenflow_compile.reference import ZenFlowReference
 
-from helpers import bf16_ulp_distance, loss_fn, make_batches, max_param_diff, snapshot, tiny_model, train_steps
+from helpers import (bf16_ulp_distance, loss_fn, make_batches, max_param_diff, seeded_generator, snapshot, tiny_model,
+                     train_steps, value_tolerance)
 
 LR = 1e-2
 
@@ -97,7 +98,7 @@ def test_interval_one_equals_adamw(topk_ratio, select, warm_up, clip, device):
     assert_history_close(log_b.params, log_a.params, names_of(a))
     zen.synchronize()
     for name, p, q in zip(names_of(a), a.parameters(), b.parameters()):
-        assert_close(zen.master(q), p.detach(), f"master {name}")
+        assert_close(zen.master(q), p.detach().cpu(), f"master {name}")
     st = zen.stats()
     assert st["steps"] == 8 and st["skipped_steps"] == 0
     assert zen.selected_columns(b.fc1.weight).numel() == max(1, int(topk_ratio * 16))
@@ -116,8 +117,8 @@ def test_ratio_one_equals_adamw(update_interval, overlap, device):
     assert_history_close(log_b.params, log_a.params, names_of(a))
     zen.synchronize()
     for name, p, q in zip(names_of(a), a.parameters(), b.parameters()):
-        assert_close(zen.master(q), p.detach(), f"master {name}")
-        assert torch.equal(q.detach(), zen.master(q))  # fp32: the device copy is the master
+        assert_close(zen.master(q), p.detach().cpu(), f"master {name}")
+        assert torch.equal(q.detach().cpu(), zen.master(q))  # fp32: the device copy is the master
 
 
 # -------------------------------------------------------------------- invariant 3 (eager): reference
@@ -660,7 +661,7 @@ def test_input_gradient_penalty_equals_reference(device):
     ref_model = copy.deepcopy(model)
     opt, ref = ZenFlowAdamW(model.parameters(), lr=LR, **keys), ZenFlowReference(ref_model.parameters(), lr=LR, **keys)
     for step in range(8):
-        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(6, 8, generator=seeded_generator(step))
         for m, o in ((model, opt), (ref_model, ref)):
             inputs = x.clone().requires_grad_()
             loss = m(inputs).pow(2).mean()
@@ -695,7 +696,10 @@ def test_load_between_a_compiled_backward_and_step_is_refused_and_loses_nothing(
     opt.step()
     ref.step()
     for p, q in zip(model.parameters(), ref_model.parameters()):
-        assert torch.equal(p, q)
+        if device.type == "cuda":  # (Inductor's embedding backward adds atomically there: not bitwise)
+            torch.testing.assert_close(p, q, **value_tolerance(0, 0))
+        else:
+            assert torch.equal(p, q)
     opt.zero_grad()
     loss_fn(compiled, batches[3]).backward()
     opt.zero_grad()

@@ -15,7 +15,7 @@ from torch import nn
 from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
 from zenflow_compile.reference import ZenFlowReference
 
-from helpers import tiny_model
+from helpers import seeded_generator, tiny_model
 
 P0 = torch.tensor([[0.5, -0.3, 0.8, 0.1, -0.7, 0.2], [0.4, 0.9, -0.2, -0.6, 0.3, -0.1]])
 KEYS = dict(topk_ratio=0.34, update_interval=2, overlap_step=True, select_strategy="step", select_interval=2)
@@ -88,7 +88,7 @@ def test_deferred_takes_the_selection_decided_at_one_boundary_at_the_next():
 @pytest.mark.parametrize("mode", ["incoming", "deferred"])
 def test_without_a_reselection_the_modes_equal_wait(mode):
     """The key changes reselecting boundaries only."""
-    batches = [torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(i)) for i in range(9)]
+    batches = [torch.randn(4, 6, 16, generator=seeded_generator(i)) for i in range(9)]
     runs = []
     for m in ("wait", mode):
         model = tiny_model()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from zenflow_compile.config import ZenFlowConfig
-from helpers import tiny_model as make_model
+from helpers import seeded_generator, tiny_model as make_model
 from zenflow_compile.reference import ZenFlowReference
 
 # Invariants 1 and 2 compare against torch.optim.AdamW with atol 1e-6, rtol 1e-5 (params are O(0.1..1)).
@@ -22,7 +22,7 @@ LR = 1e-2
 
 
 def batch(i, dtype=torch.float32):
-    g = torch.Generator().manual_seed(1000 + i)
+    g = seeded_generator(1000 + i)
     return torch.randint(0, 32, (8, 6), generator=g), torch.randn(8, 6, 16, generator=g).to(dtype)
 
 

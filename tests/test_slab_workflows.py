@@ -32,6 +32,8 @@ from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime.engine import ZenFlowRuntime
 from zenflow_compile.runtime.slab import SHARED_SLAB_MAX_NUMEL, Slab, top_k_columns
 
+from helpers import seeded_generator, skip_where_dynamo_misses_parameter_changes
+
 LR, WD = 1e-2, 0.01
 ATOL, RTOL = 1e-6, 1e-5
 CONFIGS = {
@@ -90,12 +92,12 @@ class ConvStack(nn.Module):
 
 
 def blocks_batch(i: int, dtype=torch.float32):
-    g = torch.Generator().manual_seed(100 + i)
+    g = seeded_generator(100 + i)
     return torch.randint(0, 32, (4, 5), generator=g), torch.randn(4, 5, 8, generator=g).to(dtype)
 
 
 def conv_batch(i: int, dtype=torch.float32):
-    g = torch.Generator().manual_seed(200 + i)
+    g = seeded_generator(200 + i)
     return torch.randn(4, 3, 6, 6, generator=g).to(dtype), torch.randn(4, 4, generator=g)
 
 
@@ -349,7 +351,7 @@ def test_slabs_through_the_triton_kernels(monkeypatch):
 def test_top_k_of_many_matrices_equals_one_by_one():
     """top_k_columns of [n, C] scores (one sort for a slab): each row's top k, as top_k_columns of that row and
     as sorting by (score descending, column), ties to the lower index included."""
-    g = torch.Generator().manual_seed(5)
+    g = seeded_generator(5)
     for scores, k in ((torch.randint(0, 4, (5, 12), generator=g).float(), 3),  # many ties
                       (torch.rand(3, 7, generator=g), 2), (torch.rand(4, 9, generator=g), 9)):
         many = top_k_columns(scores, k)
@@ -467,7 +469,7 @@ def test_conv_stack_with_scalar_gates_equals_reference(compiled, device, monkeyp
     run_pair(a, b, opt, ref, range(7), conv_batch, compiled=compiled)
     assert opt.stats()["reselections"] > 0
     assert slab_of(opt, a.convs[0].weight).n == 3 and slab_of(opt, a.gates[0]).n == 3
-    if compiled:
+    if compiled and device.type == "cpu":  # (cuDNN's weight gradients are contiguous)
         assert False in layouts  # (channels-last gradients did reach the slabs)
 
 
@@ -481,7 +483,7 @@ def test_a_write_after_an_upcast_is_adopted_only_where_it_changed(where, resumed
     Training then matches the reference."""
     keys = dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=1000)
     a, b, opt, ref = pair(lambda: nn.Linear(64, 16).to(torch.bfloat16), keys)
-    batch = lambda i, dtype: (torch.randn(4, 64, generator=torch.Generator().manual_seed(i)).to(dtype),
+    batch = lambda i, dtype: (torch.randn(4, 64, generator=seeded_generator(i)).to(dtype),
                               torch.zeros(4, 16))
     run_pair(a, b, opt, ref, range(2), batch, dtype=torch.bfloat16)  # t = 1: a boundary, masters carry fp32 bits
     a.float()
@@ -529,6 +531,8 @@ def test_model_cast_between_steps_equals_reference(first, then, overlap, when, d
     # (between a backward and the step only a compiled backward has handed gradients over; the reference's
     # model is then compiled by Inductor too, so both backwards round alike)
     compiled = when == "before-step"
+    if compiled:
+        skip_where_dynamo_misses_parameter_changes()
     run_a = torch.compile(a, backend="zenflow") if compiled else a
     run_b = torch.compile(b, backend="inductor") if compiled else b
     for step in range(7):
@@ -717,7 +721,7 @@ def test_compiled_large_gradients_scored_in_the_graph_small_ones_by_the_runtime(
     opt = zenflow_compile.ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **keys)
     ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **keys)
     run_a, run_b = torch.compile(a, backend="zenflow"), torch.compile(b, backend="inductor")
-    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(6, 128, generator=seeded_generator(3))
     with zf_inspect.capture() as graphs:
         for step in range(5):
             for model, o in ((run_a, opt), (run_b, ref)):

@@ -27,7 +27,8 @@ from torch import nn
 import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow" without the installed entry point)
 from zenflow_compile import ZenFlowAdamW
 from zenflow_compile.reference import ZenFlowReference
-from helpers import loss_fn, make_batches, snapshot, tiny_model
+from helpers import (loss_fn, make_batches, seeded_generator, skip_where_dynamo_misses_parameter_changes, snapshot,
+                     tiny_model)
 
 LR, WD = 1e-2, 0.01
 # update_interval=1, no overlap: ZenFlow equals torch.optim.AdamW step by step (for any topk_ratio).
@@ -236,6 +237,8 @@ def _remove(opt, param) -> None:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_parameter_removed_from_param_groups_is_no_longer_updated(compiled):
+    if compiled:
+        skip_where_dynamo_misses_parameter_changes()
     a, zen, b, adamw = zenflow_and_adamw()
     run_a = torch.compile(a, backend="zenflow") if compiled else a
     for step, batch in enumerate(make_batches(6)):
@@ -390,9 +393,11 @@ def conv_model(seed=0):
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_channels_last_after_the_first_step_is_refused_then_contiguous_resumes(compiled):
+    if compiled:
+        skip_where_dynamo_misses_parameter_changes()
     a, zen, b, ref = zenflow_and_reference(conv_model(), conv_model())
     run_a = torch.compile(a, backend="zenflow") if compiled else a
-    images = [torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    images = [torch.randn(2, 3, 6, 6, generator=seeded_generator(i)) for i in range(5)]
     message = r"parameter 0 of param group 0 \(shape \(4, 3, 3, 3\)\).*strides \(27, 1, 9, 3\).*contiguous_format"
     for step, x in enumerate(images):
         if step == 2:

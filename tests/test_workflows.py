@@ -22,7 +22,8 @@ import zenflow_compile
 from zenflow_compile import ZenFlowAdamW
 from zenflow_compile.reference import ZenFlowReference
 
-from helpers import loss_fn, make_batches, tiny_model
+from helpers import (loss_fn, make_batches, seeded_generator, skip_where_dynamo_misses_parameter_changes, tiny_model,
+                     value_tolerance)
 
 LR = 1e-2
 ATOL, RTOL = 1e-6, 1e-5
@@ -53,8 +54,9 @@ def step(model, opt, batch, scaler=None):
 
 
 def assert_models_close(a, b, what, atol=ATOL, rtol=RTOL):
+    tolerance = value_tolerance(atol, rtol)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
-        torch.testing.assert_close(p, q, atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(p, q, **tolerance, msg=lambda m: f"{what} {name}: {m}")
 
 
 class Pair:
@@ -211,6 +213,8 @@ def test_a_layer_unfrozen_mid_run_trains_from_then_on(mode, device):
         model.fc1.requires_grad_(False)
         return model
 
+    if mode == "compiled":
+        skip_where_dynamo_misses_parameter_changes()
     pair = Pair(mode, frozen_fc1, lambda ps: ZenFlowAdamW(ps, lr=LR, **ZENFLOW_KEYS),
                 lambda ps: ZenFlowReference(ps, lr=LR, **ZENFLOW_KEYS))
     batches = make_batches(7)
@@ -229,11 +233,11 @@ def test_grad_scaler_with_autocast_fp16_equals_adamw_with_grad_scaler(mode, devi
     large enough that fp16 gradients overflow: those steps are skipped and the scale backs off, as for AdamW."""
     pair = Pair(mode, tiny_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ADAMW_KEYS),
                 lambda ps: torch.optim.AdamW(ps, lr=LR))
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, backoff_factor=0.125, growth_interval=2)
+    scalers = [torch.amp.GradScaler(device.type, init_scale=2.0 ** 24, backoff_factor=0.125, growth_interval=2)
                for _ in range(2)]
     for i, batch in enumerate(make_batches(8)):
         for model, opt, scaler in ((pair.run_a, pair.opt, scalers[0]), (pair.run_b, pair.oracle, scalers[1])):
-            with torch.autocast("cpu", dtype=torch.float16):
+            with torch.autocast(device.type, dtype=torch.float16):
                 loss = loss_fn(model, batch)
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -250,7 +254,7 @@ def test_grad_scaler_fp16_parameters_equal_the_unscaled_reference(device):
     keys = dict(topk_ratio=0.25, update_interval=2)
     a, b = tiny_model(torch.float16), tiny_model(torch.float16)
     opt, ref = ZenFlowAdamW(a.parameters(), lr=LR, **keys), ZenFlowReference(b.parameters(), lr=LR, **keys)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 24, backoff_factor=0.125, growth_interval=3)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 24, backoff_factor=0.125, growth_interval=3)
     skipped = 0
     for batch in make_batches(10, torch.float16):
         step(a, opt, batch, scaler)
@@ -287,7 +291,7 @@ def test_hugging_face_model_from_pretrained(tmp_path, mode, device):
     b.load_state_dict(load().state_dict())
     run_a, run_b = prepare(a, mode), prepare(b, mode, backend="inductor")
     for i in range(3):
-        ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(i))
+        ids = torch.randint(0, 64, (2, 8), generator=seeded_generator(i))
         for model, optimizer in ((run_a, opt), (run_b, oracle)):
             model(input_ids=ids, labels=ids).loss.backward()
             optimizer.step()

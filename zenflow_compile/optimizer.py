@@ -367,12 +367,13 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         return stats
 
     def selected_columns(self, param: torch.Tensor) -> Optional[torch.Tensor]:
-        """The device-resident (selected) columns of a matrix parameter, None before the first selection."""
+        """The device-resident (selected) columns of a matrix parameter, a sorted LongTensor on the host; None
+        before the first selection."""
         return self._runtime.selected_columns(self.param_id(param))
 
     def master(self, param: torch.Tensor) -> torch.Tensor:
-        """The fp32 master of a parameter, in its shape (waits for CPU work in flight); before its first
-        gradient, the parameter's own values."""
+        """The fp32 master of a parameter, in its shape, on the host (waits for CPU work in flight); before its
+        first gradient, the parameter's own values."""
         self._runtime.quiesce()
         pid = self.param_id(param)
         if not self._runtime.has_state(pid):
@@ -438,7 +439,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         saved["state"] = self._dcp_entries(saved, lambda pid: runtime.owners.get(pid) == runtime.rank)
         owners = [runtime.owners.get(self._param_ids.get(id(p)), -1) for p in params]
         saved["zenflow"] = dict(sharded.replicated_globals(saved["zenflow"]), data_parallel=dict(
-            world_size=runtime.data_parallel.world_size, owners=torch.tensor(owners, dtype=torch.long)))
+            world_size=runtime.data_parallel.world_size, owners=torch.tensor(owners, dtype=torch.long, device="cpu")))
         saved["param_groups"][0]["zenflow"] = saved["zenflow"]
 
     def _sharded_state_dict(self, saved: dict) -> None:

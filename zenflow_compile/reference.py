@@ -74,8 +74,9 @@ def adamw_(master, exp_avg, exp_avg_sq, count, grad, lr, beta1, beta2, eps, weig
     """
     count += 1
     steps = count.tolist()
-    step_size_neg = torch.tensor([-(lr / (1 - beta1 ** n)) for n in steps], dtype=torch.float64).float()
-    bc2_sqrt = torch.tensor([(1 - beta2 ** n) ** 0.5 for n in steps], dtype=torch.float64).float()
+    on = dict(dtype=torch.float64, device=master.device)
+    step_size_neg = torch.tensor([-(lr / (1 - beta1 ** n)) for n in steps], **on).float()
+    bc2_sqrt = torch.tensor([(1 - beta2 ** n) ** 0.5 for n in steps], **on).float()
     master.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     if grad_sq is None:
@@ -212,7 +213,7 @@ class ZenFlowReference(torch.optim.Optimizer):
         if not live:  # no gradient since the last step: nothing happens, as with torch.optim.AdamW
             return loss
         grads = {}
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device="cpu")
         for _, p in live:
             if p.grad.is_sparse:
                 raise RuntimeError("ZenFlowReference does not support sparse gradients")
@@ -344,16 +345,17 @@ class ZenFlowReference(torch.optim.Optimizer):
                     overlapped_boundaries=z.get("overlapped_boundaries", 0))
 
     def selected_columns(self, p):
-        """Sorted LongTensor of the selected columns of matrix p (None before its first selection / vectors)."""
+        """Sorted LongTensor of the selected columns of matrix p, on the host (None before its first selection /
+        vectors)."""
         S = self.state.get(p, {}).get("S")
-        return None if S is None else S.clone()
+        return None if S is None else S.cpu().clone()
 
     def master(self, p):
-        """fp32 master of p, in p's shape."""
+        """fp32 master of p, in p's shape, on the host (as `ZenFlowAdamW.master`)."""
         st = self.state.get(p, {})
         if "master" not in st:
-            return p.detach().float().clone()
-        return st["master"].reshape(p.shape).clone()
+            return p.detach().float().cpu().clone()
+        return st["master"].reshape(p.shape).cpu().clone()
 
     # ------------------------------------------------------------------------------------ checkpoints
     def state_dict(self):
