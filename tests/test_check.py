@@ -114,3 +114,23 @@ def test_outside_a_checkout_it_says_to_run_from_a_clone(tmp_path):
 def test_unknown_parts_are_refused():
     with pytest.raises(SystemExit):
         check.parse_args(["--parts", "tests,gpu"])
+
+
+@pytest.mark.parametrize("xdist", [True, False], ids=["xdist", "no-xdist"])
+def test_on_a_gpu_the_tests_part_runs_the_cuda_tests(xdist, monkeypatch, tmp_path):
+    """The GPU plan (not reachable on a CPU machine otherwise): the suite's CUDA cases, without what kernels
+    and overlap run, over xdist workers where it is installed (a worker per two cores, at most 8)."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(check.importlib.util, "find_spec",
+                        lambda name, *a: (real_find_spec("pytest") if xdist else None) if name == "xdist"
+                        else real_find_spec(name, *a))
+    parts = {part.name: part for part in check.plan_parts(check.parse_args([]), dict(gpu=True, cpu_count=16),
+                                                          tmp_path)}
+    tests = parts["tests"]
+    command = tests.command
+    marker = len(command) - 1 - command[::-1].index("-m")  # (the last -m: the first is `python -m pytest`)
+    assert command[marker + 1] == "cuda and not slow and not overlap"
+    assert "--ignore=tests/test_triton_kernels.py" in command and "--ignore=tests/test_check.py" in command
+    assert (command[command.index("-n") + 1] == "8") if xdist else ("-n" not in command)
+    assert tests.env["ZENFLOW_TEST_DEVICE"] == "cuda"
+    assert "-n" not in parts["overlap"].command  # (its stall figures need the GPU to itself)
