@@ -86,23 +86,26 @@ def worker_split(pt_reserved_cores_perc: float) -> CoreSplit:
     return split_cores(available_cores(), pt_reserved_cores_perc)
 
 
-def _openmp_runtime() -> Optional[ctypes.CDLL]:
-    """The OpenMP runtime torch loaded (libgomp, libiomp5 or libomp), found among the mapped libraries."""
+def _openmp_runtimes() -> list[ctypes.CDLL]:
+    """The OpenMP runtimes mapped into this process (libgomp, libiomp5, libomp). There can be several (torch's
+    bundled libgomp beside the system's, loaded by another extension): which one torch uses is found by
+    setting each and reading torch's count back."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/" in line}
     except OSError:
-        return None
+        return []
+    runtimes = []
     for path in sorted(paths):
         name = os.path.basename(path)
         if name.startswith(("libgomp", "libiomp", "libomp")) and ".so" in name:
             try:
                 library = ctypes.CDLL(path)
                 library.omp_set_num_threads.argtypes = [ctypes.c_int]
-                return library
+                runtimes.append(library)
             except (OSError, AttributeError):
                 continue
-    return None
+    return runtimes
 
 
 def pin_current_thread(cores: Sequence[int], num_threads: int) -> ThreadPlacement:
@@ -125,14 +128,17 @@ def pin_current_thread(cores: Sequence[int], num_threads: int) -> ThreadPlacemen
     applied_threads: Optional[int] = None
     torch.get_num_threads()  # torch's per-thread lazy init first: it would reset the count set below
     if "OpenMP" in torch.__config__.parallel_info():
-        runtime = _openmp_runtime()
-        if runtime is not None:
+        runtimes = _openmp_runtimes()
+        for runtime in runtimes:  # until torch reads the count back: the runtime torch was linked with
             runtime.omp_set_num_threads(int(num_threads))
             applied_threads = torch.get_num_threads()
-            if applied_threads != num_threads:
-                notes.append(f"asked for {num_threads} intra-op threads, torch reports {applied_threads}")
-        else:
+            if applied_threads == num_threads:
+                break
+        if not runtimes:
             notes.append("thread count not set: torch's OpenMP runtime was not found among the loaded libraries")
+        elif applied_threads != num_threads:
+            notes.append(f"asked for {num_threads} intra-op threads, torch reports {applied_threads} after setting "
+                         f"each of the {len(runtimes)} OpenMP runtimes loaded")
     else:
         notes.append("thread count not set: torch's parallel backend is not OpenMP (its count is process-wide)")
     return ThreadPlacement(cores=applied_cores, num_threads=applied_threads, notes=tuple(notes))

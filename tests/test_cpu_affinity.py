@@ -5,6 +5,8 @@ training thread or to threads started later."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -90,6 +92,27 @@ def test_openmp_team_of_pinned_thread_stays_on_its_cores():
     placement, new_threads_pinned = _in_fresh_thread(run)
     assert placement.cores == (last_core,) and placement.num_threads == 2
     assert new_threads_pinned <= {True}
+
+
+SECOND_OPENMP = "/usr/lib/x86_64-linux-gnu/libgomp.so.1"  # listed before torch's own copy in path order
+
+
+@linux_affinity
+@pytest.mark.skipif(not os.path.exists(SECOND_OPENMP), reason=f"needs the system's libgomp ({SECOND_OPENMP})")
+def test_worker_thread_count_holds_beside_a_second_openmp_runtime():
+    # A GPU image loads the system's libgomp beside the one torch bundles (as another extension would): the
+    # worker's count must be set in the runtime torch uses, whichever is listed first.
+    script = f"""
+import ctypes, os, torch
+ctypes.CDLL({SECOND_OPENMP!r})
+from zenflow_compile.runtime.worker import CpuWorker
+worker = CpuWorker("probe", pt_reserved_cores_perc=0.5)
+print(worker.submit(torch.get_num_threads).result(30), len(worker.cores.workers), worker.placement.notes)
+worker.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    threads, cores, notes = out.stdout.split(maxsplit=2)
+    assert (threads, notes.strip()) == (cores, "()")
 
 
 @pytest.mark.parametrize("perc", [None, 0.0, 1.0])
