@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import time
 from typing import Callable, Optional
 
 import torch
@@ -93,6 +94,7 @@ class ZenFlowRuntime:
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
                              bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0,
                              overlapped_boundaries=0)  # boundaries whose CPU update ran on into the next steps
+        self.selection_seconds = 0.0  # the training thread's time moving state for (re)selections (not saved)
         self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
         # Called with the parameters written by someone else, before their values are adopted (the owner
@@ -313,7 +315,9 @@ class ZenFlowRuntime:
         if t == cfg.full_warm_up_rounds:
             self.selection_start = t
         if selecting:
+            started = time.perf_counter()
             self._select_first(selecting, readout)
+            self.selection_seconds += time.perf_counter() - started
         stepped = [(slab, rows_taken(slab)) for slab in self.slabs if slab.members_taken]
         hyperparameters = [_hyperparameters(group) for group in param_groups]
         for slab, rows in stepped:
@@ -333,7 +337,9 @@ class ZenFlowRuntime:
             self._update_boundary(hyperparameters, overlap=cfg.overlap_step and warmed_up and not reselect)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
+                started = time.perf_counter()
                 self._reselect(t, reselecting, host_scores)
+                self.selection_seconds += time.perf_counter() - started
 
         self.step_count += 1
         self.counters["steps"] += 1
@@ -344,22 +350,25 @@ class ZenFlowRuntime:
         """The first selection of these members (top-k of this step's scores): their state, with this step's
         gradient, moves into slabs of k selected columns."""
         cfg = self.config
-        old = {id(m.slab): m.slab for m in selecting}
-        members = [m for slab in old.values() for m in slab.members]
-        states = [m.slab.export_member(m.index, self.acc_slot, with_step_grad=self.grad_slot) for m in members]
-        for member, state in zip(members, states):
-            if member.pid not in readout.selecting_scores:
-                continue  # (a member of the same slab without a gradient this step stays unselected)
-            host_scores = readout.selecting_scores[member.pid]
-            state.selected = top_k_columns(host_scores, cfg.num_selected(member.cols))
-            if self.data_parallel is not None:
-                self._share_selected_columns(member, state)
-            if cfg.auto_update and state.selected.numel() < member.cols:
-                unselected = torch.ones(member.cols, dtype=torch.bool, device="cpu")
-                unselected[state.selected] = False
-                readout.mean_scores[member.pid] = (float(host_scores[state.selected].mean()),
-                                                   float(host_scores[unselected].mean()))
-        self._replace_slabs(list(old.values()), members, states)
+        old_slabs = list({id(m.slab): m.slab for m in selecting}.values())
+        while old_slabs:  # one slab at a time: the host holds one slab's state twice, never the model's
+            old = old_slabs.pop(0)
+            members = list(old.members)
+            states = [old.export_member(m.index, self.acc_slot, with_step_grad=self.grad_slot) for m in members]
+            for member, state in zip(members, states):
+                if member.pid not in readout.selecting_scores:
+                    continue  # (a member of the same slab without a gradient this step stays unselected)
+                host_scores = readout.selecting_scores[member.pid]
+                state.selected = top_k_columns(host_scores, cfg.num_selected(member.cols))
+                if self.data_parallel is not None:
+                    self._share_selected_columns(member, state)
+                if cfg.auto_update and state.selected.numel() < member.cols:
+                    unselected = torch.ones(member.cols, dtype=torch.bool, device="cpu")
+                    unselected[state.selected] = False
+                    readout.mean_scores[member.pid] = (float(host_scores[state.selected].mean()),
+                                                       float(host_scores[unselected].mean()))
+            self._replace_slabs([old], members, states)
+            del old, states
 
     def _share_selected_columns(self, member: Member, state: MemberState) -> None:
         """Data parallel, a first selection: the owner's state and step gradient of the selected columns (and the
@@ -658,6 +667,7 @@ class ZenFlowRuntime:
         # Device idle caused by waiting for the CPU (events on the compute stream); where the device is the
         # host, the host wait.
         stats["stall_seconds"] = host_wait if device_idle is None else device_idle
+        stats["selection_seconds"] = self.selection_seconds
         stats["cpu_update_seconds"] = workers.update_worker.busy_seconds
         stats["accumulate_seconds"] = workers.accumulate_worker.busy_seconds
         # CPU time of the worker threads (with torch's intra-op threads at 1, all of the work; on a shared

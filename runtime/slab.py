@@ -240,6 +240,31 @@ def _columns_index(columns: torch.Tensor, rows: int) -> torch.Tensor:
     return columns.unsqueeze(1).expand(-1, rows, -1)
 
 
+def _by_column(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """[n, C, R] on the host from n [R, C] tensors (None: zeros): a column per row, so the device's columns
+    and the host's rows are then row copies. Each member is one 2-D transposed copy (torch's blocked one)."""
+    shape = next(t for t in naturals if t is not None).shape
+    out = torch.empty(len(naturals), shape[1], shape[0], dtype=dtype, device="cpu")
+    for row, natural in zip(out, naturals):
+        if natural is None:
+            row.zero_()
+        else:
+            row.copy_(natural.to(dtype).t())
+    return out
+
+
+def _host_rows(by_column: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """[n, m, R]: the rows `columns` ([n, m]) of each member of `by_column` ([n, C, R])."""
+    n, C, R = by_column.shape
+    flat = (columns + torch.arange(n, device="cpu").unsqueeze(1) * C).reshape(-1)
+    return by_column.view(n * C, R).index_select(0, flat).view(n, columns.shape[1], R)
+
+
+def _device_columns(by_column: torch.Tensor, columns: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[n, R, k] on `device`: the columns `columns` ([n, k]) of each member of `by_column`."""
+    return _host_rows(by_column, columns).to(device).transpose(1, 2).contiguous()
+
+
 class Slab:
     """The state of n like parameters (see the module docstring)."""
 
@@ -261,15 +286,16 @@ class Slab:
             selected = torch.stack([s.selected for s in states])
         else:
             selected = torch.zeros(n, 0, dtype=torch.long, device="cpu")
-        master, exp_avg, exp_avg_sq = (torch.stack([getattr(s, name) for s in states])
-                                       for name in ("master", "exp_avg", "exp_avg_sq"))
         counts = torch.stack([s.step for s in states])
         host_columns = self._host_order(selected, counts, states)
         self.selected_cpu, self.host_columns_cpu = selected, host_columns
-        pick, rest = _columns_index(selected, R), _columns_index(host_columns, R)
-        self.master = master.gather(2, pick).to(dev)
-        self.exp_avg = exp_avg.gather(2, pick).to(dev)
-        self.exp_avg_sq = exp_avg_sq.gather(2, pick).to(dev)
+        self.has_host_part = self.owns_host and u > 0
+        host_state = {}
+        for name in ("master", "exp_avg", "exp_avg_sq"):  # one state tensor by column at a time
+            by_column = _by_column([getattr(s, name) for s in states], torch.float32)
+            setattr(self, name, _device_columns(by_column, selected, dev))
+            host_state[name] = _host_rows(by_column, host_columns) if self.has_host_part else None
+            del by_column
         self.counts = counts.gather(1, selected).to(dev)
         # What the members' selected columns hold where it is not their master in the slab's dtype (after a
         # cast: an upcast leaves bf16 values beside fp32 masters), until the device update rewrites them.
@@ -299,44 +325,46 @@ class Slab:
         self.members_taken = sum(1 for s in states if s.step_grad is not None)
         self.several_backwards = any(m.num_grads > 1 for m in members)
         step_grads = [s.step_grad for s in states]
+        step_grad = None
         if any(g is not None for g in step_grads):
-            step_grad = torch.stack([torch.zeros(R, C, dtype=self.dtype, device="cpu") if g is None
-                                     else g.to(self.dtype) for g in step_grads])
-            self.grad.copy_(step_grad.gather(2, pick).to(dev))
+            step_grad = _by_column(step_grads, self.dtype)
+            self.grad.copy_(_device_columns(step_grad, selected, dev))
             for i, s in enumerate(states):
                 if s.step_scores is not None:
                     self.scores[i].copy_(s.step_scores)
-        else:
-            step_grad = None
-        self.has_host_part = self.owns_host and u > 0
         if not self.has_host_part:
             self.host_master = self.host_exp_avg = self.host_exp_avg_sq = self.host_counts = None
             self.accumulators, self.square_accumulators, self.host_grads, self.host_weights = [], [], [], []
             self.host_grad_bytes = 0
             return
-        host = lambda full: full.gather(2, rest).transpose(1, 2).contiguous()  # [n, R, C] -> [n, u, R]
         host_zeros = transfers.host_zeros
-        self.host_master, self.host_exp_avg, self.host_exp_avg_sq = host(master), host(exp_avg), host(exp_avg_sq)
+        self.host_master, self.host_exp_avg, self.host_exp_avg_sq = (host_state[name] for name in
+                                                                     ("master", "exp_avg", "exp_avg_sq"))
         self.host_counts = counts.gather(1, host_columns)
         self.accumulators = [torch.zeros(n, u, R, device="cpu") for _ in range(2)]
         self.square_accumulators = [torch.zeros(n, u, R, device="cpu") for _ in range(2)] if accumulate_squares else []
         for buffers, name in ((self.accumulators, "accumulator"), (self.square_accumulators, "square_accumulator")):
             saved = [getattr(s, name) for s in states]
             if buffers and any(a is not None for a in saved):
-                buffers[0].copy_(host(torch.stack([torch.zeros(R, C, device="cpu") if a is None else a
-                                                   for a in saved])))
+                buffers[0].copy_(_host_rows(_by_column(saved, torch.float32), host_columns))
         self.host_grads = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
         self.host_grad_bytes = self.host_grads[0].numel() * self.host_grads[0].element_size()
         if step_grad is not None:
+            step_grad = _host_rows(step_grad, host_columns)
             for buffer in self.host_grads:
-                buffer.copy_(host(step_grad))
+                buffer.copy_(step_grad)
         # host_weights[0]: the latest CPU update (a member's pending one, else what the device holds);
         # host_weights[1]: what the device holds (the applied weights while an update is pending).
         self.host_weights = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
-        applied = host(torch.stack([(s.master if s.applied is None else s.applied).to(self.dtype) for s in states]))
+        applied = [s.applied for s in states]
+        if any(a is None for a in applied):  # what the device holds is the master, cast
+            self.host_weights[1].copy_(self.host_master)
+        if any(a is not None for a in applied):
+            given = _host_rows(_by_column(applied, self.dtype), host_columns)
+            given_rows = torch.tensor([a is not None for a in applied], device="cpu").view(n, 1, 1)
+            torch.where(given_rows, given, self.host_weights[1], out=self.host_weights[1])
         pending = torch.tensor([s.unapplied for s in states], device="cpu").view(n, 1, 1)
-        self.host_weights[0].copy_(torch.where(pending, self.host_master.to(self.dtype), applied))
-        self.host_weights[1].copy_(applied)
+        self.host_weights[0].copy_(torch.where(pending, self.host_master.to(self.dtype), self.host_weights[1]))
         self.host_scores = host_zeros((n, u), torch.float32)
 
     def _host_order(self, selected: torch.Tensor, counts: torch.Tensor, states: list[MemberState]) -> torch.Tensor:
@@ -651,32 +679,39 @@ class Slab:
     def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(master, exp_avg, exp_avg_sq [n, R, C], step [n, C]) on the host; NaN where this rank does not hold
         the host part."""
-        n, R, C = self.n, self.R, self.C
-        pick, rest = _columns_index(self.selected_cpu, R), _columns_index(self.host_columns_cpu, R)
-        full = []
-        for dev, host in ((self.master, self.host_master), (self.exp_avg, self.host_exp_avg),
-                          (self.exp_avg_sq, self.host_exp_avg_sq)):
-            t = torch.full((n, R, C), math.nan, device="cpu")
-            t.scatter_(2, pick, dev.cpu())
-            if host is not None:
-                t.scatter_(2, rest, host.transpose(1, 2))
-            full.append(t)
-        step = torch.full((n, C), math.nan, device="cpu")
-        step.scatter_(1, self.selected_cpu, self.counts.cpu())
+        members = [self.member_state(i) for i in range(self.n)]
+        return tuple(torch.stack(parts) for parts in zip(*members))
+
+    def member_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Member i's (master, exp_avg, exp_avg_sq [R, C], step [C]) on the host; NaN where this rank does not
+        hold the host part."""
+        full = [self._natural(i, device_part, host_part) for device_part, host_part in
+                ((self.master, self.host_master), (self.exp_avg, self.host_exp_avg),
+                 (self.exp_avg_sq, self.host_exp_avg_sq))]
+        step = torch.full((self.C,), math.nan, device="cpu")
+        step[self.selected_cpu[i]] = self.counts[i].cpu()
         if self.host_counts is not None:
-            step.scatter_(1, self.host_columns_cpu, self.host_counts)
+            step[self.host_columns_cpu[i]] = self.host_counts[i]
         return (*full, step)
 
-    def _host_full(self, host: torch.Tensor, i: int, dtype=torch.float32) -> torch.Tensor:
-        """Member i's [u, R] host rows as an [R, C] tensor (zero in the selected columns)."""
-        full = torch.zeros(self.R, self.C, dtype=dtype, device="cpu")
-        full[:, self.host_columns_cpu[i]] = host[i].t().to(dtype)
-        return full
+    def _natural(self, i: int, device_part: Optional[torch.Tensor], host_part: Optional[torch.Tensor],
+                 dtype=torch.float32, missing: float = math.nan) -> torch.Tensor:
+        """Member i's [R, C] tensor from its device columns ([n, R, k]; None: `missing` there) and its host rows
+        ([n, u, R]; None: `missing` there). Built by column (a host row is one column: a contiguous copy), then
+        transposed once as a 2-D tensor (torch's blocked transpose copy)."""
+        by_column = torch.empty(self.C, self.R, dtype=dtype, device="cpu")
+        for columns, part, column_rows in ((self.selected_cpu[i], device_part, False),
+                                           (self.host_columns_cpu[i], host_part, True)):
+            if part is None:
+                by_column.index_fill_(0, columns, missing)
+            else:
+                by_column.index_copy_(0, columns, (part[i] if column_rows else part[i].t()).to("cpu", dtype))
+        return by_column.t().contiguous()
 
     def export_member(self, i: int, acc_slot: int, with_step_grad: Optional[int] = None) -> MemberState:
         """Member i's whole state (after the CPU work that touches it is done). `with_step_grad`: the grad slot
         whose gradient (this step's) goes along."""
-        master, exp_avg, exp_avg_sq, step = (t[i] for t in self.canonical())
+        master, exp_avg, exp_avg_sq, step = self.member_state(i)
         state = MemberState(master, exp_avg, exp_avg_sq, step, self.selected_cpu[i].clone(),
                             host_columns=None if self.has_host_part else self.host_columns_cpu[i].clone(),
                             unapplied=self.unapplied)
@@ -684,10 +719,10 @@ class Slab:
             state.selected_written = self.selected_written[i].cpu()
         if self.has_host_part:
             self.transfers.host_access(reads=self.host_weights)
-            state.accumulator = self._host_full(self.accumulators[acc_slot], i)
+            state.accumulator = self._natural(i, None, self.accumulators[acc_slot], missing=0.0)
             if self.accumulate_squares:
-                state.square_accumulator = self._host_full(self.square_accumulators[acc_slot], i)
-            state.applied = self._host_full(self.applied_weights(), i, self.dtype)
+                state.square_accumulator = self._natural(i, None, self.square_accumulators[acc_slot], missing=0.0)
+            state.applied = self._natural(i, None, self.applied_weights(), self.dtype, missing=0.0)
         if with_step_grad is not None and self.members[i].num_grads:
             state.step_grad = self.step_grad(i, with_step_grad)
             state.step_scores = self.scores[i].clone()
@@ -697,12 +732,10 @@ class Slab:
         """Member i's gradient of this step in [R, C] layout on the host (waits for its offload)."""
         self.fold_extra_grads(grad_slot)
         wait_events(self.offload_done[grad_slot])
-        full = torch.zeros(self.R, self.C, dtype=self.dtype, device="cpu")
-        full[:, self.selected_cpu[i]] = self.grad[i].cpu()
         if self.has_host_part:
             self.transfers.host_access(reads=[self.host_grads[grad_slot]])
-            full[:, self.host_columns_cpu[i]] = self.host_grads[grad_slot][i].t()
-        return full
+        host_part = self.host_grads[grad_slot] if self.has_host_part else None
+        return self._natural(i, self.grad, host_part, self.dtype, missing=0.0)
 
     def reselect(self, selected: torch.Tensor, data_parallel=None) -> int:
         """Make `selected` ([n, k], ascending rows) the device-resident columns, moving state with its columns,
@@ -712,19 +745,84 @@ class Slab:
         moved = 2 * int(arriving.sum())
         if moved == 0:
             return 0  # every member keeps its columns: the layout stands
-        master, exp_avg, exp_avg_sq, step = self.canonical()
         if data_parallel is not None:  # the state of arriving columns comes from their owner's host
-            for i, member in enumerate(self.members):
-                columns = selected[i][arriving[i]]
-                if columns.numel():
-                    self._broadcast_columns(data_parallel, member, columns, master[i], exp_avg[i], exp_avg_sq[i],
-                                            step[i])
-            # Only the owner knows the host columns' update counts, which order them: everyone takes its order.
-            order = host_order(step, selected).to(self.device)
-            data_parallel.broadcast(order, self.key.owner)
-            host_columns = order.cpu()
+            self._reselect_through_canonical(selected, arriving, data_parallel)
         else:
-            host_columns = host_order(step, selected)
+            self._swap_columns(selected)
+        if self.selected_written is not None:  # a member whose columns changed took this step's device update
+            changed = arriving.any(1).to(self.device).view(-1, 1, 1)
+            self.selected_written = torch.where(changed, self.master.to(self.dtype), self.selected_written)
+        self.grad.zero_()
+        self.offload_done = [[], []]
+        for slot_extras in self.extra_grads:
+            slot_extras.clear()
+        if self.has_host_part:
+            for buffer in [*self.accumulators, *self.square_accumulators, *self.host_grads]:
+                buffer.zero_()
+            for weights in self.host_weights:
+                weights.copy_(self.host_master)
+            self.weights_slot = 0
+        return moved
+
+    def _swap_columns(self, selected: torch.Tensor) -> None:
+        """Reselection on one rank: only the columns that change sides cross between device and host. The
+        staying device columns are gathered on the device, the staying host rows copied whole into the new
+        host order (a row is a column: a contiguous copy), then the arriving and departing columns written
+        in, every tensor in place, in a fixed number of calls whatever n. No [n, R, C] copy of the state is
+        made: the host needs one state tensor of the slab beside it."""
+        old_selected, old_host = self.selected_cpu, self.host_columns_cpu
+        n, C, k, u = self.n, self.C, self.k, self.u
+        position = torch.empty(n, C, dtype=torch.long, device="cpu")  # column -> its device slot / host row
+        position.scatter_(1, old_selected, torch.arange(k, device="cpu").expand(n, k))
+        position.scatter_(1, old_host, torch.arange(u, device="cpu").expand(n, u))
+        on_device = torch.zeros(n, C, dtype=torch.bool, device="cpu").scatter_(1, old_selected, True)
+        step = torch.empty(n, C, device="cpu")
+        step.scatter_(1, old_selected, self.counts.cpu())
+        step.scatter_(1, old_host, self.host_counts)
+        host_columns = host_order(step, selected)
+        # (member, new slot) of each arriving column with its host row; (member, new host row) of each
+        # departing column with its device slot.
+        arriving_member, arriving_slot = (~on_device.gather(1, selected)).nonzero(as_tuple=True)
+        arriving_row = position[arriving_member, selected[arriving_member, arriving_slot]]
+        departing_member, departing_row = on_device.gather(1, host_columns).nonzero(as_tuple=True)
+        departing_slot = position[departing_member, host_columns[departing_member, departing_row]]
+        staying_slot = position.gather(1, selected).masked_fill(~on_device.gather(1, selected), 0)
+        stay = _columns_index(staying_slot.to(self.device), self.R)
+        keep = position.gather(1, host_columns).masked_fill(on_device.gather(1, host_columns), 0)
+        keep = (keep + torch.arange(n, device="cpu").unsqueeze(1) * u).reshape(-1)  # into the [n * u, R] rows
+        on_device_index = lambda *index: tuple(i.to(self.device) for i in index)
+        wait_events(self.upload_done)  # an upload may still read the host weights rewritten by the caller
+        self.upload_done = [None, None]
+        self.transfers.host_access(writes=[*self.host_grads, *self.host_weights])
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            device_state, host_state = getattr(self, name), getattr(self, "host_" + name)
+            by_column = device_state.transpose(1, 2)  # [n, k, R]: a column per row, like the host
+            outgoing = by_column[on_device_index(departing_member, departing_slot)].cpu()
+            incoming = host_state[arriving_member, arriving_row].to(self.device)
+            device_state.copy_(device_state.gather(2, stay))
+            by_column.index_put_(on_device_index(arriving_member, arriving_slot), incoming)
+            rows = host_state.view(n * u, self.R).index_select(0, keep)
+            rows.index_copy_(0, departing_member * u + departing_row, outgoing)
+            host_state.copy_(rows.view(n, u, self.R))
+        self.counts.copy_(step.gather(1, selected))
+        self.host_counts.copy_(step.gather(1, host_columns))
+        self.selected_cpu, self.host_columns_cpu = selected, host_columns
+        self.selected.copy_(selected)
+        self.host_columns.copy_(host_columns)
+
+    def _reselect_through_canonical(self, selected: torch.Tensor, arriving: torch.Tensor, data_parallel) -> None:
+        """Data parallel: every rank rebuilds its device columns from the whole state, the arriving columns'
+        state broadcast by their owner; the owner rebuilds its host rows."""
+        master, exp_avg, exp_avg_sq, step = self.canonical()
+        for i, member in enumerate(self.members):
+            columns = selected[i][arriving[i]]
+            if columns.numel():
+                self._broadcast_columns(data_parallel, member, columns, master[i], exp_avg[i], exp_avg_sq[i],
+                                        step[i])
+        # Only the owner knows the host columns' update counts, which order them: everyone takes its order.
+        order = host_order(step, selected).to(self.device)
+        data_parallel.broadcast(order, self.key.owner)
+        host_columns = order.cpu()
         R = self.R
         pick, rest = _columns_index(selected, R), _columns_index(host_columns, R)
         self.selected_cpu, self.host_columns_cpu = selected, host_columns
@@ -734,15 +832,8 @@ class Slab:
         self.exp_avg.copy_(exp_avg.gather(2, pick))
         self.exp_avg_sq.copy_(exp_avg_sq.gather(2, pick))
         self.counts.copy_(step.gather(1, selected))
-        if self.selected_written is not None:  # a member whose columns changed took this step's device update
-            changed = arriving.any(1).to(self.device).view(-1, 1, 1)
-            self.selected_written = torch.where(changed, self.master.to(self.dtype), self.selected_written)
-        self.grad.zero_()
-        self.offload_done = [[], []]
-        for slot_extras in self.extra_grads:
-            slot_extras.clear()
         if not self.has_host_part:
-            return moved
+            return
         wait_events(self.upload_done)  # an upload may still read the host weights rewritten below
         self.upload_done = [None, None]
         self.transfers.host_access(writes=[*self.host_grads, *self.host_weights])
@@ -751,12 +842,6 @@ class Slab:
         self.host_exp_avg.copy_(host(exp_avg))
         self.host_exp_avg_sq.copy_(host(exp_avg_sq))
         self.host_counts.copy_(step.gather(1, host_columns))
-        for buffer in [*self.accumulators, *self.square_accumulators, *self.host_grads]:
-            buffer.zero_()
-        for weights in self.host_weights:
-            weights.copy_(self.host_master)
-        self.weights_slot = 0
-        return moved
 
     def _broadcast_columns(self, data_parallel, member: Member, columns, master, exp_avg, exp_avg_sq, step) -> None:
         """The owner's state of `columns` into every rank's canonical rows."""

@@ -190,7 +190,7 @@ def test_equals_reference(case, dtype, device):
         m_a, m_b = zen.master(p), ref.master(q)
         assert m_a.dtype == torch.float32 and m_a.shape == p.shape
         assert_close(m_a, m_b, f"master {name}", atol=atol)
-        assert torch.equal(p.detach(), m_a.to(dtype)), f"{name}: device copy is not the cast master"
+        assert torch.equal(p.detach().cpu(), m_a.to(dtype)), f"{name}: device copy is not the cast master"
     assert_history_close([snapshot(a)], [snapshot(b)], names, dtype)
 
 
@@ -586,7 +586,7 @@ def test_stats_counters(device):
                        full_warm_up_rounds=2, select_strategy="step", select_interval=100)
     expected_keys = {"steps", "skipped_steps", "cpu_updates", "reselections", "bytes_device_to_host",
                      "bytes_host_to_device", "stall_seconds", "cpu_update_seconds", "accumulate_seconds",
-                     "current_interval", "update_pending", "selection_churn"}
+                     "current_interval", "update_pending", "selection_churn", "selection_seconds"}
     assert expected_keys <= set(opt.stats())
     batches = make_batches(11)
     train_steps(model, opt, batches[:2])  # warm-up
@@ -606,6 +606,7 @@ def test_stats_counters(device):
     # cpu_updates counts boundaries only (the warm-up steps are none: see the warm-up test above)
     assert [u - updates[0] for u in updates] == [0, 0, 1, 1, 1, 2, 2, 2, 3]
     assert st["steps"] == 11 and st["skipped_steps"] == 0 and st["reselections"] == 0
+    assert st["selection_seconds"] > 0  # the first selection (t = 2) moved the selected columns' state
     assert st["update_pending"] is True  # overlap: t = 10's update is in flight
     assert st["bytes_host_to_device"] > 0  # t = 4's update was applied at t = 7
     assert st["cpu_update_seconds"] >= 0 and st["accumulate_seconds"] >= 0 and st["stall_seconds"] >= 0
