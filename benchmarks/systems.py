@@ -84,6 +84,11 @@ def _device_name(device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} logical cores)"
 
 
+def _progress(what: str) -> None:
+    """A timestamped line in the system's log: where a timed-out system spent its time."""
+    print(f"[{time.perf_counter() - _PROCESS_START:7.1f} s] {what}", flush=True)
+
+
 def _setup(spec: dict):
     """Model, batches and common facts, on the device, seeded identically for every system."""
     import torch
@@ -97,6 +102,7 @@ def _setup(spec: dict):
     model = build_model(spec["model"], spec["seq"], device, dtype, seed=spec.get("seed", 0))
     batches = synthetic_batches(model.config.vocab_size, spec["batch"], spec["seq"], device)
     facts = dict(device=_device_name(device), device_type=device.type, **model_stats(model))
+    _progress(f"model and batches built on {device}")
     return model, batches, device, facts
 
 
@@ -128,6 +134,8 @@ def _timed_loop(step_fn: Callable[[int], Any], spec: dict, device,
         _sync(device)
         elapsed = time.perf_counter() - start
         (times if i >= warmup else warmup_times).append(elapsed)
+        if i < warmup:
+            _progress(f"warm-up step {i + 1}/{warmup}: {elapsed:.2f} s")
         if i in (0, warmup + steps - 1):
             losses.append(float(loss))
     start = time.perf_counter()
@@ -233,6 +241,7 @@ def run_zenflow(spec: dict) -> dict:
     import torch
 
     import zenflow_compile
+    from zenflow_compile.runtime import native_accumulate
 
     model, batches, device, facts = _setup(spec)
     zf = spec["zenflow"]
@@ -241,20 +250,29 @@ def run_zenflow(spec: dict) -> dict:
         topk_ratio=zf["topk_ratio"], update_interval=zf["update_interval"], overlap_step=zf["overlap_step"],
         select_strategy=zf["select_strategy"], select_interval=zf["select_interval"],
         full_warm_up_rounds=zf["full_warm_up_rounds"])
+    _progress("optimizer built")
     compiled = torch.compile(model, backend="zenflow")
 
     def step(i):
         tokens = batches[i % len(batches)]
         loss = compiled(input_ids=tokens, labels=tokens).loss
         loss.backward()
+        if i < spec["warmup"]:  # where a warm-up step's time goes (the first: compile vs state allocation)
+            _sync(device)
+            started = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        if i < spec["warmup"]:
+            _sync(device)
+            _progress(f"warm-up step {i + 1}: opt.step() {time.perf_counter() - started:.2f} s")
         return loss.detach()
 
     marks = {}
 
     def start_measuring():
         _quiet_compile_workers()
+        # The native host accumulation builds in the background at first use: measure with it in place.
+        marks["native_accumulate"] = native_accumulate.wait_until_ready(native_accumulate.BUILD_TIMEOUT_S) is not None
         opt.synchronize()  # the warm-up's in-flight update lands outside the window
         _sync(device)
         marks["start"] = opt.stats()
@@ -266,7 +284,7 @@ def run_zenflow(spec: dict) -> dict:
     compiles = _compiles_since(marks["compiles"])
     start = marks["start"]
     needed = ("stall_seconds", "cpu_update_seconds", "accumulate_seconds", "bytes_device_to_host",
-              "bytes_host_to_device", "cpu_updates", "reselections", "skipped_steps")
+              "bytes_host_to_device", "cpu_updates", "reselections", "skipped_steps", "selection_seconds")
     missing = [k for k in needed if k not in end]
     if missing:
         raise KeyError(f"ZenFlowAdamW.stats() lacks {missing} (has {sorted(end)})")
@@ -292,6 +310,8 @@ def run_zenflow(spec: dict) -> dict:
         cpu_update_s_per_step=delta["cpu_update_seconds"] / steps,
         accumulate_s_per_step=delta["accumulate_seconds"] / steps,
         cpu_updates=delta["cpu_updates"], reselections=delta["reselections"],
+        selection_s_per_step=delta["selection_seconds"] / steps,
+        native_accumulate=marks["native_accumulate"] or native_accumulate.unavailable_reason(),
         skipped_steps=delta["skipped_steps"],
         effective_update_interval=(steps / delta["cpu_updates"]) if delta["cpu_updates"] else None,
         zenflow_stats=end, compiles_during_measurement=compiles,
