@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "accuracy.py"
 
 
+@pytest.mark.slow
 def test_accuracy_smoke(tmp_path):
     out = tmp_path / "smoke.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--threads", "2", "--out", str(out)],

@@ -17,6 +17,7 @@ BENCH = ROOT / "benchmarks" / "bench_cores.py"
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="a reservation needs Linux thread affinity and at least 2 usable cores")
+@pytest.mark.slow
 def test_smoke_run_reports_every_scenario(tmp_path):
     out = tmp_path / "cores.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--loops", "host-bound", "--out", str(out)],

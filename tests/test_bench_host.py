@@ -24,6 +24,7 @@ def _load_bench():
     return module
 
 
+@pytest.mark.slow
 def test_smoke_run_reports_every_row(tmp_path):
     out = tmp_path / "host.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--out", str(out)], cwd=tmp_path,

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "bench_step_overhead.py"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode, clock", [("eager", "wall"), ("compiled", "thread")])
 def test_smoke_run_reports_host_cost(tmp_path, mode, clock):
     out = tmp_path / "overhead.json"

@@ -39,6 +39,7 @@ def bench_targets() -> dict:
                 stall_fraction_max=bench.TARGET_STALL_FRACTION)
 
 
+@pytest.mark.slow
 def test_cpu_run_reports_every_part_and_the_benchmark_figures(tmp_path):
     proc, report, markdown = run_check(tmp_path, "--parts", "tests,bench", "--pytest-args", "-k test_worker")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -74,6 +75,7 @@ def test_cpu_run_reports_every_part_and_the_benchmark_figures(tmp_path):
         assert heading in markdown
 
 
+@pytest.mark.slow
 def test_a_failing_part_makes_a_nonzero_exit_and_still_a_report(tmp_path):
     proc, report, markdown = run_check(tmp_path, "--parts", "tests", "--pytest-args", "tests/does_not_exist.py")
     assert proc.returncode == 1, proc.stdout + proc.stderr
