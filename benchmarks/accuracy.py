@@ -195,7 +195,9 @@ def zenflow_keys(spec: dict, steps_per_epoch: int | None = None) -> dict:
     if spec.get("reselect", "wait") != "wait":
         keys["overlap_reselect"] = spec["reselect"]
     select = spec.get("select", "auto")
-    if select != "auto":
+    if select == "auto":  # named, so the optimizer's preset never picks another rule for a run that names none
+        keys.update(select_strategy="auto", select_interval="auto")
+    else:
         strategy = "step" if select.startswith("step") else "epoch"
         keys.update(select_strategy=strategy, select_interval=int(select[len(strategy):]))
         if strategy == "epoch":

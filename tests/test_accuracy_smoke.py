@@ -9,11 +9,13 @@ ZenFlowReference give the same held-out losses, and AdamW differs from them.
 
 import json
 import math
-
-import pytest
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from zenflow_compile import ZenFlowConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks" / "accuracy.py"
@@ -94,7 +96,6 @@ def test_run_names_with_a_selection_rule_and_their_config_keys():
         interval_second_moment=False, select_strategy="step", select_interval=4)
     keys = accuracy.zenflow_keys(accuracy.parse_run("zenflow:select=epoch1"), steps_per_epoch=342)
     assert (keys["select_strategy"], keys["select_interval"], keys["steps_per_epoch"]) == ("epoch", 1, 342)
-    assert "select_strategy" not in accuracy.zenflow_keys(accuracy.parse_run("zenflow:select=auto"))
     for bad in ("step0", "steps4", "every4", "epoch"):
         with pytest.raises(ValueError, match=rf"select='{bad}': expected auto, stepN or epochN"):
             accuracy.parse_run(f"zenflow:select={bad}")
@@ -107,6 +108,17 @@ def test_run_names_with_a_selection_rule_and_their_config_keys():
     labels, _ = accuracy.chart_labels(["zenflow:iau=1,select=step4", "zenflow:iau=1"])
     assert labels["zenflow:iau=1,select=step4"].endswith("reselection every 4 steps")
     assert labels["zenflow:iau=1"].endswith("reselection on drift (select 'auto')")
+
+
+@pytest.mark.project_defaults
+def test_a_run_that_names_no_selection_rule_selects_on_drift_under_the_project_defaults():
+    """select "auto" (drift) when a run names no rule, though the optimizer's own default is step 4: the run
+    name is the whole configuration (DeepSpeed's semantics are `interval=auto,overlap=0`)."""
+    accuracy = _accuracy_module()
+    for name in ("zenflow:select=auto", "zenflow:interval=auto,overlap=0"):
+        config = ZenFlowConfig(**accuracy.zenflow_keys(accuracy.parse_run(name)))
+        assert (config.select_strategy, config.select_interval) == ("auto", "auto"), name
+    assert ZenFlowConfig().select_strategy == "step"  # (what the run would have got)
 
 
 def test_eval_steps_resolve_epoch_and_steps_default_to_the_last():
