@@ -745,6 +745,10 @@ class Slab:
         moved = 2 * int(arriving.sum())
         if moved == 0:
             return 0  # every member keeps its columns: the layout stands
+        if self.has_host_part:
+            wait_events(self.upload_done)  # an upload may still read the host weights rewritten below
+            self.upload_done = [None, None]
+            self.transfers.host_access(writes=[*self.host_grads, *self.host_weights])
         if data_parallel is not None:  # the state of arriving columns comes from their owner's host
             self._reselect_through_canonical(selected, arriving, data_parallel)
         else:
@@ -791,9 +795,6 @@ class Slab:
         keep = position.gather(1, host_columns).masked_fill(on_device.gather(1, host_columns), 0)
         keep = (keep + torch.arange(n, device="cpu").unsqueeze(1) * u).reshape(-1)  # into the [n * u, R] rows
         on_device_index = lambda *index: tuple(i.to(self.device) for i in index)
-        wait_events(self.upload_done)  # an upload may still read the host weights rewritten by the caller
-        self.upload_done = [None, None]
-        self.transfers.host_access(writes=[*self.host_grads, *self.host_weights])
         for name in ("master", "exp_avg", "exp_avg_sq"):
             device_state, host_state = getattr(self, name), getattr(self, "host_" + name)
             by_column = device_state.transpose(1, 2)  # [n, k, R]: a column per row, like the host
@@ -823,25 +824,17 @@ class Slab:
         order = host_order(step, selected).to(self.device)
         data_parallel.broadcast(order, self.key.owner)
         host_columns = order.cpu()
-        R = self.R
-        pick, rest = _columns_index(selected, R), _columns_index(host_columns, R)
         self.selected_cpu, self.host_columns_cpu = selected, host_columns
         self.selected.copy_(selected)
         self.host_columns.copy_(host_columns)
-        self.master.copy_(master.gather(2, pick))
-        self.exp_avg.copy_(exp_avg.gather(2, pick))
-        self.exp_avg_sq.copy_(exp_avg_sq.gather(2, pick))
+        for name, full in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+            by_column = _by_column(list(full), torch.float32)
+            getattr(self, name).copy_(_device_columns(by_column, selected, self.device))
+            if self.has_host_part:
+                getattr(self, "host_" + name).copy_(_host_rows(by_column, host_columns))
         self.counts.copy_(step.gather(1, selected))
-        if not self.has_host_part:
-            return
-        wait_events(self.upload_done)  # an upload may still read the host weights rewritten below
-        self.upload_done = [None, None]
-        self.transfers.host_access(writes=[*self.host_grads, *self.host_weights])
-        host = lambda full: full.gather(2, rest).transpose(1, 2)
-        self.host_master.copy_(host(master))
-        self.host_exp_avg.copy_(host(exp_avg))
-        self.host_exp_avg_sq.copy_(host(exp_avg_sq))
-        self.host_counts.copy_(step.gather(1, host_columns))
+        if self.has_host_part:
+            self.host_counts.copy_(step.gather(1, host_columns))
 
     def _broadcast_columns(self, data_parallel, member: Member, columns, master, exp_avg, exp_avg_sq, step) -> None:
         """The owner's state of `columns` into every rank's canonical rows."""
