@@ -46,8 +46,8 @@ Run names (--runs):
                                          iau=1); select: select_strategy "auto", or "step" / "epoch" with
                                          select_interval N; omitted keys: topk=0.1, interval=4, overlap=1,
                                          warmup=0, iau=0, sm=0, select=auto, reselect=wait (the last three
-                                         named only when set); reselect is the opt-in overlap_reselect key,
-                                         ZenFlowReference only for now
+                                         named only when set); reselect is the opt-in overlap_reselect key
+                                         ("deferred": ZenFlowReference runs only)
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
                                          plain synchronous implementation of docs/semantics.md (an algorithm check)
 

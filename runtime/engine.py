@@ -6,7 +6,9 @@ reducer) and go into their slabs (`runtime/slab.py`; a bucket's plan: `runtime/i
 global norm (skip if non-finite, else clip coefficient) -> first selection at t == W -> device AdamW on the
 selected columns and vectors -> hand the unselected columns' gradient to the accumulate worker -> update
 boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
-reselection (after waiting for and applying the boundary's own update, so state moves fully current).
+reselection (after waiting for and applying the boundary's own update, so state moves fully current; with
+overlap_reselect="incoming", the arriving columns' share of that update is made before it is launched and
+the rest stays in flight: `Slab.reselect_in_flight`).
 The CPU workers, and every wait for them, are `runtime/host_work.py`'s; what a failure leaves,
 `runtime/failures.py`'s.
 
@@ -35,7 +37,7 @@ import torch
 from zenflow_compile.runtime import checkpoint, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
-from zenflow_compile.runtime.host_work import HostWork, Stepped
+from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
 from zenflow_compile.runtime.intake import BucketPlan, rows_taken
 from zenflow_compile.runtime.slab import (Member, MemberState, Slab, adopt_changed, host_order, slab_key,
                                           top_k_columns, watch_keys)
@@ -123,7 +125,7 @@ class ZenFlowRuntime:
         left out is no longer optimized (its state is dropped, with its accumulated gradient and any CPU update
         not yet applied, as torch.optim leaves a removed parameter alone); a moved one takes its new group's
         hyperparameters from the next update on."""
-        self.host_work.drain()  # CPU work in flight reads the states
+        self._drain()  # CPU work in flight reads the states
         for pid in [pid for pid in self.params if pid not in group_of]:
             del self.params[pid]
             registry.unregister_param(pid)
@@ -334,11 +336,17 @@ class ZenFlowRuntime:
             reselecting = [(slab, rows) for slab, rows in stepped if slab.is_matrix and slab.k and slab.u]
             host_scores = self._host_scores(reselecting) if warmed_up and self._may_reselect(t) else None
             reselect = host_scores is not None and self._should_reselect(reselecting, host_scores)
-            self._update_boundary(hyperparameters, overlap=cfg.overlap_step and warmed_up and not reselect)
+            chosen = self._chosen_selections(reselecting, host_scores) if reselect else []
+            # overlap_reselect="incoming": the boundary's update stays in flight for the columns that stay on
+            # the host; the arriving columns get theirs before it is launched.
+            in_flight = reselect and cfg.overlap_step and cfg.overlap_reselect == "incoming"
+            arriving = [(slab, selected) for (slab, _), selected in zip(reselecting, chosen)] if in_flight else []
+            self._update_boundary(hyperparameters, overlap=cfg.overlap_step and warmed_up and (in_flight or not reselect),
+                                  arriving=arriving)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
                 started = time.perf_counter()
-                self._reselect(t, reselecting, host_scores)
+                self._reselect(t, reselecting, chosen, in_flight)
                 self.selection_seconds += time.perf_counter() - started
 
         self.step_count += 1
@@ -423,7 +431,7 @@ class ZenFlowRuntime:
         for member in written:
             if member.sharded is not None:
                 member.follow_local_shard()
-        self.host_work.drain()  # CPU work in flight reads and writes the host masters
+        self._drain()  # CPU work in flight reads and writes the host masters
         cast = [m for m in written if m.param.dtype != m.slab.dtype]
         for member in written:
             if member.param.dtype == member.slab.dtype:
@@ -590,9 +598,20 @@ class ZenFlowRuntime:
             return 0
         return (t - cfg.full_warm_up_rounds + 1) // cfg.reselect_every
 
-    def _update_boundary(self, hyperparameters: list[dict], overlap: bool) -> None:
+    def _update_boundary(self, hyperparameters: list[dict], overlap: bool, arriving: list[tuple[Slab, torch.Tensor]]
+                         ) -> None:
+        """Apply the previous boundary's update if it is still pending, launch this boundary's. `arriving`: the
+        slabs reselecting while it runs on, with their new selections: their arriving columns are updated
+        first, from this step's accumulators."""
         if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
             self._apply_host_columns()
+        if arriving:
+            started = time.perf_counter()
+            self.host_work.wait_for_accumulation()
+            for slab, selected in arriving:
+                slab.take_arriving(selected, self.acc_slot, members_by_scale(slab, self.config.interval_aware_update),
+                                   hyperparameters[slab.key.group_index])
+            self.selection_seconds += time.perf_counter() - started
         self.host_work.launch_update(self.slabs, self.acc_slot, hyperparameters, self.config.interval_aware_update)
         self.steps_accumulated = 0
         self.acc_slot ^= 1
@@ -610,15 +629,25 @@ class ZenFlowRuntime:
         self.counters["bytes_host_to_device"] += self.host_work.apply_update(self.slabs, self.data_parallel)
         self.update_pending = False
 
-    def _reselect(self, t: int, slabs: list, host_scores: list[torch.Tensor]) -> None:
-        moved = total = 0
+    def _chosen_selections(self, slabs: list, host_scores: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each slab's new selection ([n, k]): the top-k of this step's scores; a member without a gradient this
+        step keeps its columns."""
+        chosen = []
         for (slab, rows), scores in zip(slabs, host_scores):
-            chosen = top_k_columns(scores, slab.k)
-            if rows is not None:  # a member without a gradient this step keeps its columns
+            selected = top_k_columns(scores, slab.k)
+            if rows is not None:
                 keep = [i for i in range(slab.n) if i not in rows]
-                chosen[keep] = slab.selected_cpu[keep]
+                selected[keep] = slab.selected_cpu[keep]
+            chosen.append(selected)
+        return chosen
+
+    def _reselect(self, t: int, slabs: list, chosen: list[torch.Tensor], in_flight: bool) -> None:
+        """The chosen selections take effect; `in_flight`: while this boundary's CPU update runs on."""
+        moved = total = 0
+        for (slab, rows), selected in zip(slabs, chosen):
             total += slab.k * (slab.n if rows is None else len(rows))
-            moved += slab.reselect(chosen, data_parallel=self.data_parallel)
+            moved += (slab.reselect_in_flight(selected) if in_flight
+                      else slab.reselect(selected, data_parallel=self.data_parallel))
         self._layout_changed()
         self.selection_start = t + 1
         self.selection_epoch = self._epoch_grid_point(t)
@@ -641,10 +670,17 @@ class ZenFlowRuntime:
     def clear_failure(self) -> None:
         self.host_work.failure.clear()
 
+    def _drain(self) -> None:
+        """Wait for all CPU work; the host state is then whole (departing columns of a reselection made in
+        flight are in their rows)."""
+        self.host_work.drain()
+        for slab in self.slabs:
+            slab.settle_departing()
+
     def synchronize(self) -> None:
         """Wait for all CPU work and apply any in-flight update to the device parameters."""
         self.check_failure()
-        self.host_work.drain()
+        self._drain()
         self._adopt_external_writes()
         if self.update_pending:
             self._apply_host_columns()
@@ -739,7 +775,7 @@ class ZenFlowRuntime:
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
         self.check_failure()
-        self.host_work.drain()
+        self._drain()
         self._adopt_external_writes()
 
     def export_globals(self) -> dict:

@@ -23,6 +23,18 @@ from zenflow_compile.runtime.worker import CpuWorker, joined, wait_for
 Stepped = list[tuple[Slab, Optional[list[int]]]]  # slabs with the members that took a gradient (None: all)
 
 
+def members_by_scale(slab: Slab, interval_aware: bool) -> dict[float, list[tuple[int, int]]]:
+    """The members of a slab whose host columns a boundary's CPU update takes, by lr multiplier (1, or with
+    `interval_aware` the member's accumulated steps: its update stands for them): [(member index, steps
+    accumulated)]. Empty for a slab with no host columns or no gradient all interval."""
+    by_scale: dict[float, list[tuple[int, int]]] = {}
+    if slab.is_matrix and slab.u:
+        for i, m in enumerate(slab.members):
+            if m.steps_accumulated:
+                by_scale.setdefault(m.steps_accumulated if interval_aware else 1, []).append((i, m.steps_accumulated))
+    return by_scale
+
+
 class HostWork:
     def __init__(self, pt_reserved_cores_perc: Optional[float], counters: dict):
         self.accumulate_worker = CpuWorker("accumulate", pt_reserved_cores_perc=pt_reserved_cores_perc)
@@ -74,30 +86,32 @@ class HostWork:
     # -- the CPU update -------------------------------------------------------------------------------------
     def launch_update(self, slabs: list[Slab], acc_slot: int, hyperparameters: list[dict],
                       interval_aware: bool) -> None:
-        """One task on the update worker: per slab, one fused CPU AdamW per lr multiplier (1, or with
-        `interval_aware` the member's accumulated steps: its update stands for them), with each param group's
-        `hyperparameters` at launch. A matrix that got no gradient all interval is skipped. The slabs updated
-        are marked `unapplied` on every rank: their new columns reach the device at the next `apply_update`."""
+        """One task on the update worker: per slab, one fused CPU AdamW per lr multiplier
+        (`members_by_scale`), with each param group's `hyperparameters` at launch, after putting host rows
+        a reselection in flight left out of order back in order (`Slab.sort_host_rows`). A matrix that got no
+        gradient all interval is skipped. The slabs updated are marked `unapplied` on every rank: their new
+        columns reach the device at the next `apply_update`."""
         work = []
         for slab in slabs:
-            if not (slab.is_matrix and slab.u):
-                continue
-            by_scale: dict[float, list[tuple[int, int]]] = {}
-            for i, m in enumerate(slab.members):
-                if m.steps_accumulated:
-                    scale = m.steps_accumulated if interval_aware else 1
-                    by_scale.setdefault(scale, []).append((i, m.steps_accumulated))
+            by_scale = members_by_scale(slab, interval_aware)
             if not by_scale:
                 continue
             slab.unapplied = True
             if slab.has_host_part:
-                work.append((slab, by_scale, hyperparameters[slab.key.group_index]))
+                work.append((slab, by_scale, hyperparameters[slab.key.group_index], slab.sort_host_rows()))
 
         def cpu_update():
-            for slab, by_scale, hyper in work:
+            for slab, by_scale, hyper, order in work:
+                if order is not None:
+                    slab.permute_host_rows(order, acc_slot)
                 slab.update_host_columns(by_scale, acc_slot, hyper)
 
         self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)
+
+    def wait_for_accumulation(self) -> None:
+        """The training thread waits until every step's gradients are in the accumulators (counted)."""
+        if self._last_accumulate is not None:
+            self.wait(self._last_accumulate)
 
     def apply_update(self, slabs: list[Slab], data_parallel=None) -> int:
         """Wait for the last launched CPU update and write it into the device parameters of the slabs it
@@ -182,4 +196,4 @@ class HostWork:
             worker.forget_failures()
 
 
-__all__ = ["HostWork", "Stepped"]
+__all__ = ["HostWork", "Stepped", "members_by_scale"]

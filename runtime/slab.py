@@ -265,6 +265,19 @@ def _device_columns(by_column: torch.Tensor, columns: torch.Tensor, device: torc
     return _host_rows(by_column, columns).to(device).transpose(1, 2).contiguous()
 
 
+class _Columns(NamedTuple):
+    """Some columns' whole state, one row each (column j of member `member[j]`): `place` is its device slot
+    (arriving columns) or host row (departing ones)."""
+
+    member: torch.Tensor  # [m] int64
+    place: torch.Tensor  # [m] int64
+    master: torch.Tensor  # [m, R] fp32, on the host
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    counts: torch.Tensor  # [m] fp32
+    weights: Optional[torch.Tensor] = None  # [m, R] param dtype: what the parameter holds (departing columns)
+
+
 class Slab:
     """The state of n like parameters (see the module docstring)."""
 
@@ -319,6 +332,13 @@ class Slab:
         self.extra_pool: list[dict] = [{}, {}]  # the pinned buffers extra_grads reuses, per member
         self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
         self.unapplied = any(s.unapplied for s in states)
+        # A reselection during an in-flight CPU update (overlap_reselect="incoming"): the arriving columns'
+        # updated state (`take_arriving`), then the departing columns' state, waiting for their host rows
+        # until that update has finished (`settle_departing`); host rows out of update-count order until the
+        # next CPU update sorts them (`sort_host_rows`).
+        self.arriving: Optional[_Columns] = None
+        self.departing: Optional[_Columns] = None
+        self.unsorted = False
         self._params = None  # see `params`
         self.master_rows = list(self.master.unbind(0))  # (the tensors are rewritten in place, never replaced)
         # This step: how many members took a gradient, and whether any took several backwards.
@@ -654,7 +674,9 @@ class Slab:
 
     def apply_host_columns(self, data_parallel=None) -> int:
         """Write the latest CPU-updated columns into the members' parameters; returns the bytes uploaded.
-        Data parallel: each member's owner uploads and broadcasts its columns, the other ranks receive them."""
+        Data parallel: each member's owner uploads and broadcasts its columns, the other ranks receive them.
+        Called once the update has finished."""
+        self.settle_departing()
         self.unapplied = False
         if not self.u:
             return 0
@@ -711,6 +733,8 @@ class Slab:
     def export_member(self, i: int, acc_slot: int, with_step_grad: Optional[int] = None) -> MemberState:
         """Member i's whole state (after the CPU work that touches it is done). `with_step_grad`: the grad slot
         whose gradient (this step's) goes along."""
+        if self.departing is not None:
+            raise RuntimeError("internal: a slab's state was read before its departing columns were settled")
         master, exp_avg, exp_avg_sq, step = self.member_state(i)
         state = MemberState(master, exp_avg, exp_avg_sq, step, self.selected_cpu[i].clone(),
                             host_columns=None if self.has_host_part else self.host_columns_cpu[i].clone(),
@@ -753,6 +777,7 @@ class Slab:
             self._reselect_through_canonical(selected, arriving, data_parallel)
         else:
             self._swap_columns(selected)
+        self.unsorted = False  # (both paths lay the host rows out in count order)
         if self.selected_written is not None:  # a member whose columns changed took this step's device update
             changed = arriving.any(1).to(self.device).view(-1, 1, 1)
             self.selected_written = torch.where(changed, self.master.to(self.dtype), self.selected_written)
@@ -810,6 +835,142 @@ class Slab:
         self.selected_cpu, self.host_columns_cpu = selected, host_columns
         self.selected.copy_(selected)
         self.host_columns.copy_(host_columns)
+
+    # -- reselection while the boundary's CPU update runs on (overlap_reselect="incoming") ------------------
+    def take_arriving(self, selected: torch.Tensor, acc_slot: int,
+                      members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict) -> None:
+        """Before this boundary's CPU update is launched, with no CPU work in flight: the CPU AdamW of the
+        columns `selected` ([n, k]) brings onto the device, on copies of their host rows (the launched update
+        redoes them, unused), so they arrive current while the others' update runs on. `members_by_scale` as
+        in `update_host_columns`."""
+        arriving = ~(selected.unsqueeze(2) == self.selected_cpu.unsqueeze(1)).any(2)  # [n, k]
+        member, slot = arriving.nonzero(as_tuple=True)
+        self.arriving = None
+        if not member.numel():
+            return
+        row = self._host_position()[member, selected[member, slot]]
+        master, exp_avg, exp_avg_sq, grad = (t[member, row] for t in (  # (copies: advanced indexing)
+            self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.accumulators[acc_slot]))
+        grad_sq = self.square_accumulators[acc_slot][member, row] if self.accumulate_squares else None
+        counts = self.host_counts[member, row]
+        scale_of, steps_of = {}, {}
+        for scale, taking in members_by_scale.items():
+            for i, steps in taking:
+                scale_of[i], steps_of[i] = scale, steps
+        steps = torch.tensor([steps_of[i] for i in member.tolist()], dtype=torch.float32, device="cpu")
+        for sums in (grad, grad_sq):
+            if sums is not None:
+                sums.div_(steps.unsqueeze(1))  # the interval's mean, as the update computes it
+        rows_of_scale: dict[float, list[int]] = {}
+        for j, i in enumerate(member.tolist()):
+            rows_of_scale.setdefault(scale_of[i], []).append(j)
+        count_rows = counts.unbind(0)  # (each row's step, incremented in place by the update)
+        for scale, rows in rows_of_scale.items():
+            pick = lambda t: None if t is None else [t[j] for j in rows]
+            kernels.cpu_adamw_(pick(master), pick(grad), pick(exp_avg), pick(exp_avg_sq), pick(count_rows),
+                               grad_sqs=pick(grad_sq), **dict(hyperparameters, lr=hyperparameters["lr"] * scale))
+        self.arriving = _Columns(member, slot, master, exp_avg, exp_avg_sq, counts)
+
+    def reselect_in_flight(self, selected: torch.Tensor) -> int:
+        """Make `selected` the device-resident columns while this boundary's CPU update (launched after
+        `take_arriving`) still runs over the host rows. The arriving columns take the state `take_arriving`
+        made and their new masters are written into the parameters at once; each departing column takes the
+        host row its member's arriving column leaves, its state kept aside (`departing`) until that update has
+        finished (`settle_departing`). Device tensors change in place, in a fixed number of calls. Returns how
+        many columns changed sides."""
+        arriving, self.arriving = self.arriving, None
+        old_selected, n, C, k = self.selected_cpu, self.n, self.C, self.k
+        leaving = ~(old_selected.unsqueeze(2) == selected.unsqueeze(1)).any(2)  # [n, k] of the old slots
+        if arriving is None:
+            return 0
+        departing_member, departing_slot = leaving.nonzero(as_tuple=True)  # (member by member, as arriving's)
+        row = self._host_position()[arriving.member, selected[arriving.member, arriving.place]]
+        host_columns = self.host_columns_cpu.clone()
+        host_columns[arriving.member, row] = old_selected[departing_member, departing_slot]
+        old_slot = torch.zeros(n, C, dtype=torch.long, device="cpu")
+        old_slot.scatter_(1, old_selected, torch.arange(k, device="cpu").expand(n, k))
+        stay = old_slot.gather(1, selected).to(self.device)  # (an arriving column's entry is overwritten below)
+        on_device = lambda *index: tuple(i.to(self.device) for i in index)
+        departing_at, arriving_at = on_device(departing_member, departing_slot), on_device(arriving.member,
+                                                                                          arriving.place)
+        in_param = self.master.to(self.dtype) if self.selected_written is None else self.selected_written
+        parked = dict(weights=in_param.transpose(1, 2)[departing_at].cpu(), counts=self.counts[departing_at].cpu())
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            device_state = getattr(self, name)
+            by_column = device_state.transpose(1, 2)  # [n, k, R]
+            parked[name] = by_column[departing_at].cpu()
+            device_state.copy_(device_state.gather(2, _columns_index(stay, self.R)))
+            by_column.index_put_(arriving_at, getattr(arriving, name).to(self.device))
+        counts = self.counts.gather(1, stay)
+        counts[arriving_at] = arriving.counts.to(self.device)
+        self.counts.copy_(counts)
+        self.departing = _Columns(departing_member, row, **parked)
+        self.selected_cpu, self.host_columns_cpu = selected, host_columns
+        self.selected.copy_(selected)
+        self.host_columns.copy_(host_columns)
+        # The members whose columns changed hold their masters in every selected column from now on.
+        cast = self.master.to(self.dtype)
+        if self.selected_written is not None:
+            changed = leaving.any(1).to(self.device).view(-1, 1, 1)
+            self.selected_written = torch.where(changed, cast, self.selected_written)
+        kernels.write_columns_(self.params, self.selected, cast if self.selected_written is None
+                               else self.selected_written)
+        self.grad.zero_()
+        self.offload_done = [[], []]
+        for slot_extras in self.extra_grads:
+            slot_extras.clear()
+        self.transfers.host_access(writes=self.host_grads)
+        for buffer in self.host_grads:
+            buffer.zero_()
+        self.unsorted = True
+        return 2 * int(departing_member.numel())
+
+    def settle_departing(self) -> None:
+        """The departing columns' state into the host rows they took, once the CPU update that ran over those
+        rows has finished (call with no CPU work in flight); the host weights get what their parameters hold."""
+        if self.departing is None:
+            return
+        d, self.departing = self.departing, None
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            getattr(self, "host_" + name)[d.member, d.place] = getattr(d, name)
+        self.host_counts[d.member, d.place] = d.counts
+        wait_events(self.upload_done)  # an upload may still read the host weights
+        self.transfers.host_access(writes=self.host_weights)
+        for weights in self.host_weights:
+            weights[d.member, d.place] = d.weights
+
+    def sort_host_rows(self) -> Optional[torch.Tensor]:
+        """When a CPU update is launched (the previous one finished): the host rows back in update-count order
+        after a reselection in flight left them out of it. The new order holds from now on (the next steps
+        offload into it); the rows themselves move in the update task (`permute_host_rows`). Returns the
+        permutation [n, u], None where the rows are in order."""
+        if not self.unsorted:
+            return None
+        self.unsorted = False
+        order = torch.sort(torch.nan_to_num(self.host_counts, nan=0.0), dim=1, stable=True).indices
+        if torch.equal(order, torch.arange(self.u, device="cpu").expand_as(order)):
+            return None
+        self.host_columns_cpu = self.host_columns_cpu.gather(1, order)
+        self.host_columns.copy_(self.host_columns_cpu)
+        return order
+
+    def permute_host_rows(self, order: torch.Tensor, acc_slot: int) -> None:
+        """Update worker, before the CPU update: the host rows into the order `sort_host_rows` chose (the
+        interval's accumulators with them; the other interval's are empty)."""
+        index = order.unsqueeze(2).expand(-1, -1, self.R)
+        rows = [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.accumulators[acc_slot]]
+        if self.accumulate_squares:
+            rows.append(self.square_accumulators[acc_slot])
+        wait_events(self.upload_done)  # an upload may still read the host weights
+        self.transfers.host_access(writes=self.host_weights)
+        for t in rows + self.host_weights:
+            t.copy_(t.gather(1, index))
+        self.host_counts.copy_(self.host_counts.gather(1, order))
+
+    def _host_position(self) -> torch.Tensor:
+        """[n, C]: the host row of each host column (-1 for the selected ones)."""
+        position = torch.full((self.n, self.C), -1, dtype=torch.long, device="cpu")
+        return position.scatter_(1, self.host_columns_cpu, torch.arange(self.u, device="cpu").expand(self.n, self.u))
 
     def _reselect_through_canonical(self, selected: torch.Tensor, arriving: torch.Tensor, data_parallel) -> None:
         """Data parallel: every rank rebuilds its device columns from the whole state, the arriving columns'

@@ -82,7 +82,9 @@ def runs(request, tmp_path_factory):
                        mismatch=dict(topk_ratio=0.5), expect_error=True),
                   dict(name="different_init", compiled=False, steps=1, keys=BASE, differ_init=True),
                   dict(name="grad_after_backward", compiled=False, steps=1, keys=BASE, grad_after_backward=True,
-                       expect_error=True)]
+                       expect_error=True),
+                  dict(name="overlap_reselect_incoming", compiled=False, steps=1, expect_error=True,
+                       keys=dict(BASE, overlap_step=True, overlap_reselect="incoming"))]
     scenarios += [dict(name=f"ddp_{mode}", compiled=mode == "compiled", steps=1, keys=BASE, ddp=True,
                        expect_error=True) for mode in MODES]
     assert launch(scenarios, out_dir, env=dict(ZENFLOW_WORKER_DEVICE=request.param)) == [0] * WORLD_SIZE
@@ -223,6 +225,13 @@ def test_a_config_mismatch_is_a_clear_error_on_every_rank(runs):
     for record in load(runs, "mismatch"):
         assert record["error"] is not None and record["error"].startswith("ValueError: ZenFlowAdamW differs across")
         assert "rank 1 has 0.5 where rank 0 has 0.25 (config key topk_ratio)" in record["error"]
+
+
+def test_a_reselection_in_flight_is_refused_on_each_rank(runs):
+    for record in load(runs, "overlap_reselect_incoming"):
+        assert record["error"] is not None and record["error"].startswith(
+            "NotImplementedError: ZenFlowConfig.overlap_reselect='incoming' is not implemented with data parallelism")
+        assert "use overlap_reselect='wait'" in record["error"]
 
 
 def test_a_grad_written_after_the_backward_is_refused_on_each_rank(runs):

@@ -50,8 +50,11 @@ PARITY = {
     # parameters' contents, which torch refuses for a tensor anything references weakly. (Clipped: see
     # "accumulation" for the element whose update is rounding-sensitive without it.)
     "moved_after_building": dict(steps=6, load_at=3, load="move", clip=0.05, keys=BASE),
+    # overlap_reselect="incoming": every boundary reselects with its CPU update in flight (a rank with no rows
+    # of the gate moves none)
+    "incoming": dict(steps=8, clip=0.05, keys=dict(BASE, select_interval=2, overlap_reselect="incoming")),
 }
-COMPILED = ("overlap_reselect_clip_nan", "zen_auto", "bf16_compute", "load_weights")
+COMPILED = ("overlap_reselect_clip_nan", "zen_auto", "bf16_compute", "load_weights", "incoming")
 BF16_ATOL = 1e-3  # bf16 compute: a 1-ulp fp32 difference in a parameter can change its bf16 cast
 # bf16 compiled: Inductor keeps a bf16 graph's pointwise intermediates in fp32 and rounds to bf16 where a kernel
 # (or a graph: FSDP2's hooks cut one per sharded module) ends, so the reference is compiled too, cut at the same
@@ -87,7 +90,7 @@ def load(out_dir: Path, name: str, world_size: int) -> list[dict]:
 # (world size, device of the ranks' optimizers): the host, or the emulated asynchronous device (its device
 # path over the CPU tensors gloo works on, every copy's ordering checked), there on a subset of the scenarios.
 LAUNCHES = [(2, "cpu"), (3, "cpu"), (3, "emulated")]
-EMULATED = ("overlap_reselect_clip_nan", "accumulation")
+EMULATED = ("overlap_reselect_clip_nan", "accumulation", "incoming")
 
 
 @pytest.fixture(scope="module", params=LAUNCHES, ids=lambda launch: f"{launch[0]}ranks-{launch[1]}")
@@ -155,6 +158,9 @@ def test_the_run_exercised_what_it_claims(runs):
     if world_size == 3:
         assert [r["emb.weight"] for r in rows] == [(11, 16), (11, 16), (10, 16)]
         assert [r["gate.weight"] for r in rows] == [(1, 16), (1, 16), (0, 16)]
+    incoming = load(out_dir, "incoming_eager", world_size)[0]["stats"]
+    assert incoming["reselections"] == 4 and incoming["selection_churn"] > 0
+    assert incoming["overlapped_boundaries"] == incoming["cpu_updates"] == 4
 
 
 @pytest.mark.parametrize("name", [name for name in COMPILED if not PARITY[name].get("bf16")])

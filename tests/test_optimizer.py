@@ -147,6 +147,16 @@ REFERENCE_CASES = {
     "grad-accumulation-auto": dict(keys=dict(topk_ratio=0.25, update_interval="auto"),
                                    backwards=[2, 1, 2, 1, 1, 2, 1, 2, 2, 1, 1, 1]),
     "groups-lambdalr": dict(keys=dict(topk_ratio=0.25, update_interval=2, overlap_step=True), groups=True),
+    # overlap_reselect="incoming": reselecting boundaries keep their CPU update in flight.
+    "incoming-step2": dict(keys=dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=2,
+                                     overlap_step=True, overlap_reselect="incoming")),
+    "incoming-auto-iau-sm": dict(keys=dict(preset="deepspeed", topk_ratio=0.25, update_interval=2, select_strategy="auto",
+                                           interval_aware_update=True, interval_second_moment=True,
+                                           overlap_step=True, overlap_reselect="incoming")),
+    "incoming-accumulation-groups-clip": dict(keys=dict(topk_ratio=0.25, update_interval=3, select_strategy="step",
+                                                        select_interval=3, overlap_step=True,
+                                                        overlap_reselect="incoming"),
+                                              backwards=[1, 2, 1, 2, 2, 1, 1, 2, 1, 1, 2, 1], groups=True, clip=0.05),
 }
 
 

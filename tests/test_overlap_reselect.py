@@ -1,12 +1,13 @@
 """The opt-in `overlap_reselect` key (ZenFlowConfig): what a reselecting boundary does with its own CPU update
-under overlap_step=True. Specified by `zenflow_compile.reference.ZenFlowReference`; `ZenFlowAdamW` refuses it
-until the runtime implements it.
+under overlap_step=True. Specified by `zenflow_compile.reference.ZenFlowReference`; `ZenFlowAdamW` implements
+"incoming" (one process and FSDP2) and refuses "deferred".
 
 One 2x6 matrix, topk 0.34 (k = 2), a boundary every 2 steps, a reselection at every boundary, gradients given by
 hand (they do not depend on the parameters, so every mode's masters can be predicted from the "wait" run's).
 """
 
 import copy
+import time
 
 import pytest
 import torch
@@ -134,11 +135,113 @@ def test_config_validates_overlap_reselect():
         ZenFlowConfig(overlap_reselect="incoming", overlap_step=True))
 
 
-@pytest.mark.parametrize("mode", ["incoming", "deferred"])
-def test_zenflow_adamw_refuses_it_until_the_runtime_implements_it(mode):
-    with pytest.raises(NotImplementedError, match=rf"overlap_reselect='{mode}' is not implemented by "
-                                                  r"ZenFlowAdamW yet .*ZenFlowReference"):
-        ZenFlowAdamW(tiny_model().parameters(), overlap_step=True, overlap_reselect=mode)
+def test_zenflow_adamw_takes_incoming_and_refuses_deferred_until_the_runtime_implements_it():
+    with pytest.raises(NotImplementedError, match=r"overlap_reselect='deferred' is not implemented by "
+                                                  r"ZenFlowAdamW yet .*ZenFlowReference.*use overlap_reselect="
+                                                  r"'incoming' or 'wait'"):
+        ZenFlowAdamW(tiny_model().parameters(), overlap_step=True, overlap_reselect="deferred")
     with pytest.raises(NotImplementedError):
-        ZenFlowAdamW(tiny_model().parameters(), config=ZenFlowConfig(overlap_step=True, overlap_reselect=mode))
-    ZenFlowAdamW(tiny_model().parameters(), overlap_step=True, overlap_reselect="wait")  # the default: accepted
+        ZenFlowAdamW(tiny_model().parameters(), config=ZenFlowConfig(overlap_step=True, overlap_reselect="deferred"))
+    for mode in ("wait", "incoming"):
+        ZenFlowAdamW(tiny_model().parameters(), overlap_step=True, overlap_reselect=mode)
+
+
+def zenflow_run(mode, steps, device="cpu"):
+    """`run` with ZenFlowAdamW (on `device`'s parameter)."""
+    p = nn.Parameter(P0.clone().to(device))
+    opt = ZenFlowAdamW([p], lr=0.1, weight_decay=0.01, overlap_reselect=mode, **KEYS)
+    history = []
+    for i in range(steps):
+        p.grad = grad(i).to(device)
+        opt.step()
+        p.grad = None
+        history.append((p.detach().cpu().clone(), opt.master(p), opt.selected_columns(p).tolist(), opt.stats()))
+    return history
+
+
+def test_zenflow_adamw_keeps_the_update_of_the_staying_columns_in_flight_as_the_reference(device):
+    """The device copy between boundaries, column by column: the arriving columns current at once, the ones
+    staying on the host one interval behind, as the reference says."""
+    reference, zenflow = run("incoming", 5), zenflow_run("incoming", 5, device)
+    for i, ((device_r, master_r, selected_r, stats_r), (device_z, master_z, selected_z, stats_z)) in enumerate(
+            zip(reference, zenflow)):
+        assert selected_z == selected_r, i
+        torch.testing.assert_close(master_z, master_r, rtol=0, atol=1e-6)
+        torch.testing.assert_close(device_z, device_r, rtol=0, atol=1e-6)
+        assert stats_z["overlapped_boundaries"] == stats_r["overlapped_boundaries"]
+        assert stats_z["update_pending"] == stats_r["pending"] and stats_z["reselections"] == stats_r["reselections"]
+    assert zenflow[1][3]["update_pending"] and not torch.equal(zenflow[1][0][:, [4, 5]], zenflow[1][1][:, [4, 5]])
+
+
+def test_a_reselection_in_flight_waits_for_no_cpu_update(monkeypatch):
+    """A reselecting boundary waits for the step's accumulation, never for the CPU AdamW of the columns that
+    stay on the host: with that update made slow, the training thread does not wait for it until the next
+    boundary applies it (where "wait" waits at once)."""
+    from zenflow_compile.runtime.slab import Slab
+
+    slow = Slab.update_host_columns
+
+    def update_host_columns(self, *args, **kwargs):
+        time.sleep(0.5)
+        return slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(Slab, "update_host_columns", update_host_columns)
+    for mode, waited in (("incoming", False), ("wait", True)):
+        p = nn.Parameter(P0.clone())
+        opt = ZenFlowAdamW([p], lr=0.1, overlap_reselect=mode, **KEYS)
+        for i in range(2):
+            p.grad = grad(i)
+            started = time.perf_counter()
+            opt.step()
+        boundary = time.perf_counter() - started
+        assert opt.stats()["reselections"] == 1
+        assert (boundary > 0.4) == waited, (mode, boundary)
+        opt.synchronize()
+
+
+def train_tiny(model, opt, batches):
+    for x in batches:
+        model(torch.arange(6).expand(4, 6)).sub(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+INCOMING = dict(KEYS, topk_ratio=0.25, overlap_reselect="incoming")
+
+
+def test_resume_from_a_checkpoint_taken_with_a_reselection_in_flight_is_exact(device):
+    batches = [torch.randn(4, 6, 16, generator=seeded_generator(i)) for i in range(12)]
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **INCOMING)
+    train_tiny(model, opt, batches[:6])  # the boundary of step 6 reselected with its update in flight
+    assert opt.stats()["update_pending"] and opt.stats()["reselections"] == 3
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
+    train_tiny(model, opt, batches[6:])
+    resumed = tiny_model()
+    resumed.load_state_dict(saved_model)
+    resumed_opt = ZenFlowAdamW(resumed.parameters(), lr=1e-2, **INCOMING)
+    resumed_opt.load_state_dict(saved_opt)
+    train_tiny(resumed, resumed_opt, batches[6:])
+    for p, q in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(p, q)
+    assert opt.stats()["reselections"] == resumed_opt.stats()["reselections"] == 6
+
+
+def test_every_cpu_update_runs_over_host_rows_in_update_count_order(monkeypatch):
+    """A reselection in flight puts departing columns into the rows arriving ones leave, out of count order;
+    the next update puts them back in order first (the CPU AdamW takes one tensor per run of equal counts)."""
+    from zenflow_compile.runtime.slab import Slab
+
+    update = Slab.update_host_columns
+    in_order = []
+
+    def update_host_columns(self, *args, **kwargs):
+        in_order.append(bool((self.host_counts.diff(dim=1) >= 0).all()))
+        return update(self, *args, **kwargs)
+
+    monkeypatch.setattr(Slab, "update_host_columns", update_host_columns)
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **INCOMING)
+    train_tiny(model, opt, [torch.randn(4, 6, 16, generator=seeded_generator(i)) for i in range(12)])
+    opt.synchronize()
+    assert opt.stats()["reselections"] == 6 and len(in_order) >= 6 and all(in_order), in_order

@@ -123,7 +123,8 @@ class ZenFlowConfig:
         until the next boundary, as at any overlapped boundary, so the boundary overlaps. "deferred": the
         selection decided from the boundary's scores takes effect at the next boundary, when this one's CPU
         update has landed (the columns joining it get that next boundary's update at once, as "incoming").
-        Needs overlap_step=True. Implemented by ZenFlowReference only for now: ZenFlowAdamW refuses it.
+        Needs overlap_step=True. ZenFlowAdamW implements "incoming" (one process, FSDP2) and refuses "deferred",
+        which only ZenFlowReference implements for now.
     """
 
     topk_ratio: float = 0.1
