@@ -934,7 +934,7 @@ class Slab:
         for name in ("master", "exp_avg", "exp_avg_sq"):
             getattr(self, "host_" + name)[d.member, d.place] = getattr(d, name)
         self.host_counts[d.member, d.place] = d.counts
-        wait_events(self.upload_done)  # an upload may still read the host weights
+        wait_events(self.upload_done)  # an upload may still read the weights of these rows
         self.transfers.host_access(writes=self.host_weights)
         for weights in self.host_weights:
             weights[d.member, d.place] = d.weights
@@ -961,7 +961,7 @@ class Slab:
         rows = [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.accumulators[acc_slot]]
         if self.accumulate_squares:
             rows.append(self.square_accumulators[acc_slot])
-        wait_events(self.upload_done)  # an upload may still read the host weights
+        wait_events(self.upload_done)  # an upload may still read the weights moved below
         self.transfers.host_access(writes=self.host_weights)
         for t in rows + self.host_weights:
             t.copy_(t.gather(1, index))

@@ -105,10 +105,19 @@ MUTATIONS = [
              "            self.wait(self._update)\n", ""),
     Mutation("M24", "a worker task seen finished does not order the caller after it",
              "runtime/worker.py", "            joined(future)  # (seen finished", "            pass  # (seen finished"),
+    Mutation("M25", "a reselection in flight reads the arriving columns' accumulators before the step's "
+                    "accumulation has finished",
+             "runtime/engine.py", "            self.host_work.wait_for_accumulation()\n", ""),
+    Mutation("M26", "departing columns' weights written into host rows an upload may still read",
+             "runtime/slab.py",
+             "        wait_events(self.upload_done)  # an upload may still read the weights of these rows\n", ""),
+    Mutation("M27", "the update task re-sorts host weights an upload may still read",
+             "runtime/slab.py",
+             "        wait_events(self.upload_done)  # an upload may still read the weights moved below\n", ""),
 ]
 
 DEFAULT_TESTS = ["tests/test_device_path.py", "tests/test_transfers.py", "tests/test_optimizer.py",
-                 "tests/test_workflows.py", "tests/test_slab_workflows.py"]
+                 "tests/test_workflows.py", "tests/test_slab_workflows.py", "tests/test_overlap_reselect.py"]
 
 
 def run_tests(tests: list[str], extra: list[str]) -> tuple[list[str], str]:
