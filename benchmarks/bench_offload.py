@@ -6,7 +6,8 @@
 Systems (each in its own fresh subprocess: clean memory, clean Dynamo state; see systems.py):
   adamw       the speed limit: torch.compile (Inductor) + GPU-resident torch.optim.AdamW(fused=True)
   zenflow     this project: torch.compile(backend="zenflow") + ZenFlowAdamW, for every --zenflow-settings
-              entry, overlap on and off (--overlap)
+              entry, overlap on and off (--overlap); with the overlap on, a reselecting boundary waits for its
+              CPU update or keeps it in flight (--overlap-reselect wait | incoming | both)
   ds_offload  synchronous offload: DeepSpeed ZeRO-Offload (stage 2, offload_optimizer cpu, DeepSpeedCPUAdam)
   ds_zenflow  the peer: DeepSpeed's own eager ZenFlow (zero_optimization.zenflow), same settings
 
@@ -95,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zenflow-settings", help="topk_ratio:update_interval list (default 0.05:4,0.1:4,0.05:8)")
     p.add_argument("--overlap", choices=["both", "on", "off"],
                    help="compiled ZenFlow with overlap_step on, off or both (default both; --smoke: on)")
+    p.add_argument("--overlap-reselect", choices=["wait", "incoming", "both"], default="wait",
+                   help="compiled ZenFlow with the overlap on: the overlap_reselect key (default wait; incoming: a "
+                        "reselecting boundary keeps its CPU update in flight too)")
     p.add_argument("--ds-zenflow-overlap", choices=["on", "off", "both"], default="on",
                    help="DeepSpeed ZenFlow overlap_step (default on, as in the DeepSpeed tutorial config)")
     p.add_argument("--select-strategy", default="auto", choices=["auto", "step", "epoch"])
@@ -198,10 +202,12 @@ def plan_systems(args) -> list[dict]:
                   lr=args.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=args.weight_decay, seed=0,
                   require_built_ds_ops=bool(args.smoke), cores=None, threads=args.threads)
 
-    def zenflow_block(ratio, interval, overlap):
+    def zenflow_block(ratio, interval, overlap, reselect="wait"):
         return dict(topk_ratio=ratio, update_interval=interval, overlap_step=overlap,
                     select_strategy=args.select_strategy, select_interval=args.select_interval,
-                    full_warm_up_rounds=args.full_warm_up_rounds)
+                    full_warm_up_rounds=args.full_warm_up_rounds, overlap_reselect=reselect)
+
+    reselects = ["wait", "incoming"] if args.overlap_reselect == "both" else [args.overlap_reselect]
 
     specs = []
     if "adamw" in args.kinds:
@@ -209,10 +215,12 @@ def plan_systems(args) -> list[dict]:
     if "zenflow" in args.kinds:
         for ratio, interval in args.settings:
             for overlap in _overlaps(args.overlap):
-                specs.append(dict(common, kind="zenflow", lane="compile",
-                                  name=f"zenflow r={ratio:g} S={_fmt_interval(interval)} "
-                                       f"{'overlap' if overlap else 'sync'}",
-                                  zenflow=zenflow_block(ratio, interval, overlap)))
+                for reselect in reselects if overlap else ["wait"]:
+                    specs.append(dict(common, kind="zenflow", lane="compile",
+                                      name=f"zenflow r={ratio:g} S={_fmt_interval(interval)} "
+                                           f"{'overlap' if overlap else 'sync'}"
+                                           f"{' reselect in flight' if reselect == 'incoming' else ''}",
+                                      zenflow=zenflow_block(ratio, interval, overlap, reselect)))
     if "ds_offload" in args.kinds:
         specs.append(dict(common, kind="ds_offload", name="ds zero-offload", lane="deepspeed"))
     if "ds_zenflow" in args.kinds:
@@ -660,7 +668,8 @@ def main(argv=None) -> int:
         config=dict(model=args.model, model_num_params=num_params, batch=args.batch, seq=args.seq,
                     steps=args.steps, warmup=args.warmup,
                     zenflow_settings=[dict(topk_ratio=r, update_interval=s) for r, s in args.settings],
-                    overlap=args.overlap, ds_zenflow_overlap=args.ds_zenflow_overlap,
+                    overlap=args.overlap, overlap_reselect=args.overlap_reselect,
+                    ds_zenflow_overlap=args.ds_zenflow_overlap,
                     select_strategy=args.select_strategy, select_interval=args.select_interval,
                     full_warm_up_rounds=args.full_warm_up_rounds, lr=args.lr, weight_decay=args.weight_decay,
                     jobs=args.jobs, threads=args.threads, requested_steps=args.requested_steps,

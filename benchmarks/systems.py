@@ -249,7 +249,7 @@ def run_zenflow(spec: dict) -> dict:
         model.parameters(), **_adamw_hyper(spec), max_grad_norm=spec.get("max_grad_norm"),
         topk_ratio=zf["topk_ratio"], update_interval=zf["update_interval"], overlap_step=zf["overlap_step"],
         select_strategy=zf["select_strategy"], select_interval=zf["select_interval"],
-        full_warm_up_rounds=zf["full_warm_up_rounds"])
+        full_warm_up_rounds=zf["full_warm_up_rounds"], overlap_reselect=zf.get("overlap_reselect", "wait"))
     _progress("optimizer built")
     compiled = torch.compile(model, backend="zenflow")
 

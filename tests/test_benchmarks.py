@@ -126,6 +126,15 @@ def test_plan_and_targets_without_running():
     assert sum(s["kind"] == "zenflow" for s in specs) == 4  # 2 settings x overlap on/off
     assert sum(s["kind"] == "ds_zenflow" for s in specs) == 2
     assert len(set(names)) == len(names)
+    assert {s["zenflow"]["overlap_reselect"] for s in specs if s["kind"] == "zenflow"} == {"wait"}
+    # --overlap-reselect both: a reselection in flight beside each overlapped row (the synchronous rows wait)
+    args = bench.resolve_args(["--zenflow-settings", "0.05:4", "--overlap-reselect", "both", "--systems", "zenflow",
+                               "--out", "x.json"])
+    assert [(s["name"], s["zenflow"]["overlap_step"], s["zenflow"]["overlap_reselect"])
+            for s in bench.plan_systems(args)] == [
+        ("zenflow r=0.05 S=4 overlap", True, "wait"),
+        ("zenflow r=0.05 S=4 overlap reselect in flight", True, "incoming"),
+        ("zenflow r=0.05 S=4 sync", False, "wait")]
 
     def row(name, kind, mean, settings=None, **extra):
         return dict(name=name, kind=kind, status="ok", error=None, settings=settings, median_step_s=mean,
