@@ -157,6 +157,9 @@ REFERENCE_CASES = {
                                                         select_interval=3, overlap_step=True,
                                                         overlap_reselect="incoming"),
                                               backwards=[1, 2, 1, 2, 2, 1, 1, 2, 1, 1, 2, 1], groups=True, clip=0.05),
+    "incoming-zen-auto-warm-up2": dict(keys=dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
+                                                 select_strategy="step", select_interval=2, overlap_step=True,
+                                                 overlap_reselect="incoming")),
 }
 
 
