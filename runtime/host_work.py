@@ -87,8 +87,7 @@ class HostWork:
     def launch_update(self, slabs: list[Slab], acc_slot: int, hyperparameters: list[dict],
                       interval_aware: bool) -> None:
         """One task on the update worker: per slab, one fused CPU AdamW per lr multiplier
-        (`members_by_scale`), with each param group's `hyperparameters` at launch, after putting host rows
-        a reselection in flight left out of order back in order (`Slab.sort_host_rows`). A matrix that got no
+        (`members_by_scale`), with each param group's `hyperparameters` at launch. A matrix that got no
         gradient all interval is skipped. The slabs updated are marked `unapplied` on every rank: their new
         columns reach the device at the next `apply_update`."""
         work = []
@@ -98,12 +97,10 @@ class HostWork:
                 continue
             slab.unapplied = True
             if slab.has_host_part:
-                work.append((slab, by_scale, hyperparameters[slab.key.group_index], slab.sort_host_rows()))
+                work.append((slab, by_scale, hyperparameters[slab.key.group_index]))
 
         def cpu_update():
-            for slab, by_scale, hyper, order in work:
-                if order is not None:
-                    slab.permute_host_rows(order, acc_slot)
+            for slab, by_scale, hyper in work:
                 slab.update_host_columns(by_scale, acc_slot, hyper)
 
         self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)

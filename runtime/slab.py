@@ -334,11 +334,9 @@ class Slab:
         self.unapplied = any(s.unapplied for s in states)
         # A reselection during an in-flight CPU update (overlap_reselect="incoming"): the arriving columns'
         # updated state (`take_arriving`), then the departing columns' state, waiting for their host rows
-        # until that update has finished (`settle_departing`); host rows out of update-count order until the
-        # next CPU update sorts them (`sort_host_rows`).
+        # until that update has finished (`settle_departing`).
         self.arriving: Optional[_Columns] = None
         self.departing: Optional[_Columns] = None
-        self.unsorted = False
         self._params = None  # see `params`
         self.master_rows = list(self.master.unbind(0))  # (the tensors are rewritten in place, never replaced)
         # This step: how many members took a gradient, and whether any took several backwards.
@@ -645,7 +643,8 @@ class Slab:
 
     def host_runs(self, rows: list[int], everyone: bool, acc: torch.Tensor, squares: Optional[torch.Tensor]):
         """Fused-AdamW tensors of the host columns of members `rows`: one per run of equal update count (the
-        whole slab is one [n * u, R] tensor whose runs may span members)."""
+        whole slab is one [n * u, R] tensor whose runs may span members). Each tensor is cut into its runs in
+        one call, so many short runs (host rows out of count order) cost little host time."""
         runs = []
         for source in ([None] if everyone else rows):
             if source is None:
@@ -655,13 +654,11 @@ class Slab:
                 flat = lambda t, i=source: t[i]
                 counts = self.host_counts[source]
             values, lengths = torch.unique_consecutive(counts, return_counts=True)
-            start = 0
-            for value, length in zip(values.tolist(), lengths.tolist()):
-                a, b = start, start + length
-                runs.append((flat(self.host_master)[a:b], flat(acc)[a:b], flat(self.host_exp_avg)[a:b],
-                             flat(self.host_exp_avg_sq)[a:b], torch.tensor(value, device="cpu"),
-                             None if squares is None else flat(squares)[a:b]))
-                start = b
+            lengths = lengths.tolist()
+            cut = lambda t: flat(t).split(lengths) if t is not None else [None] * len(lengths)
+            steps = values.clone().unbind(0)  # (fresh step scalars: the update increments them)
+            runs.extend(zip(cut(self.host_master), cut(acc), cut(self.host_exp_avg), cut(self.host_exp_avg_sq),
+                            steps, cut(squares)))
         return runs
 
     def publish_host_weights(self) -> None:
@@ -777,7 +774,6 @@ class Slab:
             self._reselect_through_canonical(selected, arriving, data_parallel)
         else:
             self._swap_columns(selected)
-        self.unsorted = False  # (both paths lay the host rows out in count order)
         if self.selected_written is not None:  # a member whose columns changed took this step's device update
             changed = arriving.any(1).to(self.device).view(-1, 1, 1)
             self.selected_written = torch.where(changed, self.master.to(self.dtype), self.selected_written)
@@ -876,8 +872,9 @@ class Slab:
         `take_arriving`) still runs over the host rows. The arriving columns take the state `take_arriving`
         made and their new masters are written into the parameters at once; each departing column takes the
         host row its member's arriving column leaves, its state kept aside (`departing`) until that update has
-        finished (`settle_departing`). Device tensors change in place, in a fixed number of calls. Returns how
-        many columns changed sides."""
+        finished (`settle_departing`). Device tensors change in place, in a fixed number of calls. The host rows
+        are left out of count order (more, shorter runs for the CPU AdamW; re-sorting them would copy the whole
+        host state). Returns how many columns changed sides."""
         arriving, self.arriving = self.arriving, None
         old_selected, n, C, k = self.selected_cpu, self.n, self.C, self.k
         leaving = ~(old_selected.unsqueeze(2) == selected.unsqueeze(1)).any(2)  # [n, k] of the old slots
@@ -922,7 +919,6 @@ class Slab:
         self.transfers.host_access(writes=self.host_grads)
         for buffer in self.host_grads:
             buffer.zero_()
-        self.unsorted = True
         return 2 * int(departing_member.numel())
 
     def settle_departing(self) -> None:
@@ -938,34 +934,6 @@ class Slab:
         self.transfers.host_access(writes=self.host_weights)
         for weights in self.host_weights:
             weights[d.member, d.place] = d.weights
-
-    def sort_host_rows(self) -> Optional[torch.Tensor]:
-        """When a CPU update is launched (the previous one finished): the host rows back in update-count order
-        after a reselection in flight left them out of it. The new order holds from now on (the next steps
-        offload into it); the rows themselves move in the update task (`permute_host_rows`). Returns the
-        permutation [n, u], None where the rows are in order."""
-        if not self.unsorted:
-            return None
-        self.unsorted = False
-        order = torch.sort(torch.nan_to_num(self.host_counts, nan=0.0), dim=1, stable=True).indices
-        if torch.equal(order, torch.arange(self.u, device="cpu").expand_as(order)):
-            return None
-        self.host_columns_cpu = self.host_columns_cpu.gather(1, order)
-        self.host_columns.copy_(self.host_columns_cpu)
-        return order
-
-    def permute_host_rows(self, order: torch.Tensor, acc_slot: int) -> None:
-        """Update worker, before the CPU update: the host rows into the order `sort_host_rows` chose (the
-        interval's accumulators with them; the other interval's are empty)."""
-        index = order.unsqueeze(2).expand(-1, -1, self.R)
-        rows = [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.accumulators[acc_slot]]
-        if self.accumulate_squares:
-            rows.append(self.square_accumulators[acc_slot])
-        wait_events(self.upload_done)  # an upload may still read the weights moved below
-        self.transfers.host_access(writes=self.host_weights)
-        for t in rows + self.host_weights:
-            t.copy_(t.gather(1, index))
-        self.host_counts.copy_(self.host_counts.gather(1, order))
 
     def _host_position(self) -> torch.Tensor:
         """[n, C]: the host row of each host column (-1 for the selected ones)."""

@@ -111,9 +111,6 @@ MUTATIONS = [
     Mutation("M26", "departing columns' weights written into host rows an upload may still read",
              "runtime/slab.py",
              "        wait_events(self.upload_done)  # an upload may still read the weights of these rows\n", ""),
-    Mutation("M27", "the update task re-sorts host weights an upload may still read",
-             "runtime/slab.py",
-             "        wait_events(self.upload_done)  # an upload may still read the weights moved below\n", ""),
 ]
 
 DEFAULT_TESTS = ["tests/test_device_path.py", "tests/test_transfers.py", "tests/test_optimizer.py",

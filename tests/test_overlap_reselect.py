@@ -226,22 +226,3 @@ def test_resume_from_a_checkpoint_taken_with_a_reselection_in_flight_is_exact(de
         assert torch.equal(p, q)
     assert opt.stats()["reselections"] == resumed_opt.stats()["reselections"] == 6
 
-
-def test_every_cpu_update_runs_over_host_rows_in_update_count_order(monkeypatch):
-    """A reselection in flight puts departing columns into the rows arriving ones leave, out of count order;
-    the next update puts them back in order first (the CPU AdamW takes one tensor per run of equal counts)."""
-    from zenflow_compile.runtime.slab import Slab
-
-    update = Slab.update_host_columns
-    in_order = []
-
-    def update_host_columns(self, *args, **kwargs):
-        in_order.append(bool((self.host_counts.diff(dim=1) >= 0).all()))
-        return update(self, *args, **kwargs)
-
-    monkeypatch.setattr(Slab, "update_host_columns", update_host_columns)
-    model = tiny_model()
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **INCOMING)
-    train_tiny(model, opt, [torch.randn(4, 6, 16, generator=seeded_generator(i)) for i in range(12)])
-    opt.synchronize()
-    assert opt.stats()["reselections"] == 6 and len(in_order) >= 6 and all(in_order), in_order
