@@ -341,8 +341,8 @@ class ZenFlowRuntime:
             # the host; the arriving columns get theirs before it is launched.
             in_flight = reselect and cfg.overlap_step and cfg.overlap_reselect == "incoming"
             arriving = [(slab, selected) for (slab, _), selected in zip(reselecting, chosen)] if in_flight else []
-            self._update_boundary(hyperparameters, overlap=cfg.overlap_step and warmed_up and (in_flight or not reselect),
-                                  arriving=arriving)
+            overlap = cfg.overlap_step and warmed_up and (in_flight or not reselect)
+            self._update_boundary(hyperparameters, overlap=overlap, arriving=arriving)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
                 started = time.perf_counter()

@@ -150,9 +150,10 @@ REFERENCE_CASES = {
     # overlap_reselect="incoming": reselecting boundaries keep their CPU update in flight.
     "incoming-step2": dict(keys=dict(topk_ratio=0.25, update_interval=2, select_strategy="step", select_interval=2,
                                      overlap_step=True, overlap_reselect="incoming")),
-    "incoming-auto-iau-sm": dict(keys=dict(preset="deepspeed", topk_ratio=0.25, update_interval=2, select_strategy="auto",
-                                           interval_aware_update=True, interval_second_moment=True,
-                                           overlap_step=True, overlap_reselect="incoming")),
+    "incoming-auto-iau-sm": dict(keys=dict(preset="deepspeed", topk_ratio=0.25, update_interval=2,
+                                           select_strategy="auto", interval_aware_update=True,
+                                           interval_second_moment=True, overlap_step=True,
+                                           overlap_reselect="incoming")),
     "incoming-accumulation-groups-clip": dict(keys=dict(topk_ratio=0.25, update_interval=3, select_strategy="step",
                                                         select_interval=3, overlap_step=True,
                                                         overlap_reselect="incoming"),
