@@ -143,7 +143,7 @@ class HostWork:
     def accumulate(self) -> None:
         """One step's host accumulation (the accumulate worker's task)."""
         for s in self.states:  # (the device is the host: no copies to wait for)
-            s.accumulate(None, self.step % 2, 0, 1.0, copies=[])
+            s.accumulate(None, self.step % 2, 0, 1.0)
         self.step += 1
 
     def adamw(self) -> None:

@@ -283,7 +283,8 @@ def run_zenflow(spec: dict) -> dict:
     end = opt.stats()
     compiles = _compiles_since(marks["compiles"])
     start = marks["start"]
-    needed = ("stall_seconds", "cpu_update_seconds", "accumulate_seconds", "bytes_device_to_host",
+    needed = ("stall_seconds", "cpu_update_seconds", "accumulate_seconds", "accumulate_copy_wait_seconds",
+              "bytes_device_to_host",
               "bytes_host_to_device", "cpu_updates", "reselections", "skipped_steps", "selection_seconds")
     missing = [k for k in needed if k not in end]
     if missing:
@@ -309,6 +310,7 @@ def run_zenflow(spec: dict) -> dict:
         traffic_method="measured: opt.stats() bytes_device_to_host + bytes_host_to_device per step / model bytes",
         cpu_update_s_per_step=delta["cpu_update_seconds"] / steps,
         accumulate_s_per_step=delta["accumulate_seconds"] / steps,
+        accumulate_copy_wait_s_per_step=delta["accumulate_copy_wait_seconds"] / steps,
         cpu_updates=delta["cpu_updates"], reselections=delta["reselections"],
         selection_s_per_step=delta["selection_seconds"] / steps,
         native_accumulate=marks["native_accumulate"] or native_accumulate.unavailable_reason(),

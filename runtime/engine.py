@@ -706,6 +706,7 @@ class ZenFlowRuntime:
         stats["selection_seconds"] = self.selection_seconds
         stats["cpu_update_seconds"] = workers.update_worker.busy_seconds
         stats["accumulate_seconds"] = workers.accumulate_worker.busy_seconds
+        stats["accumulate_copy_wait_seconds"] = workers.copy_wait_seconds  # (included in accumulate_seconds)
         # CPU time of the worker threads (with torch's intra-op threads at 1, all of the work; on a shared
         # machine the wall times above also count waiting for a core).
         stats["cpu_update_thread_seconds"] = workers.update_worker.busy_cpu_seconds

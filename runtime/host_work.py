@@ -17,7 +17,7 @@ from typing import Optional
 
 from zenflow_compile.runtime.failures import Failure
 from zenflow_compile.runtime.slab import Slab
-from zenflow_compile.runtime.transfers import StallClock, Transfers
+from zenflow_compile.runtime.transfers import StallClock, Transfers, wait_events
 from zenflow_compile.runtime.worker import CpuWorker, joined, wait_for
 
 Stepped = list[tuple[Slab, Optional[list[int]]]]  # slabs with the members that took a gradient (None: all)
@@ -45,6 +45,9 @@ class HostWork:
         self._accumulate_done: list[Optional[Future]] = [None, None]  # per grad slot: its buffers' last reader
         self._last_accumulate: Optional[Future] = None
         self._update: Optional[Future] = None  # the last launched CPU update
+        # The accumulate worker's wait for the gradients' copies to land, part of its busy time: tells a
+        # worker slowed by the copies from one slowed by its own memory traffic.
+        self.copy_wait_seconds = 0.0
 
     @property
     def workers(self) -> tuple[CpuWorker, CpuWorker]:
@@ -65,7 +68,11 @@ class HostWork:
 
         def accumulate():
             for slab, rows, copies in work:
-                slab.accumulate(rows, grad_slot, acc_slot, coef, copies)
+                if copies:
+                    started = time.perf_counter()
+                    wait_events(copies)
+                    self.copy_wait_seconds += time.perf_counter() - started
+                slab.accumulate(rows, grad_slot, acc_slot, coef)
 
         future = self.accumulate_worker.submit(accumulate)
         self._accumulate_done[grad_slot] = future

@@ -598,11 +598,9 @@ class Slab:
         Taken when the accumulate task is submitted: the next step replaces them."""
         return [] if self.transfers.device_is_host else list(self.offload_done[grad_slot])
 
-    def accumulate(self, rows: Optional[list[int]], grad_slot: int, acc_slot: int, coef: float,
-                   copies: list) -> None:
-        """Accumulate worker: acc += coef * g (and square_acc += (coef * g)**2) for members `rows` (None: all)
-        once the step's copies have landed."""
-        wait_events(copies)
+    def accumulate(self, rows: Optional[list[int]], grad_slot: int, acc_slot: int, coef: float) -> None:
+        """Accumulate worker, once the step's copies have landed: acc += coef * g (and square_acc +=
+        (coef * g)**2) for members `rows` (None: all)."""
         grads, accs = self.host_grads[grad_slot], self.accumulators[acc_slot]
         squares = self.square_accumulators[acc_slot] if self.accumulate_squares else None
         self.transfers.host_access(reads=[grads])

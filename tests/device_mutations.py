@@ -50,7 +50,7 @@ MUTATIONS = [
     Mutation("M06", "upload: the compute stream does not wait for it before its kernels read the target",
              "runtime/transfers.py", "        compute.wait_event(done)\n", ""),
     Mutation("M07", "accumulate worker: reads the offloaded gradients without waiting for their copies",
-             "runtime/slab.py", "        wait_events(copies)\n", ""),
+             "runtime/host_work.py", "                    wait_events(copies)\n", ""),
     Mutation("M08", "accumulate task: submitted without this step's copy events",
              "runtime/host_work.py", "        work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]",
              "        work = [(slab, rows, []) for slab, rows in stepped]"),

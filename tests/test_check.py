@@ -52,7 +52,7 @@ def test_cpu_run_reports_every_part_and_the_benchmark_figures(tmp_path):
     assert {"torch", "triton", "cuda", "deepspeed", "python"} <= set(machine)
 
     parts = parts_by_name(report)
-    assert list(parts) == ["kernels", "overlap", "bench", "tests"]
+    assert list(parts) == ["kernels", "overlap", "host", "bench", "tests"]
     for name in ("kernels", "overlap"):
         assert (parts[name]["status"], parts[name]["reason"]) == ("not run", "no GPU")
     tests = parts["tests"]
@@ -104,6 +104,27 @@ def test_a_part_past_its_limit_is_stopped_and_reported(tmp_path):
     assert proc.returncode == 1
     tests = parts_by_name(report)["tests"]
     assert tests["status"] == "timed out" and tests["duration_s"] < 15 + check.INTERRUPT_GRACE_S + 10
+
+
+def test_host_part_reports_the_host_throughput_per_placement(tmp_path):
+    """The host part: bench_host.py's throughputs and bandwidth, on all cores and on the worker share, in the
+    report (here its --smoke run: the figures are not judged, only that each is measured)."""
+    proc, report, markdown = run_check(tmp_path, "--parts", "host")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    host = parts_by_name(report)["host"]
+    assert host["status"] == "passed" and "bench_host.py --smoke" in host["command"]
+    places = report["host"]["places"]
+    assert [p["place"] for p in places] == ["all cores", "worker share (pt_reserved_cores_perc=0.5)"]
+    for place in places:
+        for figure in ("accumulate_gparams_per_s", "update_gparams_per_s", "bandwidth_gbps"):
+            assert place[figure] > 0, (place["place"], figure)
+    assert "## Host" in markdown and "worker share" in markdown and "Smoke sizes" in markdown
+
+
+def test_on_a_gpu_the_host_part_measures_past_the_caches(tmp_path):
+    host = {part.name: part for part in check.plan_parts(check.parse_args([]), dict(gpu=True, cpu_count=16),
+                                                         tmp_path)}["host"]
+    assert "--smoke" not in host.command and host.command[host.command.index("--sizes") + 1] == "100M"
 
 
 def test_outside_a_checkout_it_says_to_run_from_a_clone(tmp_path):

@@ -600,7 +600,8 @@ def test_stats_counters(device):
                        full_warm_up_rounds=2, select_strategy="step", select_interval=100)
     expected_keys = {"steps", "skipped_steps", "cpu_updates", "reselections", "bytes_device_to_host",
                      "bytes_host_to_device", "stall_seconds", "cpu_update_seconds", "accumulate_seconds",
-                     "current_interval", "update_pending", "selection_churn", "selection_seconds"}
+                     "current_interval", "update_pending", "selection_churn", "selection_seconds",
+                     "accumulate_copy_wait_seconds"}
     assert expected_keys <= set(opt.stats())
     batches = make_batches(11)
     train_steps(model, opt, batches[:2])  # warm-up
@@ -626,6 +627,26 @@ def test_stats_counters(device):
     assert st["cpu_update_seconds"] >= 0 and st["accumulate_seconds"] >= 0 and st["stall_seconds"] >= 0
     opt.synchronize()
     assert opt.stats()["update_pending"] is False
+
+
+def test_stats_accumulate_copy_wait():
+    """The accumulate worker's wait for the gradients' copies is reported apart from its busy time: about the
+    copies' landing delay on a device whose copies are slow, none where the device is the host."""
+    from emulated_device import emulated_async_device
+
+    def copy_wait(emulated_delay_ms):
+        model = tiny_model()
+        opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2)
+        train_steps(model, opt, make_batches(4))
+        opt.synchronize()
+        st = opt.stats()
+        assert 0 <= st["accumulate_copy_wait_seconds"] <= st["accumulate_seconds"]
+        return st["accumulate_copy_wait_seconds"]
+
+    assert copy_wait(None) == 0.0
+    with emulated_async_device(delay_ms=50):  # each copy lands 25-75 ms after it is queued
+        waited = copy_wait(50)
+    assert waited >= 4 * 0.015, waited  # 4 steps, each waiting for copies queued moments before
 
 
 @pytest.mark.parametrize("update_interval", [3, "auto"])

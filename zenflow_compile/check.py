@@ -8,14 +8,17 @@ offload benchmark, in bounded time, into one report.
 Parts, each a subprocess with its own time limit, in this order:
   kernels  the Triton kernels compiled (TRITON_INTERPRET unset) against their torch twins, CUDA cases (GPU only)
   overlap  the async-overlap tests (`-m overlap`) with real streams and events (GPU only)
+  host     benchmarks/bench_host.py: the host's accumulation and CPU AdamW throughput and memory bandwidth, on
+           all cores and on the worker share (what bounds an offloading step on this machine); on a CPU its
+           --smoke run
   bench    benchmarks/bench_offload.py: on a GPU the 1B model in bf16, compiled ZenFlow vs compiled fused AdamW
            (and DeepSpeed's rows when deepspeed is installed); on a CPU its --smoke run (compiled systems)
   tests    on a GPU the suite's CUDA tests (`-m cuda`: the `cuda` device's cases), without what `kernels` and
            `overlap` ran, over pytest-xdist workers when it is installed; on a CPU the whole suite on the
            `emulated` device. Never the `slow` tests.
 The bounded parts run first; the suite, whose length grows with the project, takes the time they leave.
-Each part's limit is its share of --time-budget (kernels 90, overlap 90, bench 540, tests 420 of 1140 s),
-and time a part leaves unused goes to the parts after it. A part that fails or runs past its limit is a row
+Each part's limit is its weight's share of what --time-budget (1140 s) has left (weights: kernels 90, overlap
+90, host 60, bench 540, tests 420), so time a part leaves unused goes to the parts after it. A part that fails or runs past its limit is a row
 with its reason; the command still writes the report, then exits 1.
 
 Output: zenflow_check.md and zenflow_check.json in --out-dir (default: the current directory): per part its
@@ -48,7 +51,7 @@ from typing import Any, Optional
 
 import torch
 
-PART_NAMES = ("kernels", "overlap", "bench", "tests")
+PART_NAMES = ("kernels", "overlap", "host", "bench", "tests")
 DEFAULT_TIME_BUDGET_S = 1140.0  # 19 minutes: the issue's 20, less start-up and the report
 # Interrupted parts get this long to write what they have (pytest its junit xml, the benchmark its JSON).
 INTERRUPT_GRACE_S = 20.0
@@ -69,6 +72,7 @@ class Part:
     env: dict[str, str] = dataclasses.field(default_factory=dict)  # set on top of this process's environment
     junit: Optional[Path] = None
     bench_json: Optional[Path] = None
+    host_json: Optional[Path] = None
     not_run_reason: Optional[str] = None
 
 
@@ -178,6 +182,13 @@ def plan_parts(args: argparse.Namespace, machine: dict[str, Any], files_dir: Pat
     else:
         kernels.not_run_reason = overlap.not_run_reason = "no GPU"
 
+    host = Part("host", "bench_host.py, host throughput and bandwidth" if has_gpu else "bench_host.py --smoke (CPU)",
+                weight_s=60, host_json=files_dir / "bench_host.json")
+    # One size past the caches, bf16 gradients as the benchmark's model has, no DeepSpeed (its op's build).
+    host_plan = ["--sizes", "100M", "--grad-dtypes", "bf16", "--repeats", "3"] if has_gpu else ["--smoke"]
+    host.command = [sys.executable, "benchmarks/bench_host.py", *host_plan, "--no-deepspeed",
+                    "--out", str(host.host_json)]
+
     bench = Part("bench", "bench_offload.py, 1B model in bf16" if has_gpu else "bench_offload.py --smoke (CPU)",
                  weight_s=540, bench_json=files_dir / "bench_offload.json")
     if has_gpu:
@@ -212,7 +223,7 @@ def plan_parts(args: argparse.Namespace, machine: dict[str, Any], files_dir: Pat
         selection += ["-m", "not slow"]
     tests.command = pytest + ["tests", *selection, f"--junitxml={tests.junit}"]
 
-    parts = [kernels, overlap, bench, tests]
+    parts = [kernels, overlap, host, bench, tests]
     for part in parts:
         if part.junit is not None:
             part.extra_args = shlex.split(args.pytest_args)
@@ -310,6 +321,16 @@ def read_bench_json(path: Path) -> Optional[dict[str, Any]]:
         return None
 
 
+def host_outcome(result: PartResult, returncode: Optional[int], timed_out: bool, host_json: Path,
+                 log_path: Path) -> None:
+    if timed_out:
+        result.status, result.reason = "timed out", f"ran past its {result.limit_s:.0f} s limit"
+    elif returncode != 0 or read_bench_json(host_json) is None:
+        result.status, result.reason = "failed", f"exit code {returncode}; last log line: {last_line(log_path)}"
+    else:
+        result.status = "passed"
+
+
 def bench_outcome(result: PartResult, returncode: Optional[int], timed_out: bool, bench_json: Path,
                   log_path: Path) -> None:
     """Passed when the compiled systems ran; a DeepSpeed row that failed is named in the reason only (it is
@@ -350,6 +371,8 @@ def run_part(part: Part, limit_s: float, checkout: Path, files_dir: Path) -> Par
     result.duration_s = time.perf_counter() - started
     if part.bench_json is not None:
         bench_outcome(result, returncode, timed_out, part.bench_json, log_path)
+    elif part.host_json is not None:
+        host_outcome(result, returncode, timed_out, part.host_json, log_path)
     else:
         pytest_outcome(result, returncode, timed_out, part.junit, log_path)
     return result
@@ -360,7 +383,7 @@ def run_parts(parts: list[Part], time_budget_s: float, checkout: Path, files_dir
     after it."""
     deadline = time.perf_counter() + time_budget_s
     for part in parts:  # never report a previous run's results
-        for stale in (part.junit, part.bench_json):
+        for stale in (part.junit, part.bench_json, part.host_json):
             if stale is not None:
                 stale.unlink(missing_ok=True)
     results = []
@@ -436,6 +459,27 @@ def benchmark_figures(bench_json: Path) -> Optional[dict[str, Any]]:
                 json=str(bench_json), systems=systems, targets=verdicts)
 
 
+def host_figures(host_json: Path) -> Optional[dict[str, Any]]:
+    """Per placement (all cores, the worker share) the host's throughputs and bandwidth at the largest size."""
+    host = read_bench_json(host_json)
+    if host is None:
+        return None
+    places = []
+    for place in host["places"]:
+        rows = [r for r in host["results"] if r["place"] == place["name"] and r["status"] == "ok"]
+        if not rows:
+            continue
+        row = max(rows, key=lambda r: r["num_params"])
+        figures = row["rows"]
+        places.append(dict(
+            place=place["name"], threads=row["threads"], params=row["num_params"], grad_dtype=row["grad_dtype"],
+            accumulate_gparams_per_s=figures["accumulate"]["gparams_per_s"],
+            accumulate_fraction_of_bound=figures["accumulate"]["fraction_of_bound"],
+            update_gparams_per_s=figures["update"]["gparams_per_s"],
+            bandwidth_gbps=row["bandwidth"]["bound_gbps"]))
+    return dict(json=str(host_json), smoke=host["smoke"], places=places)
+
+
 # ------------------------------------------------------------------------------------------------ report
 def fmt(value: Any, spec: str = ".3g", scale: float = 1.0) -> str:
     if value is None:
@@ -496,6 +540,23 @@ def render_markdown(report: dict[str, Any]) -> str:
                      fmt(row["peak_gpu_mem_gb"], ".2f"), fmt(row["peak_host_rss_gb"], ".2f"),
                      fmt(row["bytes_per_step"], ".1f", 1e-6), fmt(row["traffic_multiple"], ".3f")]
             lines.append(table_row(cells))
+    lines += ["", "## Host", ""]
+    host = report.get("host")
+    if host is None:
+        lines.append("Not run, or it wrote no JSON (see the host part).")
+    else:
+        if host["smoke"]:
+            lines += ["Smoke sizes (caches, not memory): they show that the harness measures, not this host's "
+                      "throughput.", ""]
+        lines += ["benchmarks/bench_host.py: the runtime's host work on this machine's CPU (the offloaded share of "
+                  "a model accumulates once per step; an update runs once per interval). Its JSON: "
+                  f"`{host['json']}`.", "",
+                  "| place | threads | params | accumulate Gparam/s | of bandwidth bound | update Gparam/s "
+                  "| bandwidth GB/s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [table_row([p["place"], fmt(p["threads"], "d"), fmt(p["params"], ".3g"),
+                             fmt(p["accumulate_gparams_per_s"], ".2f"), fmt(p["accumulate_fraction_of_bound"], ".2f"),
+                             fmt(p["update_gparams_per_s"], ".2f"), fmt(p["bandwidth_gbps"], ".1f")])
+                  for p in host["places"]]
     targets = report["targets"]
     lines += ["", "## Targets", "",
               f"From benchmarks/bench_offload.py, judged on {targets['judged_on']}, on a GPU only: mean step <= "
@@ -541,6 +602,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         files_dir=str(files_dir), time_budget_s=args.time_budget, total_s=time.perf_counter() - started,
         parts=[dataclasses.asdict(r) for r in results],
         benchmark=benchmark_figures(bench_json) if "bench" in args.parts else None,
+        host=host_figures(next(p.host_json for p in parts if p.name == "host")) if "host" in args.parts else None,
         targets=performance_targets(load_bench_module(checkout)))
     markdown = render_markdown(report)
     (out_dir / "zenflow_check.json").write_text(json.dumps(report, indent=1, default=str))
