@@ -39,8 +39,8 @@ from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
 from zenflow_compile.runtime.intake import BucketPlan, rows_taken
-from zenflow_compile.runtime.slab import (Member, MemberState, Slab, adopt_changed, host_order, slab_key,
-                                          top_k_columns, watch_keys)
+from zenflow_compile.runtime.slab import (Member, MemberState, RowScratch, Slab, adopt_changed, host_order,
+                                          slab_key, top_k_columns, watch_keys)
 from zenflow_compile.runtime.transfers import Transfers
 
 
@@ -97,6 +97,7 @@ class ZenFlowRuntime:
                              bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0,
                              overlapped_boundaries=0)  # boundaries whose CPU update ran on into the next steps
         self.selection_seconds = 0.0  # the training thread's time moving state for (re)selections (not saved)
+        self.row_scratch = RowScratch()  # what reselections reorder host rows through
         self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
         # Called with the parameters written by someone else, before their values are adopted (the owner
@@ -647,7 +648,7 @@ class ZenFlowRuntime:
         for (slab, rows), selected in zip(slabs, chosen):
             total += slab.k * (slab.n if rows is None else len(rows))
             moved += (slab.reselect_in_flight(selected) if in_flight
-                      else slab.reselect(selected, data_parallel=self.data_parallel))
+                      else slab.reselect(selected, self.row_scratch, data_parallel=self.data_parallel))
         self._layout_changed()
         self.selection_start = t + 1
         self.selection_epoch = self._epoch_grid_point(t)
