@@ -39,8 +39,8 @@ from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
 from zenflow_compile.runtime.intake import BucketPlan, rows_taken
-from zenflow_compile.runtime.slab import (Member, MemberState, RowScratch, Slab, adopt_changed, host_order,
-                                          slab_key, top_k_columns, watch_keys)
+from zenflow_compile.runtime.slab import (Member, MemberState, RowScratch, Slab, adopt_changed, columns_not_in,
+                                          host_order, slab_key, top_k_columns, watch_keys)
 from zenflow_compile.runtime.transfers import Transfers
 
 
@@ -343,11 +343,11 @@ class ZenFlowRuntime:
             in_flight = reselect and cfg.overlap_step and cfg.overlap_reselect == "incoming"
             arriving = [(slab, selected) for (slab, _), selected in zip(reselecting, chosen)] if in_flight else []
             overlap = cfg.overlap_step and warmed_up and (in_flight or not reselect)
-            self._update_boundary(hyperparameters, overlap=overlap, arriving=arriving)
+            arrived = self._update_boundary(hyperparameters, overlap=overlap, arriving=arriving)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
                 started = time.perf_counter()
-                self._reselect(t, reselecting, chosen, in_flight)
+                self._reselect(t, reselecting, chosen, arrived if in_flight else None)
                 self.selection_seconds += time.perf_counter() - started
 
         self.step_count += 1
@@ -585,7 +585,7 @@ class ZenFlowRuntime:
         for (slab, rows), scores in zip(slabs, host_scores):
             members = range(slab.n) if rows is None else rows
             top = top_k_columns(scores, slab.k)
-            kept = (top.unsqueeze(2) == slab.selected_cpu.unsqueeze(1)).any(2).sum(1)  # [n]
+            kept = (~columns_not_in(top, slab.selected_cpu)).sum(1)  # [n]
             for i in members:
                 if 2 * int(kept[i]) < slab.k:
                     drifted_columns += slab.C
@@ -600,18 +600,19 @@ class ZenFlowRuntime:
         return (t - cfg.full_warm_up_rounds + 1) // cfg.reselect_every
 
     def _update_boundary(self, hyperparameters: list[dict], overlap: bool, arriving: list[tuple[Slab, torch.Tensor]]
-                         ) -> None:
+                         ) -> list:
         """Apply the previous boundary's update if it is still pending, launch this boundary's. `arriving`: the
         slabs reselecting while it runs on, with their new selections: their arriving columns are updated
-        first, from this step's accumulators."""
+        first, from this step's accumulators; returns that state, slab by slab (`Slab.take_arriving`)."""
         if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
             self._apply_host_columns()
+        arrived = []
         if arriving:
             started = time.perf_counter()
             self.host_work.wait_for_accumulation()
-            for slab, selected in arriving:
-                slab.take_arriving(selected, self.acc_slot, members_by_scale(slab, self.config.interval_aware_update),
-                                   hyperparameters[slab.key.group_index])
+            arrived = [slab.take_arriving(selected, self.acc_slot,
+                                          members_by_scale(slab, self.config.interval_aware_update),
+                                          hyperparameters[slab.key.group_index]) for slab, selected in arriving]
             self.selection_seconds += time.perf_counter() - started
         self.host_work.launch_update(self.slabs, self.acc_slot, hyperparameters, self.config.interval_aware_update)
         self.steps_accumulated = 0
@@ -623,6 +624,7 @@ class ZenFlowRuntime:
         self.counters["overlapped_boundaries"] += overlap
         if not overlap:
             self._apply_host_columns()
+        return arrived
 
     def _apply_host_columns(self) -> None:
         """The last launched CPU update (waited for) written into the device parameters of the slabs it
@@ -642,12 +644,13 @@ class ZenFlowRuntime:
             chosen.append(selected)
         return chosen
 
-    def _reselect(self, t: int, slabs: list, chosen: list[torch.Tensor], in_flight: bool) -> None:
-        """The chosen selections take effect; `in_flight`: while this boundary's CPU update runs on."""
+    def _reselect(self, t: int, slabs: list, chosen: list[torch.Tensor], arrived: Optional[list]) -> None:
+        """The chosen selections take effect. `arrived` (slab by slab, from `_update_boundary`): the
+        reselection is made while this boundary's CPU update runs on, with the arriving columns' state."""
         moved = total = 0
-        for (slab, rows), selected in zip(slabs, chosen):
+        for index, ((slab, rows), selected) in enumerate(zip(slabs, chosen)):
             total += slab.k * (slab.n if rows is None else len(rows))
-            moved += (slab.reselect_in_flight(selected) if in_flight
+            moved += (slab.reselect_in_flight(selected, arrived[index]) if arrived is not None
                       else slab.reselect(selected, self.row_scratch, data_parallel=self.data_parallel))
         self._layout_changed()
         self.selection_start = t + 1

@@ -164,6 +164,11 @@ class MemberState:
                    torch.full((cols,), math.nan, device="cpu"), selected)
 
 
+def columns_not_in(columns: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+    """[n, k] bool: whether columns[i, j] is not among others[i] (two members' selections compared row by row)."""
+    return ~(columns.unsqueeze(2) == others.unsqueeze(1)).any(2)
+
+
 class RowScratch:
     """A host buffer, kept between reselections, that host rows are reordered through. A fresh buffer the
     size of a slab's state would cost more in page faults than the copies themselves (measured on the CPU:
@@ -173,7 +178,7 @@ class RowScratch:
     CHUNK_ELEMENTS = 1 << 24  # 64 MB of fp32 rows, or one member's rows where those are more
 
     def __init__(self):
-        self.buffer = torch.empty(0)
+        self.buffer = torch.empty(0, device="cpu")
 
     def reorder_rows_(self, state: torch.Tensor, order: torch.Tensor) -> None:
         """state[i] = state[i][order[i]] for every member i of `state` ([n, u, R]; `order` [n, u])."""
@@ -183,10 +188,10 @@ class RowScratch:
         members = max(1, self.CHUNK_ELEMENTS // (u * R))
         for start in range(0, n, members):
             stop = min(n, start + members)
-            rows = (order[start:stop] + torch.arange(stop - start).unsqueeze(1) * u).reshape(-1)
+            rows = (order[start:stop] + torch.arange(stop - start, device="cpu").unsqueeze(1) * u).reshape(-1)
             block = state[start:stop].view(-1, R)
             if self.buffer.numel() < block.numel():
-                self.buffer = torch.empty(block.numel(), dtype=state.dtype)
+                self.buffer = torch.empty(block.numel(), dtype=state.dtype, device="cpu")
             reordered = self.buffer[:block.numel()].view(-1, R)
             torch.index_select(block, 0, rows, out=reordered)
             block.copy_(reordered)
@@ -360,10 +365,8 @@ class Slab:
         self.extra_pool: list[dict] = [{}, {}]  # the pinned buffers extra_grads reuses, per member
         self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
         self.unapplied = any(s.unapplied for s in states)
-        # A reselection during an in-flight CPU update (overlap_reselect="incoming"): the arriving columns'
-        # updated state (`take_arriving`), then the departing columns' state, waiting for their host rows
-        # until that update has finished (`settle_departing`).
-        self.arriving: Optional[_Columns] = None
+        # A reselection during an in-flight CPU update (overlap_reselect="incoming"): the departing columns'
+        # state, waiting for their host rows until that update has finished (`settle_departing`).
         self.departing: Optional[_Columns] = None
         self._params = None  # see `params`
         self.master_rows = list(self.master.unbind(0))  # (the tensors are rewritten in place, never replaced)
@@ -789,7 +792,7 @@ class Slab:
         in place (k and u stay). Called at a boundary whose CPU update was applied: accumulators are empty and
         no worker reads these buffers. `scratch`: the host buffer the host rows are reordered through.
         Returns how many columns changed sides."""
-        arriving = ~(selected.unsqueeze(2) == self.selected_cpu.unsqueeze(1)).any(2)  # [n, k]
+        arriving = columns_not_in(selected, self.selected_cpu)
         moved = 2 * int(arriving.sum())
         if moved == 0:
             return 0  # every member keeps its columns: the layout stands
@@ -824,9 +827,8 @@ class Slab:
         worth of host rows. No [n, R, C] copy of the state is made."""
         old_selected, old_host = self.selected_cpu, self.host_columns_cpu
         n, C, k, u = self.n, self.C, self.k, self.u
-        position = torch.empty(n, C, dtype=torch.long, device="cpu")  # column -> its device slot / host row
+        position = self._host_position()  # column -> its host row / device slot
         position.scatter_(1, old_selected, torch.arange(k, device="cpu").expand(n, k))
-        position.scatter_(1, old_host, torch.arange(u, device="cpu").expand(n, u))
         on_device = torch.zeros(n, C, dtype=torch.bool, device="cpu").scatter_(1, old_selected, True)
         step = torch.empty(n, C, device="cpu")
         step.scatter_(1, old_selected, self.counts.cpu())
@@ -859,16 +861,15 @@ class Slab:
 
     # -- reselection while the boundary's CPU update runs on (overlap_reselect="incoming") ------------------
     def take_arriving(self, selected: torch.Tensor, acc_slot: int,
-                      members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict) -> None:
+                      members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict
+                      ) -> Optional[_Columns]:
         """Before this boundary's CPU update is launched, with no CPU work in flight: the CPU AdamW of the
         columns `selected` ([n, k]) brings onto the device, on copies of their host rows (the launched update
         redoes them, unused), so they arrive current while the others' update runs on. `members_by_scale` as
-        in `update_host_columns`."""
-        arriving = ~(selected.unsqueeze(2) == self.selected_cpu.unsqueeze(1)).any(2)  # [n, k]
-        member, slot = arriving.nonzero(as_tuple=True)
-        self.arriving = None
+        in `update_host_columns`. Returns their state, for `reselect_in_flight` (None: no column arrives)."""
+        member, slot = columns_not_in(selected, self.selected_cpu).nonzero(as_tuple=True)
         if not member.numel():
-            return
+            return None
         row = self._host_position()[member, selected[member, slot]]
         master, exp_avg, exp_avg_sq, grad = (t[member, row] for t in (  # (copies: advanced indexing)
             self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.accumulators[acc_slot]))
@@ -890,21 +891,20 @@ class Slab:
             pick = lambda t: None if t is None else [t[j] for j in rows]
             kernels.cpu_adamw_(pick(master), pick(grad), pick(exp_avg), pick(exp_avg_sq), pick(count_rows),
                                grad_sqs=pick(grad_sq), **dict(hyperparameters, lr=hyperparameters["lr"] * scale))
-        self.arriving = _Columns(member, slot, master, exp_avg, exp_avg_sq, counts)
+        return _Columns(member, slot, master, exp_avg, exp_avg_sq, counts)
 
-    def reselect_in_flight(self, selected: torch.Tensor) -> int:
+    def reselect_in_flight(self, selected: torch.Tensor, arriving: Optional[_Columns]) -> int:
         """Make `selected` the device-resident columns while this boundary's CPU update (launched after
         `take_arriving`) still runs over the host rows. The arriving columns take the state `take_arriving`
-        made and their new masters are written into the parameters at once; each departing column takes the
+        made (`arriving`) and their new masters are written into the parameters at once; each departing column takes the
         host row its member's arriving column leaves, its state kept aside (`departing`) until that update has
         finished (`settle_departing`). Device tensors change in place, in a fixed number of calls. The host rows
         are left out of count order (more, shorter runs for the CPU AdamW; re-sorting them would copy the whole
         host state). Returns how many columns changed sides."""
-        arriving, self.arriving = self.arriving, None
-        old_selected, n, C, k = self.selected_cpu, self.n, self.C, self.k
-        leaving = ~(old_selected.unsqueeze(2) == selected.unsqueeze(1)).any(2)  # [n, k] of the old slots
         if arriving is None:
             return 0
+        old_selected, n, C, k = self.selected_cpu, self.n, self.C, self.k
+        leaving = columns_not_in(old_selected, selected)  # [n, k] of the old slots
         departing_member, departing_slot = leaving.nonzero(as_tuple=True)  # (member by member, as arriving's)
         row = self._host_position()[arriving.member, selected[arriving.member, arriving.place]]
         host_columns = self.host_columns_cpu.clone()
