@@ -8,8 +8,8 @@ What is measured (on the host, no GPU needed; the GPU's part of the offload is D
   accumulate   the runtime's per-step host work: `AccumulateBatch.run` (acc += coef * offloaded grad) over
                every matrix, once per step of the interval (bf16/fp16 gradients: the native kernel, whose
                build the script waits for first; --no-native: the chunked torch path)
-  adamw        the CPU AdamW kernel alone on the host columns: `runtime.kernels.cpu_adamw_` over the runs
-               that `Slab.host_runs` yields (what the runtime's update task calls)
+  adamw        the CPU AdamW kernel alone on the host columns: `Slab.host_adamw_` (the fused CPU AdamW over
+               the host rows, as the runtime's update task calls it)
   update       the runtime's whole boundary update, the calls of its update task in order: host_adamw_batch
                (mean gradient) + cpu_adamw_ + zeroing the accumulator + publish_host_weights (cast for upload)
   ds_cpu_adam  DeepSpeed's DeepSpeedCPUAdam.step() on the same master and gradient tensors (its own moments);
@@ -47,7 +47,7 @@ from typing import Callable, Optional
 
 import torch
 
-from zenflow_compile.runtime import cpu_affinity, kernels, native_accumulate
+from zenflow_compile.runtime import cpu_affinity, native_accumulate
 from zenflow_compile.runtime.slab import Member, MemberState, Slab, slab_key
 from zenflow_compile.runtime.transfers import Transfers
 from zenflow_compile.runtime.worker import CpuWorker
@@ -148,8 +148,8 @@ class HostWork:
 
     def adamw(self) -> None:
         """The CPU AdamW kernel over the host runs (accumulator as the gradient, no division)."""
-        batch = [run[:5] for s in self.states for run in s.host_runs(list(range(s.n)), True, s.accumulators[0], None)]
-        kernels.cpu_adamw_(*(list(column) for column in zip(*batch)), **HYPER)
+        for s in self.states:
+            s.host_adamw_(list(range(s.n)), True, s.accumulators[0], None, HYPER)
 
     def update(self) -> None:
         """The runtime's boundary update task, call for call (Slab.update_host_columns, as runtime/engine.py's

@@ -14,8 +14,9 @@ member i's (u = C - k host columns):
 
 Host tensors are transposed, [u, R] per member, so one column is one contiguous row: the offload of the
 unselected columns is one contiguous copy, and the CPU AdamW runs over whole rows. A member's host columns
-are ordered by update count, so equal counts form runs (one fused-AdamW tensor each). A vector is a slab of
-k = C = 1: all of its state on the device.
+are ordered by update count, so equal counts form runs (one fused-AdamW tensor each; out of order after a
+reselection made in flight, see `Slab.host_adamw_`). A vector is a slab of k = C = 1: all of its state on
+the device.
 
 Per step a slab costs a fixed number of calls whatever n is: the hand-off stacks its gradients once and
 gathers the selected and the host columns in one call each; the device AdamW, the accumulation, the CPU
@@ -162,6 +163,20 @@ class MemberState:
     def unknown(cls, rows: int, cols: int, selected: torch.Tensor) -> "MemberState":
         return cls(*(torch.full((rows, cols), math.nan, device="cpu") for _ in range(3)),
                    torch.full((cols,), math.nan, device="cpu"), selected)
+
+
+def _cut(tensors: list[Optional[torch.Tensor]], lengths: list[int]) -> list[tuple]:
+    """(master, grad, exp_avg, exp_avg_sq, grad_sq) 2-D row tensors cut into runs of `lengths` rows: one tuple
+    per run."""
+    return list(zip(*(t.split(lengths) if t is not None else [None] * len(lengths) for t in tensors)))
+
+
+def _cpu_adamw_(runs: list, steps: torch.Tensor, hyperparameters: dict) -> None:
+    """One fused CPU AdamW over `runs` ((master, grad, exp_avg, exp_avg_sq, grad_sq) each), run i at update
+    count steps[i]."""
+    masters, grads, exp_avgs, exp_avg_sqs, grad_sqs = (list(column) for column in zip(*runs))
+    kernels.cpu_adamw_(masters, grads, exp_avgs, exp_avg_sqs, steps.clone().unbind(0),  # (incremented in place)
+                       grad_sqs=None if grad_sqs[0] is None else grad_sqs, **hyperparameters)
 
 
 def columns_not_in(columns: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
@@ -313,6 +328,10 @@ class _Columns(NamedTuple):
 
 class Slab:
     """The state of n like parameters (see the module docstring)."""
+
+    # Runs of equal update count shorter than this on average (host rows out of count order) are updated
+    # apart from the most common count: one fused call per run would cost more than gathering them.
+    SHORT_RUN_ROWS = 64
 
     def __init__(self, key: SlabKey, members: list[Member], states: list[MemberState], transfers: Transfers,
                  accumulate_squares: bool):
@@ -658,11 +677,8 @@ class Slab:
             else:
                 for i, s in taking:
                     torch._foreach_div_([t[i] for t in sums], s)
-            hyper = dict(hyperparameters, lr=hyperparameters["lr"] * scale)
-            tensors = self.host_runs(rows, everyone, acc, squares)
-            masters, grads, exp_avgs, exp_avg_sqs, counts, grad_sqs = (list(column) for column in zip(*tensors))
-            kernels.cpu_adamw_(masters, grads, exp_avgs, exp_avg_sqs, counts,
-                               grad_sqs=grad_sqs if squares is not None else None, **hyper)
+            self.host_adamw_(rows, everyone, acc, squares,
+                             dict(hyperparameters, lr=hyperparameters["lr"] * scale))
             if everyone:
                 self.host_counts.add_(1)
             else:
@@ -670,25 +686,41 @@ class Slab:
         torch._foreach_zero_(sums)
         self.publish_host_weights()
 
-    def host_runs(self, rows: list[int], everyone: bool, acc: torch.Tensor, squares: Optional[torch.Tensor]):
-        """Fused-AdamW tensors of the host columns of members `rows`: one per run of equal update count (the
-        whole slab is one [n * u, R] tensor whose runs may span members). Each tensor is cut into its runs in
-        one call, so many short runs (host rows out of count order) cost little host time."""
-        runs = []
-        for source in ([None] if everyone else rows):
-            if source is None:
-                flat = lambda t: t.reshape(self.n * self.u, self.R)
-                counts = self.host_counts.reshape(-1)
-            else:
-                flat = lambda t, i=source: t[i]
-                counts = self.host_counts[source]
-            values, lengths = torch.unique_consecutive(counts, return_counts=True)
-            lengths = lengths.tolist()
-            cut = lambda t: flat(t).split(lengths) if t is not None else [None] * len(lengths)
-            steps = values.clone().unbind(0)  # (fresh step scalars: the update increments them)
-            runs.extend(zip(cut(self.host_master), cut(acc), cut(self.host_exp_avg), cut(self.host_exp_avg_sq),
-                            steps, cut(squares)))
-        return runs
+    def host_adamw_(self, rows: list[int], everyone: bool, acc: torch.Tensor, squares: Optional[torch.Tensor],
+                    hyperparameters: dict) -> None:
+        """The CPU AdamW of the host columns of members `rows` (gradient `acc`), each row stepping with its own
+        update count. Rows in count order form a few runs of equal count: one fused-AdamW tensor each (the
+        whole slab is one [n * u, R] tensor whose runs may span members). Out of order (after reselections
+        made in flight) runs are many and short: the rows of the most common count then go through the kernel
+        in one tensor per block, and the others are gathered by count, updated apart and written back over
+        what that call left in their rows (the same arithmetic, row by row)."""
+        if everyone:
+            blocks = [(lambda t: t.reshape(self.n * self.u, self.R), self.host_counts.reshape(-1))]
+        else:
+            blocks = [(lambda t, i=i: t[i], self.host_counts[i]) for i in rows]
+        state = (self.host_master, acc, self.host_exp_avg, self.host_exp_avg_sq, squares)
+        views = lambda view: [None if t is None else view(t) for t in state]
+        runs = [torch.unique_consecutive(counts, return_counts=True) for _, counts in blocks]
+        if sum(len(values) for values, _ in runs) * self.SHORT_RUN_ROWS <= sum(len(c) for _, c in blocks):
+            for (view, _), (values, lengths) in zip(blocks, runs):
+                _cpu_adamw_(_cut(views(view), lengths.tolist()), values, hyperparameters)
+            return
+        distinct, frequency = torch.unique(torch.cat([counts for _, counts in blocks]), return_counts=True)
+        common = distinct[frequency.argmax()]
+        apart = []
+        for view, counts in blocks:
+            odd = (counts != common).nonzero().squeeze(1)
+            order = odd[counts[odd].argsort(stable=True)]
+            values, lengths = torch.unique_consecutive(counts[order], return_counts=True)
+            apart.append((view, order, [None if t is None else t.index_select(0, order) for t in views(view)],
+                          values, lengths.tolist()))
+        _cpu_adamw_([views(view) for view, _ in blocks], common.expand(len(blocks)), hyperparameters)
+        for view, order, gathered, values, lengths in apart:
+            if order.numel():
+                _cpu_adamw_(_cut(gathered, lengths), values, hyperparameters)
+                for target, updated in zip((self.host_master, self.host_exp_avg, self.host_exp_avg_sq),
+                                           (gathered[0], gathered[2], gathered[3])):
+                    view(target).index_copy_(0, order, updated)
 
     def publish_host_weights(self) -> None:
         """After a CPU update: cast the new masters into the free weights buffer for the next upload."""
@@ -899,8 +931,8 @@ class Slab:
         made (`arriving`) and their new masters are written into the parameters at once; each departing column takes the
         host row its member's arriving column leaves, its state kept aside (`departing`) until that update has
         finished (`settle_departing`). Device tensors change in place, in a fixed number of calls. The host rows
-        are left out of count order (more, shorter runs for the CPU AdamW; re-sorting them would copy the whole
-        host state). Returns how many columns changed sides."""
+        are left out of count order (re-sorting them would copy the whole host state; `host_adamw_` takes rows
+        in any order). Returns how many columns changed sides."""
         if arriving is None:
             return 0
         old_selected, n, C, k = self.selected_cpu, self.n, self.C, self.k

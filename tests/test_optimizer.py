@@ -18,6 +18,7 @@ import torch
 import zenflow_compile
 from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
 from zenflow_compile.reference import ZenFlowReference
+from zenflow_compile.runtime.slab import Slab
 
 from helpers import (bf16_ulp_distance, loss_fn, make_batches, max_param_diff, seeded_generator, snapshot, tiny_model,
                      train_steps, value_tolerance)
@@ -185,6 +186,21 @@ def run_against_reference(case, dtype, steps=12):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(REFERENCE_CASES), ids=list(REFERENCE_CASES))
 def test_equals_reference(case, dtype, device):
+    check_equals_reference(case, dtype)
+
+
+@pytest.mark.parametrize("short_run_rows", [0, 1 << 30], ids=["by-runs", "common-count-then-the-rest"])
+@pytest.mark.parametrize("case", ["step3", "auto-strategy", "epoch", "grad-accumulation-auto", "incoming-step2",
+                                  "incoming-auto-iau-sm", "incoming-accumulation-groups-clip"])
+def test_both_host_update_paths_equal_reference(case, short_run_rows, monkeypatch):
+    """The CPU AdamW of the host rows takes runs of equal update count one fused call each, or (runs too short:
+    rows out of count order after reselections made in flight) the most common count in one call and the
+    other rows apart. The small models above take one path by their size; here each case takes each path."""
+    monkeypatch.setattr(Slab, "SHORT_RUN_ROWS", short_run_rows)
+    check_equals_reference(case, torch.float32)
+
+
+def check_equals_reference(case, dtype):
     a, b, zen, ref, log_a, log_b = run_against_reference(REFERENCE_CASES[case], dtype)
     names = names_of(a)
     assert_history_close(log_a.params, log_b.params, names, dtype)
