@@ -928,11 +928,11 @@ class Slab:
     def reselect_in_flight(self, selected: torch.Tensor, arriving: Optional[_Columns]) -> int:
         """Make `selected` the device-resident columns while this boundary's CPU update (launched after
         `take_arriving`) still runs over the host rows. The arriving columns take the state `take_arriving`
-        made (`arriving`) and their new masters are written into the parameters at once; each departing column takes the
-        host row its member's arriving column leaves, its state kept aside (`departing`) until that update has
-        finished (`settle_departing`). Device tensors change in place, in a fixed number of calls. The host rows
-        are left out of count order (re-sorting them would copy the whole host state; `host_adamw_` takes rows
-        in any order). Returns how many columns changed sides."""
+        made (`arriving`) and their new masters are written into the parameters at once; each departing column
+        takes the host row its member's arriving column leaves, its state kept aside (`departing`) until that
+        update has finished (`settle_departing`). Device tensors change in place, in a fixed number of calls.
+        The host rows are left out of count order (re-sorting them would copy the whole host state;
+        `host_adamw_` takes rows in any order). Returns how many columns changed sides."""
         if arriving is None:
             return 0
         old_selected, n, C, k = self.selected_cpu, self.n, self.C, self.k

@@ -18,8 +18,8 @@ Parts, each a subprocess with its own time limit, in this order:
            `emulated` device. Never the `slow` tests.
 The bounded parts run first; the suite, whose length grows with the project, takes the time they leave.
 Each part's limit is its weight's share of what --time-budget (1140 s) has left (weights: kernels 90, overlap
-90, host 60, bench 540, tests 420), so time a part leaves unused goes to the parts after it. A part that fails or runs past its limit is a row
-with its reason; the command still writes the report, then exits 1.
+90, host 60, bench 540, tests 420), so time a part leaves unused goes to the parts after it. A part that
+fails or runs past its limit is a row with its reason; the command still writes the report, then exits 1.
 
 Output: zenflow_check.md and zenflow_check.json in --out-dir (default: the current directory): per part its
 status, test counts (from pytest's junit xml) and duration; the GPU, torch, triton and CUDA versions; the
