@@ -10,8 +10,8 @@ What is measured (on the host, no GPU needed; the GPU's part of the offload is D
                build the script waits for first; --no-native: the chunked torch path)
   adamw        the CPU AdamW kernel alone on the host columns: `Slab.host_adamw_` (the fused CPU AdamW over
                the host rows, as the runtime's update task calls it)
-  update       the runtime's whole boundary update, the calls of its update task in order: host_adamw_batch
-               (mean gradient) + cpu_adamw_ + zeroing the accumulator + publish_host_weights (cast for upload)
+  update       the runtime's whole boundary update, the calls of its update task in order: the mean gradient
+               + Slab.host_adamw_ + zeroing the accumulator + publish_host_weights (cast for upload)
   ds_cpu_adam  DeepSpeed's DeepSpeedCPUAdam.step() on the same master and gradient tensors (its own moments);
                the op is built once, outside any timing (a --smoke run never builds it)
   torch_fused  torch.optim.AdamW(fused=True).step() on the same tensors (its own moments), called directly
@@ -147,7 +147,7 @@ class HostWork:
         self.step += 1
 
     def adamw(self) -> None:
-        """The CPU AdamW kernel over the host runs (accumulator as the gradient, no division)."""
+        """The CPU AdamW of the host rows, `Slab.host_adamw_` (accumulator as the gradient, no division)."""
         for s in self.states:
             s.host_adamw_(list(range(s.n)), True, s.accumulators[0], None, HYPER)
 
