@@ -680,7 +680,13 @@ def test_grad_scaler_skipped_step_and_accumulation_with_part_of_a_slab_unused(de
     """torch.amp.GradScaler on CPU with an inf gradient at step 3 (skipped; the scale halves), gradient
     accumulation over two micro-batches of which the first leaves blocks 1 and 3 out (only part of a
     slab's members take a gradient, then all of them), and one block's weight written at step 5: equal to
-    the reference fed the unscaled gradients."""
+    the reference fed the unscaled gradients.
+
+    atol 2e-5 (a fifth of a percent of one lr-sized update) rather than 1e-6: emb[19, 15]'s gradient at step 1
+    nearly cancels (-1.4e-7 out of terms a thousand times larger), so the last-bit differences the other
+    parameters carry from step 0 move its update by up to 1e-5, by an amount that depends on the thread
+    count."""
+    atol = 2e-5
     a, b, opt, ref = pair(Blocks, KEYS)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
     micro = 0
@@ -706,12 +712,12 @@ def test_grad_scaler_skipped_step_and_accumulation_with_part_of_a_slab_unused(de
         ref.step()
         for o in (opt, ref):
             o.zero_grad()
-        assert_close(a, b, f"step {step}")
+        assert_close(a, b, f"step {step}", atol)
     assert opt.stats()["skipped_steps"] == ref.stats()["skipped_steps"] == 1
     assert scaler.get_scale() == 2.0 ** 9
     opt.synchronize()
     ref.synchronize()
-    assert_close(a, b, "synchronized")
+    assert_close(a, b, "synchronized", atol)
 
 
 class Wide(nn.Module):
