@@ -25,8 +25,9 @@ from zenflow_compile.runtime.slab import Member, MemberState, Slab, host_order
 
 
 def export_entry(member: Member, acc_slot: int) -> dict:
-    """Member's checkpoint entry (call with no CPU work in flight)."""
-    entry = _entry(member, acc_slot)
+    """Member's checkpoint entry (call with no CPU work in flight): contiguous tensors of the natural layout."""
+    entry = {key: value.contiguous() if isinstance(value, torch.Tensor) else value
+             for key, value in _entry(member, acc_slot).items()}
     if member.slab.selected_written is not None:
         entry["device_selected"] = member.slab.selected_written[member.index].cpu()
     return entry

@@ -134,11 +134,13 @@ def adopt_changed(current: torch.Tensor, last_written: torch.Tensor, master: tor
 @dataclass
 class MemberState:
     """One parameter's whole state in its natural [R, C] layout, on the host: what moves between slabs and
-    into checkpoints. NaN where this rank does not know (a host part another rank owns)."""
+    into checkpoints. NaN where this rank does not know (a host part another rank owns). A state a slab
+    exports holds [R, C] views of [C, R] tensors (`Slab._natural`), a fresh one's moments are None (zeros):
+    both so that a new slab lays them out without a transpose (`_columns_as_rows`)."""
 
     master: torch.Tensor  # fp32 [R, C]
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
     step: torch.Tensor  # fp32 [C] per-column update counts
     selected: torch.Tensor  # int64 [k] ascending (empty: not selected yet)
     host_columns: Optional[torch.Tensor] = None  # the host columns' order, when the counts that decide it are unknown here
@@ -154,10 +156,8 @@ class MemberState:
     @classmethod
     def fresh(cls, param: torch.Tensor) -> "MemberState":
         R, C = matrix_shape(param)
-        master = param.detach().reshape(R, C).float().cpu()
-        zeros = torch.zeros_like(master)
-        return cls(master, zeros, zeros.clone(), torch.zeros(C, device="cpu"),
-                   torch.zeros(0, dtype=torch.long, device="cpu"))
+        master = param.detach().reshape(R, C).float().cpu()  # (read once, by the slab that lays it out)
+        return cls(master, None, None, torch.zeros(C, device="cpu"), torch.zeros(0, dtype=torch.long, device="cpu"))
 
     @classmethod
     def unknown(cls, rows: int, cols: int, selected: torch.Tensor) -> "MemberState":
@@ -288,29 +288,32 @@ def _columns_index(columns: torch.Tensor, rows: int) -> torch.Tensor:
     return columns.unsqueeze(1).expand(-1, rows, -1)
 
 
-def _by_column(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
-    """[n, C, R] on the host from n [R, C] tensors (None: zeros): a column per row, so the device's columns
-    and the host's rows are then row copies. Each member is one 2-D transposed copy (torch's blocked one)."""
-    shape = next(t for t in naturals if t is not None).shape
-    out = torch.empty(len(naturals), shape[1], shape[0], dtype=dtype, device="cpu")
-    for row, natural in zip(out, naturals):
+def _columns_as_rows(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, columns: torch.Tensor,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[n, m, R] on the host (into `out` if given): the columns `columns` ([n, m]) of each of n [R, C] tensors
+    (None: zeros) as rows. One pass per member: a gather of rows from a state another slab exported (`_natural`:
+    by column already), else torch's blocked transpose, then a gather where `columns` is not every column in
+    order."""
+    n, m = columns.shape
+    rows = next(t for t in naturals if t is not None).shape[0]
+    out = torch.empty(n, m, rows, dtype=dtype, device="cpu") if out is None else out
+    every = torch.arange(m, device="cpu")
+    for row, natural, cols in zip(out, naturals, columns):
         if natural is None:
             row.zero_()
+        elif natural.t().is_contiguous():
+            torch.index_select(natural.t().to(dtype), 0, cols, out=row)
+        elif m == natural.shape[1] and torch.equal(cols, every):
+            row.copy_(natural.t())
         else:
-            row.copy_(natural.to(dtype).t())
+            torch.index_select(natural.to(dtype).t().contiguous(), 0, cols, out=row)
     return out
 
 
-def _host_rows(by_column: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
-    """[n, m, R]: the rows `columns` ([n, m]) of each member of `by_column` ([n, C, R])."""
-    n, C, R = by_column.shape
-    flat = (columns + torch.arange(n, device="cpu").unsqueeze(1) * C).reshape(-1)
-    return by_column.view(n * C, R).index_select(0, flat).view(n, columns.shape[1], R)
-
-
-def _device_columns(by_column: torch.Tensor, columns: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """[n, R, k] on `device`: the columns `columns` ([n, k]) of each member of `by_column`."""
-    return _host_rows(by_column, columns).to(device).transpose(1, 2).contiguous()
+def _device_columns(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, columns: torch.Tensor,
+                    device: torch.device) -> torch.Tensor:
+    """[n, R, k] on `device`: the columns `columns` ([n, k]) of each of n [R, C] tensors (None: zeros)."""
+    return _columns_as_rows(naturals, dtype, columns).to(device).transpose(1, 2).contiguous()
 
 
 class _Columns(NamedTuple):
@@ -356,11 +359,14 @@ class Slab:
         self.selected_cpu, self.host_columns_cpu = selected, host_columns
         self.has_host_part = self.owns_host and u > 0
         host_state = {}
-        for name in ("master", "exp_avg", "exp_avg_sq"):  # one state tensor by column at a time
-            by_column = _by_column([getattr(s, name) for s in states], torch.float32)
-            setattr(self, name, _device_columns(by_column, selected, dev))
-            host_state[name] = _host_rows(by_column, host_columns) if self.has_host_part else None
-            del by_column
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            naturals = [getattr(s, name) for s in states]
+            if all(t is None for t in naturals):  # fresh moments: zeros, laid out directly
+                setattr(self, name, torch.zeros(n, R, k, device=dev))
+                host_state[name] = torch.zeros(n, u, R, device="cpu") if self.has_host_part else None
+                continue
+            setattr(self, name, _device_columns(naturals, torch.float32, selected, dev))
+            host_state[name] = _columns_as_rows(naturals, torch.float32, host_columns) if self.has_host_part else None
         self.counts = counts.gather(1, selected).to(dev)
         # What the members' selected columns hold where it is not their master in the slab's dtype (after a
         # cast: an upcast leaves bf16 values beside fp32 masters), until the device update rewrites them.
@@ -393,10 +399,8 @@ class Slab:
         self.members_taken = sum(1 for s in states if s.step_grad is not None)
         self.several_backwards = any(m.num_grads > 1 for m in members)
         step_grads = [s.step_grad for s in states]
-        step_grad = None
         if any(g is not None for g in step_grads):
-            step_grad = _by_column(step_grads, self.dtype)
-            self.grad.copy_(_device_columns(step_grad, selected, dev))
+            self.grad.copy_(_device_columns(step_grads, self.dtype, selected, dev))
             for i, s in enumerate(states):
                 if s.step_scores is not None:
                     self.scores[i].copy_(s.step_scores)
@@ -414,13 +418,12 @@ class Slab:
         for buffers, name in ((self.accumulators, "accumulator"), (self.square_accumulators, "square_accumulator")):
             saved = [getattr(s, name) for s in states]
             if buffers and any(a is not None for a in saved):
-                buffers[0].copy_(_host_rows(_by_column(saved, torch.float32), host_columns))
+                _columns_as_rows(saved, torch.float32, host_columns, out=buffers[0])
         self.host_grads = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
         self.host_grad_bytes = self.host_grads[0].numel() * self.host_grads[0].element_size()
-        if step_grad is not None:
-            step_grad = _host_rows(step_grad, host_columns)
-            for buffer in self.host_grads:
-                buffer.copy_(step_grad)
+        if any(g is not None for g in step_grads):
+            _columns_as_rows(step_grads, self.dtype, host_columns, out=self.host_grads[0])
+            self.host_grads[1].copy_(self.host_grads[0])
         # host_weights[0]: the latest CPU update (a member's pending one, else what the device holds);
         # host_weights[1]: what the device holds (the applied weights while an update is pending).
         self.host_weights = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
@@ -428,7 +431,7 @@ class Slab:
         if any(a is None for a in applied):  # what the device holds is the master, cast
             self.host_weights[1].copy_(self.host_master)
         if any(a is not None for a in applied):
-            given = _host_rows(_by_column(applied, self.dtype), host_columns)
+            given = _columns_as_rows(applied, self.dtype, host_columns)
             given_rows = torch.tensor([a is not None for a in applied], device="cpu").view(n, 1, 1)
             torch.where(given_rows, given, self.host_weights[1], out=self.host_weights[1])
         pending = torch.tensor([s.unapplied for s in states], device="cpu").view(n, 1, 1)
@@ -777,8 +780,8 @@ class Slab:
     def _natural(self, i: int, device_part: Optional[torch.Tensor], host_part: Optional[torch.Tensor],
                  dtype=torch.float32, missing: float = math.nan) -> torch.Tensor:
         """Member i's [R, C] tensor from its device columns ([n, R, k]; None: `missing` there) and its host rows
-        ([n, u, R]; None: `missing` there). Built by column (a host row is one column: a contiguous copy), then
-        transposed once as a 2-D tensor (torch's blocked transpose copy)."""
+        ([n, u, R]; None: `missing` there): the transpose of a [C, R] tensor built by column (a host row is one
+        column: a contiguous copy), which is the layout a new slab gathers from (`_columns_as_rows`)."""
         by_column = torch.empty(self.C, self.R, dtype=dtype, device="cpu")
         for columns, part, column_rows in ((self.selected_cpu[i], device_part, False),
                                            (self.host_columns_cpu[i], host_part, True)):
@@ -786,7 +789,7 @@ class Slab:
                 by_column.index_fill_(0, columns, missing)
             else:
                 by_column.index_copy_(0, columns, (part[i] if column_rows else part[i].t()).to("cpu", dtype))
-        return by_column.t().contiguous()
+        return by_column.t()
 
     def export_member(self, i: int, acc_slot: int, with_step_grad: Optional[int] = None) -> MemberState:
         """Member i's whole state (after the CPU work that touches it is done). `with_step_grad`: the grad slot
@@ -1014,10 +1017,9 @@ class Slab:
         self.selected.copy_(selected)
         self.host_columns.copy_(host_columns)
         for name, full in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-            by_column = _by_column(list(full), torch.float32)
-            getattr(self, name).copy_(_device_columns(by_column, selected, self.device))
+            getattr(self, name).copy_(_device_columns(list(full), torch.float32, selected, self.device))
             if self.has_host_part:
-                getattr(self, "host_" + name).copy_(_host_rows(by_column, host_columns))
+                _columns_as_rows(list(full), torch.float32, host_columns, out=getattr(self, "host_" + name))
         self.counts.copy_(step.gather(1, selected))
         if self.has_host_part:
             self.host_counts.copy_(step.gather(1, host_columns))
