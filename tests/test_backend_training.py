@@ -168,3 +168,24 @@ def test_owners_of_one_graph_must_agree_on_the_bucket_size():
                                         r"Fix: give them the same reduce_bucket_size"):
         loss_fn(torch.compile(model, backend="zenflow"), 0).backward()
     del opts
+
+
+def test_a_graph_compiled_for_one_bucket_size_refuses_a_model_whose_optimizer_uses_another():
+    """A graph is compiled once per module class: a second model of the class runs the first one's graph, which
+    hands gradients over in the first optimizer's buckets (in data parallel, with its reduction). An owner
+    that hands over otherwise is told so at the call, not run with settings it did not ask for."""
+    first = make_model()
+    opt_first = zenflow_compile.ZenFlowAdamW(first.parameters(), lr=LR, reduce_bucket_size=600)
+    loss_fn(torch.compile(first, backend="zenflow"), 0).backward()
+    opt_first.step()
+    second = make_model()
+    opt_second = zenflow_compile.ZenFlowAdamW(second.parameters(), lr=LR, reduce_bucket_size=300)
+    with pytest.raises(ValueError, match=r"compiled, \(world size 1, reduce_bucket_size 600\), but the ZenFlowAdamW "
+                                         r"owning the parameters it now runs with uses \(world size 1, "
+                                         r"reduce_bucket_size 300\).*torch._dynamo.reset\(\)"):
+        loss_fn(torch.compile(second, backend="zenflow"), 0)
+    assert opt_second.stats()["steps"] == 0 and all(p.grad is None for p in second.parameters())
+    torch._dynamo.reset()  # the fix the error names: the second model's graph is compiled for its optimizer
+    loss_fn(torch.compile(second, backend="zenflow"), 0).backward()
+    opt_second.step()
+    assert opt_second.stats()["steps"] == 1

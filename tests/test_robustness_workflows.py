@@ -140,7 +140,8 @@ def test_a_worker_failure_is_recovered_from_a_checkpoint_and_the_failed_optimize
     zenflow_compile.ZenFlowAdamW(other.parameters(), lr=LR, **KEYS)  # may own the parameters now
 
 
-def test_a_compiled_backward_interrupted_between_buckets_is_dropped_by_zero_grad(monkeypatch, device):
+def test_a_compiled_backward_interrupted_between_buckets_is_dropped_by_zero_grad(monkeypatch, device, fresh_dynamo):
+    # (fresh_dynamo: the graph must be compiled for this optimizer's small buckets, not reused from another test)
     batches = make_batches(STEPS)
     model = tiny_model()
     # Small buckets: the backward hands its gradients over in several calls; the interrupt hits the second.

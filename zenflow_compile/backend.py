@@ -272,9 +272,28 @@ class GraphOwnerBinding:
             ids[slot] = registry.param_id(tensor)
             if ids[slot] is None and _needs_owner(tensor):
                 raise ValueError(_unowned_message(self.ctx.name(slot), tensor))
+        self._check_handoff_settings(ids)
         self._cached_ids, self._cached_generation = tuple(ids), registry.generation()
         self._cached_for = [weakref.ref(t) for t in tensors]
         return self._cached_ids
+
+    def _check_handoff_settings(self, ids: list[Optional[int]]) -> None:
+        """The graph hands gradients over as its owners at compile time did (bucket size, and in data parallel
+        the reduction): the owners of the tensors it now runs with must do the same."""
+        runtimes = {id(r): r for r in (registry.runtime_of(pid) for pid in ids if pid is not None) if r is not None}
+        if not runtimes:
+            return
+        now, compiled_for = _handoff_settings(runtimes.values()), (self.ctx.data_parallel, self.ctx.bucket_numel)
+        if now != compiled_for:
+            def described(settings):
+                return f"(world size {settings[0] or 1}, reduce_bucket_size {settings[1]})"
+            raise ValueError(
+                f"backend='zenflow': this compiled graph hands gradients over as its optimizers did when it was "
+                f"compiled, {described(compiled_for)}, but the ZenFlowAdamW owning the parameters it now runs "
+                f"with uses {described(now)}. (A graph is compiled once per module class: another model of the "
+                "class compiled it.) Fix: give the optimizers the same reduce_bucket_size and process_group, or "
+                "call torch._dynamo.reset() before the first call of this model so that its graph is compiled "
+                "for its own optimizer")
 
     @property
     def _slots(self) -> list[int]:
