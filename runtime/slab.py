@@ -291,9 +291,8 @@ def _columns_index(columns: torch.Tensor, rows: int) -> torch.Tensor:
 def _columns_as_rows(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, columns: torch.Tensor,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[n, m, R] on the host (into `out` if given): the columns `columns` ([n, m]) of each of n [R, C] tensors
-    (None: zeros) as rows. One pass per member: a gather of rows from a state another slab exported (`_natural`:
-    by column already), else torch's blocked transpose, then a gather where `columns` is not every column in
-    order."""
+    (None: zeros) as rows. One pass per member where its tensor is by column already (a state a slab exported:
+    `_natural`) or `columns` is every column in order; else torch's blocked transpose, then the gather."""
     n, m = columns.shape
     rows = next(t for t in naturals if t is not None).shape[0]
     out = torch.empty(n, m, rows, dtype=dtype, device="cpu") if out is None else out
