@@ -398,7 +398,8 @@ class Slab:
         self.members_taken = sum(1 for s in states if s.step_grad is not None)
         self.several_backwards = any(m.num_grads > 1 for m in members)
         step_grads = [s.step_grad for s in states]
-        if any(g is not None for g in step_grads):
+        has_step_grad = any(g is not None for g in step_grads)
+        if has_step_grad:
             self.grad.copy_(_device_columns(step_grads, self.dtype, selected, dev))
             for i, s in enumerate(states):
                 if s.step_scores is not None:
@@ -420,7 +421,7 @@ class Slab:
                 _columns_as_rows(saved, torch.float32, host_columns, out=buffers[0])
         self.host_grads = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
         self.host_grad_bytes = self.host_grads[0].numel() * self.host_grads[0].element_size()
-        if any(g is not None for g in step_grads):
+        if has_step_grad:
             _columns_as_rows(step_grads, self.dtype, host_columns, out=self.host_grads[0])
             self.host_grads[1].copy_(self.host_grads[0])
         # host_weights[0]: the latest CPU update (a member's pending one, else what the device holds);

@@ -285,12 +285,10 @@ class GraphOwnerBinding:
             return
         now, compiled_for = _handoff_settings(runtimes.values()), (self.ctx.data_parallel, self.ctx.bucket_numel)
         if now != compiled_for:
-            def described(settings):
-                return f"(world size {settings[0] or 1}, reduce_bucket_size {settings[1]})"
             raise ValueError(
                 f"backend='zenflow': this compiled graph hands gradients over as its optimizers did when it was "
-                f"compiled, {described(compiled_for)}, but the ZenFlowAdamW owning the parameters it now runs "
-                f"with uses {described(now)}. (A graph is compiled once per module class: another model of the "
+                f"compiled, {_handoff_words(compiled_for)}, but the ZenFlowAdamW owning the parameters it now runs "
+                f"with uses {_handoff_words(now)}. (A graph is compiled once per module class: another model of the "
                 "class compiled it.) Fix: give the optimizers the same reduce_bucket_size and process_group, or "
                 "call torch._dynamo.reset() before the first call of this model so that its graph is compiled "
                 "for its own optimizer")
@@ -433,12 +431,17 @@ def _handoff_settings(runtimes) -> tuple[Optional[int], int]:
     settings = {(None if getattr(r, "data_parallel", None) is None else r.data_parallel.world_size,
                  _owner_bucket_numel(r)) for r in runtimes}
     if len(settings) > 1:
-        described = sorted(f"(world size {ws or 1}, reduce_bucket_size {n})" for ws, n in settings)
+        described = sorted(_handoff_words(s) for s in settings)
         raise ValueError("backend='zenflow': the ZenFlowAdamW optimizers owning this graph's parameters disagree "
                          f"on how gradients are handed over: {', '.join(described)}. One compiled graph hands "
                          "all its gradients over in buckets of one size. Fix: give them the same "
                          "reduce_bucket_size (and the same process_group)")
     return settings.pop() if settings else (None, DEFAULT_BUCKET_NUMEL)
+
+
+def _handoff_words(settings: tuple[Optional[int], int]) -> str:
+    world_size, bucket_numel = settings
+    return f"(world size {world_size or 1}, reduce_bucket_size {bucket_numel})"
 
 
 def _needs_owner(value: Any) -> bool:
