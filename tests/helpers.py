@@ -109,6 +109,26 @@ def value_tolerance(atol: float, rtol: float) -> dict:
     return dict(atol=atol, rtol=rtol)
 
 
+def float64_twin_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`loss_fn` for a float64 copy of the model (its output not rounded to fp32)."""
+    x, y = batch
+    return ((model(x) - y.double()) ** 2).mean()
+
+
+def assert_fp32_decides_the_comparison(fp32_model: nn.Module, float64_model: nn.Module, what: str, atol: float,
+                                       rtol: float) -> None:
+    """The premise of comparing two fp32 optimizers at (atol, rtol): the workflow is conditioned well enough that
+    fp32 rounding moves its result by less than half of that (the fp32 reference against its float64
+    recomputation: the same reference over a float64 copy, whose state is float64 too); then two correct fp32
+    implementations, each that far from the exact result, agree within it. Where AdamW divides a gradient that
+    is rounding noise (saturated activations, a sum that cancels to near eps) by its own size, this fails, and no
+    fp32 comparison at that tolerance means anything on another machine."""
+    for (name, p), q in zip(fp32_model.named_parameters(), float64_model.parameters()):
+        torch.testing.assert_close(p.double(), q, atol=atol / 2, rtol=rtol / 2,
+                                   msg=lambda m: f"{what}: fp32 rounding alone moves {name} this far, so no "
+                                                 f"fp32 comparison at atol={atol}, rtol={rtol} can hold: {m}")
+
+
 def skip_where_dynamo_misses_parameter_changes() -> None:
     """torch 2.11's Dynamo keeps running a compiled graph after a parameter starts or stops requiring grad or
     changes memory format (plain `torch.compile` too), and, with two backends compiled over one module class,

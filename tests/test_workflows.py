@@ -22,8 +22,8 @@ import zenflow_compile
 from zenflow_compile import ZenFlowAdamW
 from zenflow_compile.reference import ZenFlowReference
 
-from helpers import (loss_fn, make_batches, seeded_generator, skip_where_dynamo_misses_parameter_changes, tiny_model,
-                     value_tolerance)
+from helpers import (assert_fp32_decides_the_comparison, float64_twin_loss, loss_fn, make_batches, seeded_generator,
+                     skip_where_dynamo_misses_parameter_changes, tiny_model, value_tolerance)
 
 LR = 1e-2
 ATOL, RTOL = 1e-6, 1e-5
@@ -195,21 +195,6 @@ def lora_model(seed=0):
 LORA_BASE_VALUE = 0.0625
 
 
-def float64_twin_loss(model, batch):
-    x, y = batch
-    return ((model(x) - y.double()) ** 2).mean()
-
-
-def assert_fp32_decides_the_comparison(fp32_model, float64_model, what):
-    """The premise of comparing two fp32 optimizers at (ATOL, RTOL): the workflow is conditioned well enough that
-    fp32 rounding moves its result by less than half of that (the fp32 reference against its float64
-    recomputation); then two correct fp32 implementations, each that far from the exact result, agree within it."""
-    for (name, p), q in zip(fp32_model.named_parameters(), float64_model.parameters()):
-        torch.testing.assert_close(p.double(), q, atol=ATOL / 2, rtol=RTOL / 2,
-                                   msg=lambda m: f"{what}: fp32 rounding alone moves {name} this far, so no "
-                                                 f"fp32 comparison at atol={ATOL}, rtol={RTOL} can hold: {m}")
-
-
 def test_lora_frozen_base_is_never_written_and_costs_nothing(mode, device):
     pair = Pair(mode, lora_model, lambda ps: ZenFlowAdamW(ps, lr=LR, **ZENFLOW_KEYS),
                 lambda ps: ZenFlowReference(ps, lr=LR, **ZENFLOW_KEYS))
@@ -224,7 +209,7 @@ def test_lora_frozen_base_is_never_written_and_costs_nothing(mode, device):
         pair.train(part, what)
         for batch in part:
             step(exact, exact_opt, batch, loss_of=float64_twin_loss)
-        assert_fp32_decides_the_comparison(pair.b, exact, what)
+        assert_fp32_decides_the_comparison(pair.b, exact, what, ATOL, RTOL)
 
     train(batches[:4], "lora")  # boundaries at t = 1, 3: the frozen base stays as filled
     assert torch.all(pair.a.fc1.base.weight == LORA_BASE_VALUE)
