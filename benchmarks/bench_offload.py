@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlap-reselect", choices=["wait", "incoming", "both"], default="wait",
                    help="compiled ZenFlow with the overlap on: the overlap_reselect key (default wait; incoming: a "
                         "reselecting boundary keeps its CPU update in flight too)")
+    p.add_argument("--accumulate-on", choices=["auto", "device", "host", "both"], default="auto",
+                   help="compiled ZenFlow: where the unselected columns' gradients are summed, the accumulate_on key "
+                        "(default auto; both: a device row and a host row per setting)")
+    p.add_argument("--trace-dir", help="save a torch.profiler trace (Chrome JSON) of one update interval per "
+                                       "compiled ZenFlow row here, after its measured steps")
     p.add_argument("--ds-zenflow-overlap", choices=["on", "off", "both"], default="on",
                    help="DeepSpeed ZenFlow overlap_step (default on, as in the DeepSpeed tutorial config)")
     p.add_argument("--select-strategy", default="auto", choices=["auto", "step", "epoch"])
@@ -122,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JIT-build DeepSpeed's cpu_adam (and on CPU shm_comm) op once, then exit; --smoke never "
                         "builds them (a system whose op is not built fails fast with that reason)")
     p.add_argument("--out", default="bench_offload.json", help="JSON results (default bench_offload.json)")
+    p.add_argument("--simulated-device", action="store_true",
+                   help="no GPU: ZenFlow's schedule and fused AdamW's on a simulated device, the host's work real "
+                        "(benchmarks/simulated_device.py: the scaled H100 regime)")
+    p.add_argument("--sim-time-scale", type=float, default=10.0,
+                   help="--simulated-device: simulated seconds per second here (default 10)")
+    p.add_argument("--sim-steps", type=int, default=24, help="--simulated-device: measured steps (default 24)")
     p.add_argument("--chart", help="PNG chart path (default: --out with .png)")
     p.add_argument("--log-dir", help="per-system stdout/stderr logs (default: a temporary directory)")
     return p
@@ -202,12 +213,14 @@ def plan_systems(args) -> list[dict]:
                   lr=args.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=args.weight_decay, seed=0,
                   require_built_ds_ops=bool(args.smoke), cores=None, threads=args.threads)
 
-    def zenflow_block(ratio, interval, overlap, reselect="wait"):
+    def zenflow_block(ratio, interval, overlap, reselect="wait", accumulate_on="auto"):
         return dict(topk_ratio=ratio, update_interval=interval, overlap_step=overlap,
                     select_strategy=args.select_strategy, select_interval=args.select_interval,
-                    full_warm_up_rounds=args.full_warm_up_rounds, overlap_reselect=reselect)
+                    full_warm_up_rounds=args.full_warm_up_rounds, overlap_reselect=reselect,
+                    accumulate_on=accumulate_on)
 
     reselects = ["wait", "incoming"] if args.overlap_reselect == "both" else [args.overlap_reselect]
+    placements = ["device", "host"] if args.accumulate_on == "both" else [args.accumulate_on]
 
     specs = []
     if "adamw" in args.kinds:
@@ -216,11 +229,17 @@ def plan_systems(args) -> list[dict]:
         for ratio, interval in args.settings:
             for overlap in _overlaps(args.overlap):
                 for reselect in reselects if overlap else ["wait"]:
-                    specs.append(dict(common, kind="zenflow", lane="compile",
-                                      name=f"zenflow r={ratio:g} S={_fmt_interval(interval)} "
-                                           f"{'overlap' if overlap else 'sync'}"
-                                           f"{' reselect in flight' if reselect == 'incoming' else ''}",
-                                      zenflow=zenflow_block(ratio, interval, overlap, reselect)))
+                    for placement in placements:
+                        specs.append(dict(common, kind="zenflow", lane="compile",
+                                          name=f"zenflow r={ratio:g} S={_fmt_interval(interval)} "
+                                               f"{'overlap' if overlap else 'sync'}"
+                                               f"{' reselect in flight' if reselect == 'incoming' else ''}"
+                                               f"{'' if placement == 'auto' else f' sum on {placement}'}",
+                                          zenflow=zenflow_block(ratio, interval, overlap, reselect, placement)))
+    if args.trace_dir:
+        for spec in specs:
+            if spec["kind"] == "zenflow":
+                spec["trace"] = str(Path(args.trace_dir).resolve() / f"{file_stem(spec['name'])}.trace.json")
     if "ds_offload" in args.kinds:
         specs.append(dict(common, kind="ds_offload", name="ds zero-offload", lane="deepspeed"))
     if "ds_zenflow" in args.kinds:
@@ -250,9 +269,14 @@ def _last_error_line(log_text: str) -> str:
     return lines[-1][:500] if lines else ""
 
 
+def file_stem(name: str) -> str:
+    """A row's name as a file name."""
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_")
+
+
 def run_system(spec: dict, log_dir: Path, timeout: float, limit: str = "--system-timeout") -> dict:
     """Run one system in a fresh process; always return a row (status ok or failed, with a reason)."""
-    safe = "".join(c if c.isalnum() else "_" for c in spec["name"]).strip("_")
+    safe = file_stem(spec["name"])
     log_path = log_dir / f"{safe}.log"
     result_path = log_dir / f"{safe}.result.json"
     env = dict(os.environ)
@@ -593,10 +617,29 @@ def build_ds_ops() -> int:
     return subprocess.run([sys.executable, str(SYSTEMS_SCRIPT), "--build-deepspeed-ops"]).returncode
 
 
+def run_simulated(args) -> int:
+    sys.path.insert(0, str(HERE))
+    import simulated_device
+
+    regime = simulated_device.Regime(time_scale=args.sim_time_scale, steps=args.sim_steps)
+    placements = ("device", "host") if args.accumulate_on in ("both", "auto") else (args.accumulate_on,)
+    print(f"bench_offload --simulated-device: the H100 regime (1.1B bf16, fused AdamW step {regime.step_ms:g} ms, "
+          f"r {regime.topk_ratio:g}, S {regime.update_interval}) at 1/{regime.time_scale:g} time; host work real")
+    sys.stdout.flush()
+    report = simulated_device.run(regime, placements)
+    report.update(environment=environment(), simulated_device=True)
+    print(simulated_device.format_rows(report))
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(f"JSON: {args.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = resolve_args(argv)
     if args.build_deepspeed_ops:
         return build_ds_ops()
+    if args.simulated_device:
+        return run_simulated(args)
     started = time.perf_counter()
     env = environment()
     if env["cuda"] and args.jobs > 1:

@@ -30,6 +30,7 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 _PROCESS_START = time.perf_counter()
@@ -249,7 +250,8 @@ def run_zenflow(spec: dict) -> dict:
         model.parameters(), **_adamw_hyper(spec), max_grad_norm=spec.get("max_grad_norm"),
         topk_ratio=zf["topk_ratio"], update_interval=zf["update_interval"], overlap_step=zf["overlap_step"],
         select_strategy=zf["select_strategy"], select_interval=zf["select_interval"],
-        full_warm_up_rounds=zf["full_warm_up_rounds"], overlap_reselect=zf.get("overlap_reselect", "wait"))
+        full_warm_up_rounds=zf["full_warm_up_rounds"], overlap_reselect=zf.get("overlap_reselect", "wait"),
+        accumulate_on=zf.get("accumulate_on", "auto"))
     _progress("optimizer built")
     compiled = torch.compile(model, backend="zenflow")
 
@@ -281,6 +283,11 @@ def run_zenflow(spec: dict) -> dict:
     # The window ends after the last in-flight CPU update is applied (opt.synchronize(), timed).
     loop = _timed_loop(step, spec, device, on_measure_start=start_measuring, finish=opt.synchronize)
     end = opt.stats()
+    if spec.get("trace"):  # after the window: one update interval under the profiler
+        interval = zf["update_interval"] if isinstance(zf["update_interval"], int) else 4
+        Path(spec["trace"]).parent.mkdir(parents=True, exist_ok=True)
+        _trace_steps(step, range(spec["warmup"] + spec["steps"], spec["warmup"] + spec["steps"] + interval),
+                     device, spec["trace"])
     compiles = _compiles_since(marks["compiles"])
     start = marks["start"]
     needed = ("stall_seconds", "cpu_update_seconds", "accumulate_seconds", "accumulate_copy_wait_seconds",
@@ -311,14 +318,32 @@ def run_zenflow(spec: dict) -> dict:
         cpu_update_s_per_step=delta["cpu_update_seconds"] / steps,
         accumulate_s_per_step=delta["accumulate_seconds"] / steps,
         accumulate_copy_wait_s_per_step=delta["accumulate_copy_wait_seconds"] / steps,
-        cpu_updates=delta["cpu_updates"], reselections=delta["reselections"],
+        cpu_updates=delta["cpu_updates"], reselections=delta["reselections"], accumulate_on=end["accumulate_on"],
         selection_s_per_step=delta["selection_seconds"] / steps,
         native_accumulate=marks["native_accumulate"] or native_accumulate.unavailable_reason(),
         skipped_steps=delta["skipped_steps"],
         effective_update_interval=(steps / delta["cpu_updates"]) if delta["cpu_updates"] else None,
-        zenflow_stats=end, compiles_during_measurement=compiles,
+        zenflow_stats=end, compiles_during_measurement=compiles, trace=spec.get("trace"),
         zenflow_workers=_zenflow_worker_placement(opt))
     return result
+
+
+def _trace_steps(step_fn: Callable[[int], Any], steps: range, device, path: str) -> None:
+    """Run `steps` under torch.profiler, every thread included (ZenFlow's workers are threads of their own),
+    and save a Chrome trace (Perfetto, TensorBoard): the runtime's work shows as `zenflow::` ranges."""
+    import torch
+    from torch._C._profiler import _ExperimentalConfig
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities,
+                                experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        for i in steps:
+            step_fn(i)
+        _sync(device)
+    prof.export_chrome_trace(path)
+    _progress(f"trace of {len(steps)} steps: {path}")
 
 
 def _zenflow_worker_placement(opt) -> dict:

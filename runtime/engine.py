@@ -26,6 +26,7 @@ CPU is late the training thread waits, and the wait is counted as stall time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import operator
@@ -33,6 +34,7 @@ import time
 from typing import Callable, Optional
 
 import torch
+from torch.profiler import record_function
 
 from zenflow_compile.runtime import checkpoint, registry
 from zenflow_compile.runtime.collectives import DataParallel
@@ -40,9 +42,13 @@ from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
 from zenflow_compile.runtime.intake import BucketPlan, rows_taken
 from zenflow_compile.runtime.slab import (Member, MemberState, RowScratch, Slab, adopt_changed, columns_not_in,
-                                          host_order, slab_key, top_k_columns, watch_keys)
+                                          host_order, matrix_shape, slab_key, top_k_columns, watch_keys)
 from zenflow_compile.runtime.transfers import Transfers
 
+# Auto placement of the accumulators (`accumulate_on="auto"`): on the device when they take at most this share
+# of its free memory when the state is first laid out; the rest is left for activations that grow later
+# (longer sequences, a larger batch at evaluation) and the allocator's fragmentation.
+DEVICE_ACCUMULATOR_SHARE = 0.5
 
 _DTYPE = operator.attrgetter("dtype")
 
@@ -100,6 +106,14 @@ class ZenFlowRuntime:
         self.row_scratch = RowScratch()  # what reselections reorder host rows through
         self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
+        # Where the unselected columns' gradients are summed, "device" or "host"; None until the first state is
+        # laid out ("auto" looks at the device's free memory then).
+        self.accumulate_on: Optional[str] = None
+        if config.accumulate_on == "device" and data_parallel is not None:
+            raise ValueError(
+                "ZenFlowConfig.accumulate_on='device' is not implemented with ZenFlow's own data parallelism "
+                "(process_group=...: each rank's host columns are summed on the rank that owns them); use "
+                "accumulate_on='auto' or 'host' there")
         # Called with the parameters written by someone else, before their values are adopted (the owner
         # refuses layouts and dtypes the states cannot follow).
         self.check_written_params: Callable[[list[torch.Tensor]], None] = lambda params: None
@@ -177,13 +191,42 @@ class ZenFlowRuntime:
             groups.setdefault((key, None if together is None else together[position]), []).append(position)
         for (key, _), positions in groups.items():
             slab = Slab(key, [members[p] for p in positions], [states[p] for p in positions], self.transfers,
-                        accumulate_squares=self.config.interval_second_moment)
+                        accumulate_squares=self.config.interval_second_moment,
+                        accumulate_on_device=self._accumulates_on_device(),
+                        upload_early=self.data_parallel is None)
             self.slabs.append(slab)
         for member in members:
             self.members[member.pid] = member
         # Registration order (ids grow with it): the global norm sums the members in this order.
         self.members = dict(sorted(self.members.items()))
         self._layout_changed()
+
+    def _accumulates_on_device(self) -> bool:
+        """Where the unselected columns' gradients are summed, decided once, when the first state is laid out:
+        `accumulate_on`, or for "auto" the device where it is not the host, without ZenFlow's own data
+        parallelism, and where the accumulators of every parameter that trains (fp32, with the gradient's
+        staging buffer and, with interval_second_moment, the squares) take at most `DEVICE_ACCUMULATOR_SHARE`
+        of the device's free memory."""
+        if self.accumulate_on is None:
+            choice = self.config.accumulate_on
+            if choice == "auto":
+                fits = (not self.transfers.device_is_host and self.data_parallel is None
+                        and self._accumulator_bytes() <= DEVICE_ACCUMULATOR_SHARE * self.transfers.free_device_bytes())
+                choice = "device" if fits else "host"
+            self.accumulate_on = choice
+        return self.accumulate_on == "device"
+
+    def _accumulator_bytes(self) -> int:
+        """Device bytes device accumulation needs for every parameter that trains: per unselected element an fp32
+        sum (two with interval_second_moment) and its gradient's staging in the parameter's dtype."""
+        sums = 8 if self.config.interval_second_moment else 4
+        total = 0
+        for param, _ in self.params.values():
+            if param.requires_grad and param.dim() >= 2:
+                rows, cols = matrix_shape(param)
+                unselected = cols - self.config.num_selected(cols)
+                total += rows * unselected * (sums + param.element_size())
+        return total
 
     def _replace_slabs(self, old: list[Slab], members: list[Member], states: list[MemberState]) -> None:
         """`old` slabs give way to new ones for `members` (laid out from `states`)."""
@@ -318,14 +361,18 @@ class ZenFlowRuntime:
         if t == cfg.full_warm_up_rounds:
             self.selection_start = t
         if selecting:
-            started = time.perf_counter()
-            self._select_first(selecting, readout)
-            self.selection_seconds += time.perf_counter() - started
+            with self._selection_moves(stall=False):  # (laying the state out: the first step's setup)
+                self._select_first(selecting, readout)
         stepped = [(slab, rows_taken(slab)) for slab in self.slabs if slab.members_taken]
         hyperparameters = [_hyperparameters(group) for group in param_groups]
         for slab, rows in stepped:
             slab.update_on_device(rows, grad_scale=coef, **hyperparameters[slab.key.group_index])
-        self.host_work.accumulate([(slab, rows) for slab, rows in stepped if slab.has_host_part],
+        with record_function("zenflow::accumulate_on_device"):
+            for slab, rows in stepped:
+                if slab.accumulates_on_device:
+                    slab.accumulate_on_device(rows, coef)
+        self.host_work.accumulate([(slab, rows) for slab, rows in stepped
+                                   if slab.has_host_part and not slab.accumulates_on_device],
                                   self.grad_slot, self.acc_slot, coef)
         stepped_matrices = [m for m in stepped_members if m.is_matrix]
         for m in stepped_matrices:
@@ -346,14 +393,25 @@ class ZenFlowRuntime:
             arrived = self._update_boundary(hyperparameters, overlap=overlap, arriving=arriving)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
-                started = time.perf_counter()
-                self._reselect(t, reselecting, chosen, arrived if in_flight else None)
-                self.selection_seconds += time.perf_counter() - started
+                with self._selection_moves():
+                    self._reselect(t, reselecting, chosen, arrived if in_flight else None)
 
         self.step_count += 1
         self.counters["steps"] += 1
         self.grad_slot ^= 1
         self.discard_step_grads()
+
+    @contextlib.contextmanager
+    def _selection_moves(self, stall: bool = True):
+        """The training thread moves state for a selection: timed (`selection_seconds`) and, for a reselection,
+        part of the stall."""
+        started = time.perf_counter()
+        try:
+            with (self.host_work.stalling() if stall else contextlib.nullcontext()), \
+                    record_function("zenflow::selection_moves"):
+                yield
+        finally:
+            self.selection_seconds += time.perf_counter() - started
 
     def _select_first(self, selecting: list[Member], readout: "_StepReadout") -> None:
         """The first selection of these members (top-k of this step's scores): their state, with this step's
@@ -483,7 +541,7 @@ class ZenFlowRuntime:
         several = [(slab, rows) for slab, rows in several if rows]
         if not several:
             return
-        folding = [(slab, rows) for slab, rows in several if slab.has_host_part]
+        folding = [(slab, rows) for slab, rows in several if slab.has_host_part and not slab.accumulates_on_device]
         if folding:
             self.host_work.fold_backwards(folding, self.grad_slot)
         for slab, rows in several:
@@ -606,14 +664,17 @@ class ZenFlowRuntime:
         first, from this step's accumulators; returns that state, slab by slab (`Slab.take_arriving`)."""
         if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
             self._apply_host_columns()
+        # Device accumulation: the interval's sums go down into the accumulators the update will read (the
+        # update that last read them was applied at the previous boundary, at the latest just above).
+        with record_function("zenflow::send_accumulators"):
+            self.counters["bytes_device_to_host"] += sum(slab.send_accumulators(self.acc_slot) for slab in self.slabs)
         arrived = []
         if arriving:
-            started = time.perf_counter()
-            self.host_work.wait_for_accumulation()
-            arrived = [slab.take_arriving(selected, self.acc_slot,
-                                          members_by_scale(slab, self.config.interval_aware_update),
-                                          hyperparameters[slab.key.group_index]) for slab, selected in arriving]
-            self.selection_seconds += time.perf_counter() - started
+            with self._selection_moves():
+                self.host_work.wait_for_accumulation()
+                arrived = [slab.take_arriving(selected, self.acc_slot,
+                                              members_by_scale(slab, self.config.interval_aware_update),
+                                              hyperparameters[slab.key.group_index]) for slab, selected in arriving]
         self.host_work.launch_update(self.slabs, self.acc_slot, hyperparameters, self.config.interval_aware_update)
         self.steps_accumulated = 0
         self.acc_slot ^= 1
@@ -629,7 +690,8 @@ class ZenFlowRuntime:
     def _apply_host_columns(self) -> None:
         """The last launched CPU update (waited for) written into the device parameters of the slabs it
         updated."""
-        self.counters["bytes_host_to_device"] += self.host_work.apply_update(self.slabs, self.data_parallel)
+        with record_function("zenflow::apply_update"):
+            self.counters["bytes_host_to_device"] += self.host_work.apply_update(self.slabs, self.data_parallel)
         self.update_pending = False
 
     def _chosen_selections(self, slabs: list, host_scores: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -715,6 +777,7 @@ class ZenFlowRuntime:
         # machine the wall times above also count waiting for a core).
         stats["cpu_update_thread_seconds"] = workers.update_worker.busy_cpu_seconds
         stats["accumulate_thread_seconds"] = workers.accumulate_worker.busy_cpu_seconds
+        stats["accumulate_on"] = self.accumulate_on
         stats["current_interval"] = self.steps_accumulated
         stats["update_pending"] = self.update_pending
         # Host memory held for optimizer state (data parallel: this rank's share).

@@ -15,6 +15,8 @@ import time
 from concurrent.futures import Future
 from typing import Optional
 
+from torch.profiler import record_function
+
 from zenflow_compile.runtime.failures import Failure
 from zenflow_compile.runtime.slab import Slab
 from zenflow_compile.runtime.transfers import StallClock, Transfers, wait_events
@@ -67,12 +69,13 @@ class HostWork:
         work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]
 
         def accumulate():
-            for slab, rows, copies in work:
-                if copies:
-                    started = time.perf_counter()
-                    wait_events(copies)
-                    self.copy_wait_seconds += time.perf_counter() - started
-                slab.accumulate(rows, grad_slot, acc_slot, coef)
+            with record_function("zenflow::accumulate"):
+                for slab, rows, copies in work:
+                    if copies:
+                        started = time.perf_counter()
+                        wait_events(copies)
+                        self.copy_wait_seconds += time.perf_counter() - started
+                    slab.accumulate(rows, grad_slot, acc_slot, coef)
 
         future = self.accumulate_worker.submit(accumulate)
         self._accumulate_done[grad_slot] = future
@@ -87,8 +90,12 @@ class HostWork:
     def fold_backwards(self, folding: list[tuple[Slab, list[int]]], grad_slot: int) -> None:
         """Several backwards in one step: the accumulate worker sums the members' offloaded host parts and scores
         the sum; the training thread waits for it (the norm needs those scores)."""
-        self.wait(self.accumulate_worker.submit(
-            lambda: [slab.host_step_scores(grad_slot, rows) for slab, rows in folding]))
+        def fold():
+            with record_function("zenflow::fold_backwards"):
+                for slab, rows in folding:
+                    slab.host_step_scores(grad_slot, rows)
+
+        self.wait(self.accumulate_worker.submit(fold))
 
     # -- the CPU update -------------------------------------------------------------------------------------
     def launch_update(self, slabs: list[Slab], acc_slot: int, hyperparameters: list[dict],
@@ -107,8 +114,9 @@ class HostWork:
                 work.append((slab, by_scale, hyperparameters[slab.key.group_index]))
 
         def cpu_update():
-            for slab, by_scale, hyper in work:
-                slab.update_host_columns(by_scale, acc_slot, hyper)
+            with record_function("zenflow::cpu_adamw"):
+                for slab, by_scale, hyper in work:
+                    slab.update_host_columns(by_scale, acc_slot, hyper)
 
         self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)
 
@@ -147,6 +155,16 @@ class HostWork:
         """Time the training thread spends waiting for CPU work (here or on another rank): counted and
         measured as stall."""
         self.counters["host_waits"] += 1
+        marker, start = self.stall_clock.before_wait(), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stall_clock.after_wait(marker, time.perf_counter() - start)
+
+    @contextlib.contextmanager
+    def stalling(self):
+        """Work of the training thread that ZenFlow causes and the device may idle through (a selection's
+        state moves): measured as stall, not counted as a wait for CPU work."""
         marker, start = self.stall_clock.before_wait(), time.perf_counter()
         try:
             yield

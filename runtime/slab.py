@@ -12,6 +12,12 @@ member i's (u = C - k host columns):
             host_grads[2] [n, u, R] (by step parity), host_weights[2] [n, u, R] (by update parity): pinned,
             the param dtype; host_scores [n, u] pinned
 
+Where the unselected columns' gradients are summed (`accumulate_on`): on the host, each step's host columns
+are copied into host_grads and a worker adds them into the accumulators; on the device, they are gathered
+into `rest_grad` [n, u, R] (param dtype) and added on the device into `device_acc` (and `device_sq_acc`)
+[n, u, R] fp32, which a boundary copies into the pinned accumulators[slot] once per interval (host_grads then
+do not exist). A slab before its first selection (k = 0: warm-up, a boundary every step) sums on the host.
+
 Host tensors are transposed, [u, R] per member, so one column is one contiguous row: the offload of the
 unselected columns is one contiguous copy, and the CPU AdamW runs over whole rows. A member's host columns
 are ordered by update count, so equal counts form runs (one fused-AdamW tensor each; out of order after a
@@ -179,6 +185,10 @@ def _cpu_adamw_(runs: list, steps: torch.Tensor, hyperparameters: dict) -> None:
                        grad_sqs=None if grad_sqs[0] is None else grad_sqs, **hyperparameters)
 
 
+# `Slab.acc_sent` where the device is the host: the copy was made at once, no event to wait for.
+_SENT = object()
+
+
 def columns_not_in(columns: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
     """[n, k] bool: whether columns[i, j] is not among others[i] (two members' selections compared row by row)."""
     return ~(columns.unsqueeze(2) == others.unsqueeze(1)).any(2)
@@ -336,7 +346,7 @@ class Slab:
     SHORT_RUN_ROWS = 64
 
     def __init__(self, key: SlabKey, members: list[Member], states: list[MemberState], transfers: Transfers,
-                 accumulate_squares: bool):
+                 accumulate_squares: bool, accumulate_on_device: bool = False, upload_early: bool = False):
         self.key, self.members, self.transfers = key, members, transfers
         self.n, self.R, self.C, self.k = len(members), members[0].rows, key.cols, key.num_selected
         self.u = self.C - self.k
@@ -357,6 +367,11 @@ class Slab:
         host_columns = self._host_order(selected, counts, states)
         self.selected_cpu, self.host_columns_cpu = selected, host_columns
         self.has_host_part = self.owns_host and u > 0
+        self.accumulates_on_device = accumulate_on_device and self.has_host_part and k > 0
+        # The update worker queues its columns' upload as soon as it has published them (one process, a device
+        # that is not the host); `uploaded` is that (device tensor, event) until the apply merges it.
+        self.upload_early = upload_early and self.has_host_part and not transfers.device_is_host
+        self.uploaded = None
         host_state = {}
         for name in ("master", "exp_avg", "exp_avg_sq"):
             naturals = [getattr(s, name) for s in states]
@@ -404,6 +419,9 @@ class Slab:
             for i, s in enumerate(states):
                 if s.step_scores is not None:
                     self.scores[i].copy_(s.step_scores)
+        self.device_acc = self.device_sq_acc = self.rest_grad = None
+        self.acc_landed: list = [None, None]  # device accumulation: the copy events into accumulators[slot]
+        self.acc_sent = None  # device accumulation: the sums were sent at a boundary, not yet emptied (an event)
         if not self.has_host_part:
             self.host_master = self.host_exp_avg = self.host_exp_avg_sq = self.host_counts = None
             self.accumulators, self.square_accumulators, self.host_grads, self.host_weights = [], [], [], []
@@ -413,17 +431,30 @@ class Slab:
         self.host_master, self.host_exp_avg, self.host_exp_avg_sq = (host_state[name] for name in
                                                                      ("master", "exp_avg", "exp_avg_sq"))
         self.host_counts = counts.gather(1, host_columns)
-        self.accumulators = [torch.zeros(n, u, R, device="cpu") for _ in range(2)]
-        self.square_accumulators = [torch.zeros(n, u, R, device="cpu") for _ in range(2)] if accumulate_squares else []
-        for buffers, name in ((self.accumulators, "accumulator"), (self.square_accumulators, "square_accumulator")):
+        on_device = self.accumulates_on_device
+        # Host accumulators: where the worker adds, or (device accumulation) where a boundary's copy lands.
+        landing = (lambda: host_zeros((n, u, R), torch.float32)) if on_device else (
+            lambda: torch.zeros(n, u, R, device="cpu"))
+        self.accumulators = [landing() for _ in range(2)]
+        self.square_accumulators = [landing() for _ in range(2)] if accumulate_squares else []
+        if on_device:
+            self.device_acc = torch.zeros(n, u, R, device=dev)
+            self.device_sq_acc = torch.zeros(n, u, R, device=dev) if accumulate_squares else None
+            self.rest_grad = torch.zeros(n, u, R, dtype=self.dtype, device=dev)
+        sums = [self.device_acc, self.device_sq_acc] if on_device else [self.accumulators[0],
+                                                                         (self.square_accumulators or [None])[0]]
+        for target, name in zip(sums, ("accumulator", "square_accumulator")):
             saved = [getattr(s, name) for s in states]
-            if buffers and any(a is not None for a in saved):
-                _columns_as_rows(saved, torch.float32, host_columns, out=buffers[0])
-        self.host_grads = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
-        self.host_grad_bytes = self.host_grads[0].numel() * self.host_grads[0].element_size()
+            if target is not None and any(a is not None for a in saved):
+                target.copy_(_columns_as_rows(saved, torch.float32, host_columns))
+        self.host_grads = [] if on_device else [host_zeros((n, u, R), self.dtype) for _ in range(2)]
+        self.host_grad_bytes = 0 if on_device else self.host_grads[0].numel() * self.host_grads[0].element_size()
         if has_step_grad:
-            _columns_as_rows(step_grads, self.dtype, host_columns, out=self.host_grads[0])
-            self.host_grads[1].copy_(self.host_grads[0])
+            if on_device:
+                self.rest_grad.copy_(_columns_as_rows(step_grads, self.dtype, host_columns))
+            else:
+                _columns_as_rows(step_grads, self.dtype, host_columns, out=self.host_grads[0])
+                self.host_grads[1].copy_(self.host_grads[0])
         # host_weights[0]: the latest CPU update (a member's pending one, else what the device holds);
         # host_weights[1]: what the device holds (the applied weights while an update is pending).
         self.host_weights = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
@@ -457,8 +488,9 @@ class Slab:
 
     def device_buffers(self) -> list[torch.Tensor]:
         written = [] if self.selected_written is None else [self.selected_written]
+        summing = [t for t in (self.device_acc, self.device_sq_acc, self.rest_grad) if t is not None]
         return [self.master, self.exp_avg, self.exp_avg_sq, self.counts, self.grad, self.scores, self.selected,
-                self.host_columns, *written]
+                self.host_columns, *written, *summing]
 
     def host_buffers(self) -> list[torch.Tensor]:
         if not self.has_host_part:
@@ -499,6 +531,12 @@ class Slab:
         for slot_extras in self.extra_grads[grad_slot].values():  # (a discarded step's extras)
             slot_extras.clear()
         if not self.has_host_part:
+            return 0
+        if self.accumulates_on_device:  # gathered by column on the device, summed there at step()
+            if n == 1:
+                torch.index_select(g[0].t(), 0, self.host_columns[0], out=self.rest_grad[0])
+            else:
+                torch.gather(g.transpose(1, 2), 1, self._rest.transpose(1, 2), out=self.rest_grad)
             return 0
         if n == 1:  # gather + transpose straight into the host buffer
             done = self.transfers.to_host(g[0].t(), self.host_grads[grad_slot][0], rows=self.host_columns[0])
@@ -543,7 +581,12 @@ class Slab:
     def _offload(self, i: int, rest: torch.Tensor, first: bool, grad_slot: int,
                  rows: Optional[torch.Tensor] = None) -> int:
         """Member i's unselected columns ([u, R], or the rows `rows` of `rest`) into host_grads[grad_slot][i];
-        a later backward of the step into an extra pinned buffer (reused step after step), summed at step()."""
+        a later backward of the step into an extra pinned buffer (reused step after step), summed at step().
+        Device accumulation: into (or, a later backward, added to) rest_grad[i], on the device."""
+        if self.accumulates_on_device:
+            part = rest if rows is None else rest.index_select(0, rows)
+            self.rest_grad[i].copy_(part) if first else self.rest_grad[i].add_(part)
+            return 0
         extras = self.extra_grads[grad_slot].setdefault(i, [])
         if first:
             extras.clear()  # (a discarded step's)
@@ -627,7 +670,9 @@ class Slab:
             exact = torch.empty(self.C, device=self.device)
             exact[self.selected[i]] = self.grad[i].float().pow(2).sum(0)
             if self.u:
-                if self.has_host_part:
+                if self.accumulates_on_device:
+                    exact[self.host_columns[i]] = self.rest_grad[i].float().pow(2).sum(1)
+                elif self.has_host_part:
                     exact[self.host_columns[i]] = self.transfers.to_device(self.host_scores[i])[0]
                 else:  # the owner reports them
                     exact[self.host_columns[i]] = 0.0
@@ -651,6 +696,41 @@ class Slab:
         Taken when the accumulate task is submitted: the next step replaces them."""
         return [] if self.transfers.device_is_host else list(self.offload_done[grad_slot])
 
+    def accumulate_on_device(self, rows: Optional[list[int]], coef: float) -> None:
+        """On the device, at step(): device_acc += coef * rest_grad (and device_sq_acc += (coef * rest_grad)**2)
+        for members `rows` (None: all)."""
+        if self.acc_sent is not None:  # the first step of an interval: the sums sent at the boundary start over
+            sums = [t for t in (self.device_acc, self.device_sq_acc) if t is not None]
+            self.transfers.after_copy_down(self.acc_sent, sums)
+            torch._foreach_zero_(sums)
+            self.acc_sent = None
+        pick = (lambda t: [t]) if rows is None else (lambda t: [t[i] for i in rows])
+        accs, grads = pick(self.device_acc), pick(self.rest_grad)
+        torch._foreach_add_(accs, grads, alpha=coef)
+        if self.device_sq_acc is not None:
+            torch._foreach_addcmul_(pick(self.device_sq_acc), grads, grads, value=coef * coef)
+
+    def send_accumulators(self, acc_slot: int) -> int:
+        """Device accumulation, at a boundary: the interval's sums copied into the pinned accumulators[acc_slot]
+        for the CPU update (`acc_landed[acc_slot]` is their copy's event). The device sums hold nothing from
+        here on (`acc_sent`); the next step's accumulation empties them, its stream waiting for the copy then:
+        a step later, so the device does not wait for it. Returns the bytes sent. (Host accumulation: nothing
+        to send.)"""
+        if not self.accumulates_on_device or self.acc_sent is not None:
+            return 0
+        sources = [t for t in (self.device_acc, self.device_sq_acc) if t is not None]
+        targets = [self.accumulators[acc_slot], *self.square_accumulators[acc_slot:acc_slot + 1]]
+        self.acc_landed[acc_slot] = self.transfers.to_host_many(sources, targets)
+        self.acc_sent = self.acc_landed[acc_slot] or _SENT
+        return sum(t.numel() * t.element_size() for t in targets)
+
+    def wait_for_accumulators(self, acc_slot: int) -> None:
+        """Before a host thread reads accumulators[acc_slot]: device accumulation's copy has landed."""
+        if self.accumulates_on_device:
+            wait_events([self.acc_landed[acc_slot]])
+            self.transfers.host_access(writes=[self.accumulators[acc_slot],
+                                               *self.square_accumulators[acc_slot:acc_slot + 1]])
+
     def accumulate(self, rows: Optional[list[int]], grad_slot: int, acc_slot: int, coef: float) -> None:
         """Accumulate worker, once the step's copies have landed: acc += coef * g (and square_acc +=
         (coef * g)**2) for members `rows` (None: all)."""
@@ -668,6 +748,7 @@ class Slab:
         """Update worker, at a boundary: the CPU AdamW of the host columns of the members in
         `members_by_scale` (lr multiplier -> [(member index, steps accumulated)], in member order), from the mean
         of each member's accumulated gradients; then empty the accumulators and publish the new columns."""
+        self.wait_for_accumulators(acc_slot)
         acc = self.accumulators[acc_slot]
         squares = self.square_accumulators[acc_slot] if self.accumulate_squares else None
         sums = [acc] + ([squares] if squares is not None else [])
@@ -686,7 +767,8 @@ class Slab:
                 self.host_counts.add_(1)
             else:
                 self.host_counts[rows] += 1
-        torch._foreach_zero_(sums)
+        if not self.accumulates_on_device:  # (device accumulation: the next boundary's copy overwrites them)
+            torch._foreach_zero_(sums)
         self.publish_host_weights()
 
     def host_adamw_(self, rows: list[int], everyone: bool, acc: torch.Tensor, squares: Optional[torch.Tensor],
@@ -726,23 +808,34 @@ class Slab:
                     view(target).index_copy_(0, order, updated)
 
     def publish_host_weights(self) -> None:
-        """After a CPU update: cast the new masters into the free weights buffer for the next upload."""
+        """After a CPU update: cast the new masters into the free weights buffer for the next upload. With
+        `upload_early`, the upload is queued at once (on the update worker), so that by the apply it has
+        landed and the merge does not wait for it."""
         free = self.weights_slot ^ 1
         wait_events([self.upload_done[free]])
         self.transfers.host_access(writes=[self.host_weights[free]])
         self.host_weights[free].copy_(self.host_master)
         self.weights_slot = free
+        if self.upload_early:
+            self.uploaded = self.transfers.upload_ahead(self.host_weights[free])
+            self.upload_done[free] = self.uploaded[1]
 
     def apply_host_columns(self, data_parallel=None) -> int:
         """Write the latest CPU-updated columns into the members' parameters; returns the bytes uploaded.
         Data parallel: each member's owner uploads and broadcasts its columns, the other ranks receive them.
         Called once the update has finished."""
         self.settle_departing()
+        uploaded, self.uploaded = self.uploaded, None
         self.unapplied = False
         if not self.u:
             return 0
         if data_parallel is None:
-            values, self.upload_done[self.weights_slot] = self.transfers.to_device(self.host_weights[self.weights_slot])
+            if uploaded is None:
+                values, self.upload_done[self.weights_slot] = self.transfers.to_device(
+                    self.host_weights[self.weights_slot])
+            else:
+                values = uploaded[0]
+                self.transfers.use_upload(*uploaded)
             kernels.write_columns_(self.params, self.host_columns, values.transpose(1, 2))
             return values.numel() * values.element_size()
         uploaded = 0
@@ -804,9 +897,13 @@ class Slab:
             state.selected_written = self.selected_written[i].cpu()
         if self.has_host_part:
             self.transfers.host_access(reads=self.host_weights)
-            state.accumulator = self._natural(i, None, self.accumulators[acc_slot], missing=0.0)
+            if self.accumulates_on_device:  # (sent at a boundary: nothing accumulated since)
+                sums = (None, None) if self.acc_sent is not None else (self.device_acc, self.device_sq_acc)
+            else:
+                sums = (self.accumulators[acc_slot], (self.square_accumulators or [None] * 2)[acc_slot])
+            state.accumulator = self._natural(i, None, sums[0], missing=0.0)
             if self.accumulate_squares:
-                state.square_accumulator = self._natural(i, None, self.square_accumulators[acc_slot], missing=0.0)
+                state.square_accumulator = self._natural(i, None, sums[1], missing=0.0)
             state.applied = self._natural(i, None, self.applied_weights(), self.dtype, missing=0.0)
         if with_step_grad is not None and self.members[i].num_grads:
             state.step_grad = self.step_grad(i, with_step_grad)
@@ -815,6 +912,8 @@ class Slab:
 
     def step_grad(self, i: int, grad_slot: int) -> torch.Tensor:
         """Member i's gradient of this step in [R, C] layout on the host (waits for its offload)."""
+        if self.accumulates_on_device:
+            return self._natural(i, self.grad, self.rest_grad, self.dtype, missing=0.0)
         self.fold_extra_grads(grad_slot)
         wait_events(self.offload_done[grad_slot])
         if self.has_host_part:
@@ -906,6 +1005,7 @@ class Slab:
         if not member.numel():
             return None
         row = self._host_position()[member, selected[member, slot]]
+        self.wait_for_accumulators(acc_slot)
         master, exp_avg, exp_avg_sq, grad = (t[member, row] for t in (  # (copies: advanced indexing)
             self.host_master, self.host_exp_avg, self.host_exp_avg_sq, self.accumulators[acc_slot]))
         grad_sq = self.square_accumulators[acc_slot][member, row] if self.accumulate_squares else None
@@ -994,6 +1094,7 @@ class Slab:
         self.transfers.host_access(writes=self.host_weights)
         for weights in self.host_weights:
             weights[d.member, d.place] = d.weights
+        self.uploaded = None  # (an upload made before these rows changed: the apply uploads them again)
 
     def _host_position(self) -> torch.Tensor:
         """[n, C]: the host row of each host column (-1 for the selected ones)."""
@@ -1060,6 +1161,7 @@ class Slab:
             applied.copy_(host_now)
             if self.unapplied:  # the pending update now carries the written values where they changed
                 self.host_weights[self.weights_slot][i].copy_(self.host_master[i])
+                self.uploaded = None  # (uploaded before: the apply uploads them again)
         member.watch.remember()
 
     def left_in_param(self, i: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ import contextlib
 from typing import Optional, Sequence
 
 import torch
+from torch.profiler import record_function
 
 
 class AcceleratorStreams:
@@ -76,6 +77,15 @@ class AcceleratorStreams:
     def device_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def free_bytes(self) -> int:
+        """Device memory a new tensor can take: free in the driver, plus what the caching allocator holds
+        unused."""
+        get_memory_info = getattr(torch.accelerator, "get_memory_info", None)  # (torch >= 2.10)
+        if get_memory_info is None:
+            get_memory_info = torch.get_device_module(self.device).mem_get_info
+        free, _ = get_memory_info(self.device)
+        return free + torch.accelerator.memory_reserved(self.device) - torch.accelerator.memory_allocated(self.device)
+
 
 # The stream API that serves CPU tensors as a device that is not the host: set only by tests
 # (`emulate_async_device`), None otherwise (the CPU is the host).
@@ -113,6 +123,10 @@ class Transfers:
         if not self.device_is_host:
             self.device_to_host = self.streams.stream()
             self.host_to_device = self.streams.stream()
+
+    def free_device_bytes(self) -> int:
+        """Free memory of a device that is not the host."""
+        return self.streams.free_bytes()
 
     # -- host memory ----------------------------------------------------------------------------------------
     def host_zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -162,31 +176,53 @@ class Transfers:
         if self.traced:
             streams.note_compute_access(writes=sources)  # the sources were produced by compute work
         stream.wait_stream(streams.current_stream())
-        streams.copy_(pinned, sources, stream)
+        with record_function("zenflow::copy_down"):
+            streams.copy_(pinned, sources, stream)
         done = streams.event()
         done.record(stream)
         streams.keep_alive(sources, stream)
         return done
 
+    def after_copy_down(self, done, sources: Sequence[torch.Tensor]) -> None:
+        """The compute stream is about to overwrite the device `sources` of a copy down (`done`: its event): it
+        waits for the copy first (a wait on the device, not the host)."""
+        if self.device_is_host:
+            return
+        self.streams.current_stream().wait_event(done)
+        if self.traced:
+            self.streams.note_compute_access(writes=sources)
+
     def to_device(self, pinned: torch.Tensor):
         """Upload host `pinned`; the compute stream waits for it. Returns the device tensor and the event
         after which `pinned` may be overwritten (None where the device is the host: `pinned` itself)."""
+        target, done = self.upload_ahead(pinned)
+        self.use_upload(target, done)
+        return target, done
+
+    def upload_ahead(self, pinned: torch.Tensor):
+        """Queue the upload of host `pinned` (from any host thread) without making the compute stream wait:
+        `use_upload` does, before the first kernel that reads the target. Returns (target, event)."""
         if self.device_is_host:
             return pinned, None
         streams, stream = self.streams, self.host_to_device
-        compute = streams.current_stream()
         target = streams.device_empty(pinned.shape, pinned.dtype)
         if self.traced:
             streams.note_compute_access(writes=[target])  # its memory may have served earlier compute work
-        stream.wait_stream(compute)
-        streams.copy_([target], [pinned], stream)
+        stream.wait_stream(streams.current_stream())
+        with record_function("zenflow::upload"):
+            streams.copy_([target], [pinned], stream)
         done = streams.event()
         done.record(stream)
-        # (no keep_alive: the compute stream waits for this copy before it reads or frees `target`)
-        compute.wait_event(done)
-        if self.traced:
-            streams.note_compute_access(reads=[target])  # the caller's kernels read it next
+        streams.keep_alive([target], stream)  # (dropped unmerged, as when the slab is replaced, its memory waits)
         return target, done
+
+    def use_upload(self, target: torch.Tensor, done) -> None:
+        """The compute stream waits for an upload (`upload_ahead`) before its kernels read the target."""
+        if self.device_is_host:
+            return
+        self.streams.current_stream().wait_event(done)
+        if self.traced:
+            self.streams.note_compute_access(reads=[target])  # the caller's kernels read it next
 
     def read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A blocking read of a device value (on an accelerator, a synchronisation with the compute stream)."""
@@ -203,7 +239,8 @@ def wait_events(events: list) -> None:
 
 
 class StallClock:
-    """Time the training thread waits for the CPU: wall time on the host, device idle time via events.
+    """Time the training thread waits for the CPU, or spends moving state for a selection: wall time on the
+    host, device idle time via events.
 
     Where the device is not the host, a timing event is recorded on the compute stream before and after the
     host wait; the time between them is how long the device had nothing to do because of the wait (zero if
@@ -214,17 +251,24 @@ class StallClock:
     def __init__(self, transfers: Transfers):
         self.streams = None if transfers.device_is_host else transfers.streams
         self.host_seconds = 0.0
+        self._depth = 0  # waits in progress (nested ones are measured by the outermost)
         self._resolved_device_seconds = 0.0
         self._pending: list = []
 
     def before_wait(self):
-        if self.streams is None:
+        """Mark the start of a wait; a wait inside another (a selection's move waiting for a worker) is part of
+        the outer one and is not measured again."""
+        self._depth += 1
+        if self.streams is None or self._depth > 1:
             return None
         start = self.streams.event(timing=True)
         start.record(self.streams.current_stream())
         return start
 
     def after_wait(self, start, host_seconds: float) -> None:
+        self._depth -= 1
+        if self._depth:
+            return
         self.host_seconds += host_seconds
         if start is not None:
             end = self.streams.event(timing=True)

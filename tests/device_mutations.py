@@ -36,19 +36,27 @@ class Mutation:
 
 MUTATIONS = [
     Mutation("M01", "copy down: its stream does not wait for the compute stream that produced the source",
-             "runtime/transfers.py", "        stream.wait_stream(streams.current_stream())\n", ""),
+             "runtime/transfers.py",
+             "        stream.wait_stream(streams.current_stream())\n        with record_function(\"zenflow::copy_down\"):",
+             "        with record_function(\"zenflow::copy_down\"):"),
     Mutation("M02", "copy down: no event recorded after the copy (readers wait for nothing)",
              "runtime/transfers.py", "        done.record(stream)\n        streams.keep_alive(sources, stream)\n",
              "        streams.keep_alive(sources, stream)\n"),
     Mutation("M03", "copy down: the source is not kept alive for the copy stream (record_stream)",
              "runtime/transfers.py", "        streams.keep_alive(sources, stream)\n", ""),
     Mutation("M04", "upload: its stream does not wait for the compute stream (the target's memory)",
-             "runtime/transfers.py", "        stream.wait_stream(compute)\n", ""),
-    Mutation("M05", "upload: no event recorded after the copy",
              "runtime/transfers.py",
-             "        done.record(stream)\n        # (no keep_alive", "        # (no keep_alive"),
-    Mutation("M06", "upload: the compute stream does not wait for it before its kernels read the target",
-             "runtime/transfers.py", "        compute.wait_event(done)\n", ""),
+             "        stream.wait_stream(streams.current_stream())\n        with record_function(\"zenflow::upload\"):",
+             "        with record_function(\"zenflow::upload\"):"),
+    Mutation("M05", "upload: no event recorded after the copy",
+             "runtime/transfers.py", "        done.record(stream)\n        streams.keep_alive([target], stream)",
+             "        streams.keep_alive([target], stream)"),
+    Mutation("M06", "upload: the compute stream does not wait for it before its kernels read the target (an upload "
+                    "queued at the apply, or by the update worker when it finished)",
+             "runtime/transfers.py",
+             "        self.streams.current_stream().wait_event(done)\n        if self.traced:\n"
+             "            self.streams.note_compute_access(reads=[target])",
+             "        if self.traced:\n            self.streams.note_compute_access(reads=[target])"),
     Mutation("M07", "accumulate worker: reads the offloaded gradients without waiting for their copies",
              "runtime/host_work.py", "                    wait_events(copies)\n", ""),
     Mutation("M08", "accumulate task: submitted without this step's copy events",
@@ -111,6 +119,19 @@ MUTATIONS = [
     Mutation("M26", "departing columns' weights written into host rows an upload may still read",
              "runtime/slab.py",
              "        wait_events(self.upload_done)  # an upload may still read the weights of these rows\n", ""),
+    Mutation("M27", "device accumulation: the CPU update reads the accumulators without waiting for their copy down",
+             "runtime/slab.py", "            wait_events([self.acc_landed[acc_slot]])\n", ""),
+    Mutation("M28", "device accumulation: the next interval empties the device sums without the compute stream "
+                    "waiting for the copy that reads them",
+             "runtime/transfers.py",
+             "        self.streams.current_stream().wait_event(done)\n        if self.traced:\n"
+             "            self.streams.note_compute_access(writes=sources)",
+             "        if self.traced:\n            self.streams.note_compute_access(writes=sources)"),
+    Mutation("M29", "an upload the update worker queued early is merged after the host weights it read were "
+                    "rewritten (departing columns settled), instead of uploading them again",
+             "runtime/slab.py",
+             "        self.uploaded = None  # (an upload made before these rows changed: the apply uploads them again)\n",
+             ""),
 ]
 
 DEFAULT_TESTS = ["tests/test_device_path.py", "tests/test_transfers.py", "tests/test_optimizer.py",

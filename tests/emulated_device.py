@@ -222,9 +222,15 @@ class EmulatedStreams:
         self.violations: list[str] = []
         self._streams: list[_SideStream] = []
         self._host_buffers: dict[int, _HostBuffer] = {}  # storage address -> buffer
+        self._device_reads: dict = {}  # id -> [(weakref, node)] since its last write
         self._device_writes: dict[int, tuple] = {}  # id(device tensor) -> (weakref, node of its last write)
         self._latest_copy: dict = {}  # stream -> (device tensors of its latest copy, those kept alive)
         self._lock = threading.RLock()
+        # The device memory `free_bytes` reports (what accumulate_on="auto" sizes against): a large device
+        # unless a test says otherwise.
+        self.free_device_bytes = 1 << 40
+        # (thread name, bytes) of every host access the runtime declares: which thread touches host state.
+        self.host_accesses: list[tuple[str, int]] = []
 
     # -- the stream API -------------------------------------------------------------------------------------
     def stream(self) -> _SideStream:
@@ -244,6 +250,9 @@ class EmulatedStreams:
             address = tensor.untyped_storage().data_ptr()
             self._host_buffers[address] = _HostBuffer(f"pinned {tuple(shape)} {dtype}", tensor)
         return tensor
+
+    def free_bytes(self) -> int:
+        return self.free_device_bytes
 
     def device_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         # (the emulated device memory is host memory, whatever the default device)
@@ -294,6 +303,8 @@ class EmulatedStreams:
     # -- declarations from the runtime ----------------------------------------------------------------------
     def note_host_access(self, reads=(), writes=()) -> None:
         node = self.hb.point(_actor_of_this_thread(), "host access")
+        self.host_accesses.append((threading.current_thread().name,
+                                   sum(t.numel() * t.element_size() for t in (*reads, *writes))))
         for tensor in reads:
             self._require_host_buffer(node, tensor)
             self._host_access(node, tensor, is_write=False)
@@ -350,15 +361,26 @@ class EmulatedStreams:
             return True
 
     def _device_access(self, node: int, tensor: torch.Tensor, is_write: bool) -> None:
-        """Device tensors are followed by identity: the runtime hands the same tensor to every call."""
+        """Device tensors are followed by identity: the runtime hands the same tensor to every call. A write
+        must also be ordered after every read since the last write (a copy's source overwritten while the copy
+        may still read it)."""
         with self._lock:
             last = self._device_writes.get(id(tensor))
             if last is not None and last[0]() is tensor and not self.hb.ordered(last[1], node):
                 self._violation(node, f"{'write' if is_write else 'read'} of a device tensor "
                                       f"{tuple(tensor.shape)} is not ordered after its write by "
                                       f"{self.hb.describe(last[1])}: a missing wait")
-            if is_write:
-                self._device_writes[id(tensor)] = (weakref.ref(tensor), node)
+            reads = self._device_reads.setdefault(id(tensor), [])
+            reads[:] = [(ref, read) for ref, read in reads if ref() is tensor]
+            if not is_write:
+                reads.append((weakref.ref(tensor), node))
+                return
+            for _, read in reads:
+                if not self.hb.ordered(read, node):
+                    self._violation(node, f"write of a device tensor {tuple(tensor.shape)} is not ordered after "
+                                          f"its read by {self.hb.describe(read)}: a missing wait")
+            reads.clear()
+            self._device_writes[id(tensor)] = (weakref.ref(tensor), node)
 
     def _violation(self, node: int, message: str) -> None:
         text = f"{self.hb.describe(node)}: {message}"

@@ -36,7 +36,8 @@ def _load_bench():
 def test_smoke_run_reports_every_system(tmp_path):
     out = tmp_path / "tmp.json"
     # --jobs 2 (two lanes at once, one core each on a 2-core machine) keeps the test short and checks the split
-    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--jobs", "2", "--out", str(out)], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(BENCH), "--smoke", "--jobs", "2", "--out", str(out),
+                           "--trace-dir", str(tmp_path / "traces")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     report = json.loads(out.read_text())
@@ -51,6 +52,10 @@ def test_smoke_run_reports_every_system(tmp_path):
     assert kinds.count("adamw") == 1 and kinds.count("ds_offload") == 1 and kinds.count("ds_zenflow") == 1
     zen = [r for r in rows if r["kind"] == "zenflow"]
     assert [r["settings"]["overlap_step"] for r in zen] == [True]
+    for row in zen:  # one update interval's trace, the runtime's work named on its threads
+        if row["status"] == "ok":
+            trace = Path(row["trace"]).read_text()
+            assert '"zenflow::cpu_adamw"' in trace and '"zenflow::apply_update"' in trace
     assert len({r["name"] for r in rows}) == len(rows)
 
     cpu = not report["environment"]["cuda"]
@@ -135,6 +140,11 @@ def test_plan_and_targets_without_running():
         ("zenflow r=0.05 S=4 overlap", True, "wait"),
         ("zenflow r=0.05 S=4 overlap reselect in flight", True, "incoming"),
         ("zenflow r=0.05 S=4 sync", False, "wait")]
+    # --accumulate-on both: a row summing on the device beside one summing on the host
+    args = bench.resolve_args(["--zenflow-settings", "0.05:4", "--overlap", "on", "--accumulate-on", "both",
+                               "--systems", "zenflow", "--out", "x.json"])
+    assert [(s["name"], s["zenflow"]["accumulate_on"]) for s in bench.plan_systems(args)] == [
+        ("zenflow r=0.05 S=4 overlap sum on device", "device"), ("zenflow r=0.05 S=4 overlap sum on host", "host")]
 
     def row(name, kind, mean, settings=None, **extra):
         return dict(name=name, kind=kind, status="ok", error=None, settings=settings, median_step_s=mean,
@@ -202,3 +212,33 @@ def test_cores_are_split_per_concurrent_lane():
     specs = bench.plan_systems(args)
     bench.assign_cores(specs, args, [0, 1, 2, 3])
     assert {(tuple(s["cores"]), s["threads"]) for s in specs} == {((0, 1, 2, 3), 1)}
+
+
+def test_the_simulated_device_measures_the_schedule(tmp_path):
+    """The simulated device's rows: bytes device -> host per step as the schedule sends them (the interval's
+    fp32 sums once per S steps, or every step's unselected gradient), and a host too slow for the interval
+    shows as stall (the device idles through the wait for the CPU update)."""
+    sys.path.insert(0, str(BENCH.parent))
+    import simulated_device
+
+    regime = simulated_device.Regime(params=2e8, step_ms=50.0, update_interval=2, time_scale=10.0, steps=6,
+                                     warmup=2)
+    host = simulated_device.HostWork(regime, update_rate_here=1e7, accumulate_rate_here=1e7)  # (~0.1M: quick)
+    try:
+        device = simulated_device.simulate_zenflow(regime, host, "device")
+        on_host = simulated_device.simulate_zenflow(regime, host, "host")
+    finally:
+        host.close()
+    unselected = (1 - regime.topk_ratio) * regime.params
+    assert device["bytes_device_to_host_per_step"] == pytest.approx(unselected * 4 / regime.update_interval)
+    assert on_host["bytes_device_to_host_per_step"] == pytest.approx(unselected * regime.param_bytes)
+    # A host this machine stands in for with a 20M-parameter CPU AdamW per 10 ms interval (5 ms steps here):
+    # each update takes several intervals, and the device waits for it.
+    host = simulated_device.HostWork(regime, update_rate_here=2.3e9, accumulate_rate_here=1e7)
+    assert host.update_numel > 19_000_000
+    try:
+        baseline = simulated_device.simulate_adamw(regime)
+        stalled = simulated_device.simulate_zenflow(regime, host, "device")
+    finally:
+        host.close()
+    assert stalled["idle_s"] - baseline["idle_s"] > 0.5 * stalled["window_s"]

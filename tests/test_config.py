@@ -42,7 +42,8 @@ TUTORIAL_JSON = """\
 DEFAULTS = dict(topk_ratio=0.1, select_strategy="auto", select_interval="auto", update_interval="auto",
                 overlap_step=False, offload=False, auto_ratio=0.99, full_warm_up_rounds=0,
                 pt_reserved_cores_perc=0.5, steps_per_epoch=None, max_update_interval=16,
-                interval_aware_update=False, interval_second_moment=False, overlap_reselect="wait")
+                interval_aware_update=False, interval_second_moment=False, overlap_reselect="wait",
+                accumulate_on="auto")
 
 
 # ------------------------------------------------------------------------------------------------ defaults
@@ -93,6 +94,7 @@ INVALID = [
     ("steps_per_epoch", 0), ("steps_per_epoch", -5), ("steps_per_epoch", 10.0), ("steps_per_epoch", True),
     ("max_update_interval", 0), ("max_update_interval", 2.5), ("max_update_interval", "auto"),
     ("max_update_interval", False), ("max_update_interval", None),
+    ("accumulate_on", "gpu"), ("accumulate_on", None), ("accumulate_on", True),
 ]
 
 
@@ -281,7 +283,7 @@ def test_deepspeed_defaults_parity():
     ours = ZenFlowConfig()
     shared = [k for k in ZENFLOW_KEYS if k in type(ds).model_fields]
     assert set(ZENFLOW_KEYS) - set(shared) == {"max_update_interval", "interval_aware_update",
-                                               "interval_second_moment", "overlap_reselect"}
+                                               "interval_second_moment", "overlap_reselect", "accumulate_on"}
     assert set(type(ds).model_fields) <= set(ZENFLOW_KEYS)
     for k in shared:
         assert getattr(ours, k) == getattr(ds, k), k

@@ -84,7 +84,10 @@ def runs(request, tmp_path_factory):
                   dict(name="grad_after_backward", compiled=False, steps=1, keys=BASE, grad_after_backward=True,
                        expect_error=True),
                   dict(name="overlap_reselect_incoming", compiled=False, steps=1, expect_error=True,
-                       keys=dict(BASE, overlap_step=True, overlap_reselect="incoming"))]
+                       keys=dict(BASE, overlap_step=True, overlap_reselect="incoming")),
+                  dict(name="accumulate_on_device", compiled=False, steps=1, expect_error=True,
+                       keys=dict(BASE, accumulate_on="device")),
+                  dict(name="accumulate_on_auto", compiled=False, steps=2, keys=dict(BASE, accumulate_on="auto"))]
     scenarios += [dict(name=f"ddp_{mode}", compiled=mode == "compiled", steps=1, keys=BASE, ddp=True,
                        expect_error=True) for mode in MODES]
     assert launch(scenarios, out_dir, env=dict(ZENFLOW_WORKER_DEVICE=request.param)) == [0] * WORLD_SIZE
@@ -232,6 +235,16 @@ def test_a_reselection_in_flight_is_refused_on_each_rank(runs):
         assert record["error"] is not None and record["error"].startswith(
             "NotImplementedError: ZenFlowConfig.overlap_reselect='incoming' is not implemented with data parallelism")
         assert "use overlap_reselect='wait'" in record["error"]
+
+
+def test_device_accumulation_is_refused_and_auto_sums_on_the_host(runs):
+    """ZenFlow's own data parallelism sums each matrix's host columns on the rank that owns them."""
+    for record in load(runs, "accumulate_on_device"):
+        assert record["error"] is not None and record["error"].startswith(
+            "ValueError: ZenFlowConfig.accumulate_on='device' is not implemented with ZenFlow's own data "
+            "parallelism")
+    for record in load(runs, "accumulate_on_auto"):
+        assert record["error"] is None and record["stats"]["accumulate_on"] == "host"
 
 
 def test_a_grad_written_after_the_backward_is_refused_on_each_rank(runs):

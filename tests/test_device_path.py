@@ -162,32 +162,82 @@ def test_the_overlap_hides_copy_and_cpu_delays_that_a_synchronous_schedule_pays(
     assert stall[True] < 0.25 * stall[False]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_device_accumulation_sends_the_sums_once_per_interval(dtype, emulated_device):
+    """Bytes device -> host: summing on the device, each boundary sends the interval's fp32 sums of the
+    unselected columns ((1 - r) x 4 bytes per matrix parameter, once per update_interval S); summing on the host,
+    every step sends the step's unselected gradient ((1 - r) x the parameter's bytes). (The first step, whose
+    gradient picks the first selection, sends it whole either way: counted from the second step on.)"""
+    topk_ratio, interval, steps = 0.25, 4, 9
+    sent = {}
+    for accumulate_on in ("device", "host"):
+        model = tiny_model(dtype)
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=topk_ratio, update_interval=interval,
+                           overlap_step=True, select_strategy="step", select_interval=100,
+                           accumulate_on=accumulate_on)
+        batches = make_batches(steps, dtype)
+        train_steps(model, opt, batches[:1])
+        first = opt.stats()["bytes_device_to_host"]
+        train_steps(model, opt, batches[1:])  # boundaries at t = 3 and 7
+        assert opt.stats()["accumulate_on"] == accumulate_on
+        sent[accumulate_on] = opt.stats()["bytes_device_to_host"] - first
+    unselected = sum(p.shape[0] * (p[0].numel() - max(1, int(topk_ratio * p[0].numel())))
+                     for p in model.parameters() if p.dim() >= 2)
+    assert sent["device"] == 2 * unselected * 4
+    assert sent["host"] == (steps - 1) * unselected * torch.finfo(dtype).bits // 8
+
+
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_the_training_thread_touches_no_host_state_unless_the_selection_changes(accumulate_on, emulated_device):
+    """Plain steps and update boundaries (overlapped or not) leave the host state to the workers and the copy
+    streams: the training thread declares no host access. A reselection still moves host rows on it."""
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True,
+                       select_strategy="step", select_interval=6, accumulate_on=accumulate_on)
+    batches = make_batches(6)
+    train_steps(model, opt, batches[:1])  # the first selection lays the state out
+    emulated_device.host_accesses.clear()
+    train_steps(model, opt, batches[1:5])  # plain steps and boundaries at t = 1 and 3
+    assert opt.stats()["cpu_updates"] == 2 and opt.stats()["reselections"] == 0
+    training_thread = threading.current_thread().name
+    assert [bytes_ for thread, bytes_ in emulated_device.host_accesses if thread == training_thread] == []
+    assert emulated_device.host_accesses  # (the workers' are declared: the record is not empty by accident)
+    train_steps(model, opt, batches[5:])  # t = 5: a reselecting boundary
+    assert opt.stats()["reselections"] == 1
+    assert any(thread == training_thread for thread, _ in emulated_device.host_accesses)
+
+
+@pytest.mark.parametrize("accumulate_on", ["host", "device"])
 @pytest.mark.parametrize("topk_ratio", [0.1, 0.25])
-def test_device_state_bytes_is_the_selected_share_of_adamw_state(topk_ratio, device):
+def test_device_state_bytes_is_the_selected_share_of_adamw_state(topk_ratio, accumulate_on, device):
     """stats()["device_state_bytes"] is what the optimizer's state holds on the device, recomputed from the
     shapes: per matrix [R, k] master, moments and gradient, k counts, C scores and C column indices; per
     vector everything. For matrices that is about topk_ratio x AdamW's 12 bytes per parameter (plus the
-    selected columns' gradient)."""
+    selected columns' gradient). Accumulating on the device adds, per unselected element, its fp32 sum and
+    its gradient's staging in the parameter's dtype."""
     model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False), torch.nn.Tanh(),
                                 torch.nn.Linear(128, 64), torch.nn.LayerNorm(64)).to(device)
-    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=topk_ratio, update_interval=2)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=topk_ratio, update_interval=2,
+                       accumulate_on=accumulate_on)
     for x in torch.randn(3, 8, 256).to(device):
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
-    expected, matrix_params, vector_total = 0, 0, 0
+    expected, matrix_params, vector_total, accumulation = 0, 0, 0, 0
     for p in model.parameters():
         if p.dim() >= 2:
             rows, cols = p.shape[0], p.numel() // p.shape[0]
             k = max(1, int(topk_ratio * cols))
             expected += rows * k * (3 * 4 + p.element_size()) + k * 4 + cols * 4 + cols * 8
+            accumulation += rows * (cols - k) * (4 + p.element_size())
             matrix_params += p.numel()
         else:
             vector_bytes = p.numel() * (3 * 4 + p.element_size()) + 4 + 4 + 8  # (+ its count, score, index)
             expected += vector_bytes
             vector_total += vector_bytes
     stats = opt.stats()
-    assert stats["device_state_bytes"] == expected
+    assert stats["accumulate_on"] == accumulate_on
+    assert stats["device_state_bytes"] == expected + (accumulation if accumulate_on == "device" else 0)
     assert topk_ratio <= (expected - vector_total) / (12 * matrix_params) < 1.6 * topk_ratio
 
 

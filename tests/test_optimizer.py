@@ -106,6 +106,23 @@ def test_interval_one_equals_adamw(topk_ratio, select, warm_up, clip, device):
 
 
 # ------------------------------------------------------------------------------- invariant 2: r = 1
+def test_stall_counts_the_selection_moves():
+    """A selection's state moves run on the training thread (the device, where there is one, idles through
+    them): they are part of stall_seconds. Here no boundary waits for a CPU update (the reselections keep it in
+    flight), so the moves are the stall."""
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=True,
+                       select_strategy="step", select_interval=2, overlap_reselect="incoming")
+    batches = make_batches(8)
+    train_steps(model, opt, batches[:1])  # (the first selection lays the state out: setup, not stall)
+    first = opt.stats()
+    assert first["selection_seconds"] > 0 and first["stall_seconds"] == 0
+    train_steps(model, opt, batches[1:])
+    st = opt.stats()
+    assert st["reselections"] >= 3
+    assert st["stall_seconds"] >= 0.9 * (st["selection_seconds"] - first["selection_seconds"]) > 0
+
+
 @pytest.mark.parametrize("update_interval", [3, "auto"])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_ratio_one_equals_adamw(update_interval, overlap, device):
@@ -165,14 +182,15 @@ REFERENCE_CASES = {
 }
 
 
-def run_against_reference(case, dtype, steps=12):
+def run_against_reference(case, dtype, steps=12, **runtime_keys):
+    """`runtime_keys`: keys of ZenFlowAdamW's alone (where it sums gradients), not the reference's."""
     keys, clip = case["keys"], case.get("clip")
     backwards = case.get("backwards", [1] * steps)
     batches = make_batches(sum(backwards), dtype)
     a, b = tiny_model(dtype), tiny_model(dtype)
     params_a = _groups(a) if case.get("groups") else a.parameters()
     params_b = _groups(b) if case.get("groups") else b.parameters()
-    zen = ZenFlowAdamW(params_a, lr=LR, max_grad_norm=clip, **keys)
+    zen = ZenFlowAdamW(params_a, lr=LR, max_grad_norm=clip, **keys, **runtime_keys)
     ref = ZenFlowReference(params_b, lr=LR, max_grad_norm=clip, **keys)
     sched_a = sched_b = None
     if case.get("groups"):
@@ -183,10 +201,12 @@ def run_against_reference(case, dtype, steps=12):
     return a, b, zen, ref, log_a, log_b
 
 
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(REFERENCE_CASES), ids=list(REFERENCE_CASES))
-def test_equals_reference(case, dtype, device):
-    check_equals_reference(case, dtype)
+def test_equals_reference(case, dtype, accumulate_on, device):
+    zen = check_equals_reference(case, dtype, accumulate_on=accumulate_on)
+    assert zen.stats()["accumulate_on"] == accumulate_on
 
 
 @pytest.mark.parametrize("short_run_rows", [0, 1 << 30], ids=["by-runs", "common-count-then-the-rest"])
@@ -200,8 +220,8 @@ def test_both_host_update_paths_equal_reference(case, short_run_rows, monkeypatc
     check_equals_reference(case, torch.float32)
 
 
-def check_equals_reference(case, dtype):
-    a, b, zen, ref, log_a, log_b = run_against_reference(REFERENCE_CASES[case], dtype)
+def check_equals_reference(case, dtype, **runtime_keys):
+    a, b, zen, ref, log_a, log_b = run_against_reference(REFERENCE_CASES[case], dtype, **runtime_keys)
     names = names_of(a)
     assert_history_close(log_a.params, log_b.params, names, dtype)
     sa, sb = zen.stats(), ref.stats()
@@ -222,6 +242,7 @@ def check_equals_reference(case, dtype):
         assert_close(m_a, m_b, f"master {name}", atol=atol)
         assert torch.equal(p.detach().cpu(), m_a.to(dtype)), f"{name}: device copy is not the cast master"
     assert_history_close([snapshot(a)], [snapshot(b)], names, dtype)
+    return zen
 
 
 def test_reference_cases_exercise_reselection_and_clipping():
@@ -646,13 +667,13 @@ def test_stats_counters(device):
 
 
 def test_stats_accumulate_copy_wait():
-    """The accumulate worker's wait for the gradients' copies is reported apart from its busy time: about the
-    copies' landing delay on a device whose copies are slow, none where the device is the host."""
+    """Host accumulation: the accumulate worker's wait for the gradients' copies is reported apart from its busy
+    time: about the copies' landing delay on a device whose copies are slow, none where the device is the host."""
     from emulated_device import emulated_async_device
 
     def copy_wait(emulated_delay_ms):
         model = tiny_model()
-        opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2)
+        opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, accumulate_on="host")
         train_steps(model, opt, make_batches(4))
         opt.synchronize()
         st = opt.stats()
@@ -830,3 +851,28 @@ def test_stats_counts_overlapped_boundaries_like_reference(select, overlap, devi
     assert zen.stats()["cpu_updates"] == 5  # boundaries at t = 2, 4, 6, 8, 10
     expected = {(True, "never"): [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5], (True, "every2"): [0] * 11}
     assert counts == expected.get((overlap, "never" if select["select_interval"] == 100 else "every2"), [0] * 11)
+
+
+def test_the_runtime_work_shows_in_a_profiler_trace_on_its_threads():
+    """torch.profiler (profile_all_threads: the workers are threads of their own) shows the runtime's work as
+    named ranges: the CPU AdamW and the accumulation on the worker threads, the update's apply and the
+    selection moves on the training thread, so a trace in Perfetto or TensorBoard shows what overlaps what."""
+    from torch._C._profiler import _ExperimentalConfig
+
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=LR, topk_ratio=0.25, update_interval=2, overlap_step=True,
+                       select_strategy="step", select_interval=4, accumulate_on="host")
+    batches = make_batches(8)
+    train_steps(model, opt, batches[:1])  # (threads started before profiling, as in a training run)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                experimental_config=_ExperimentalConfig(profile_all_threads=True)) as prof:
+        train_steps(model, opt, batches[1:])
+        opt.synchronize()
+    threads: dict[str, set] = {}
+    for event in prof.events():
+        if event.name.startswith("zenflow::"):
+            threads.setdefault(event.name, set()).add(event.thread)
+    training_thread = threads["zenflow::apply_update"]
+    assert threads["zenflow::selection_moves"] == training_thread
+    for on_a_worker in ("zenflow::cpu_adamw", "zenflow::accumulate"):
+        assert threads[on_a_worker] and not threads[on_a_worker] & training_thread, (on_a_worker, threads)

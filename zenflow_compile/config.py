@@ -28,6 +28,7 @@ PRESETS = {
     "deepspeed": {},
 }
 _OVERLAP_RESELECT = ("wait", "incoming", "deferred")
+_ACCUMULATE_ON = ("auto", "device", "host")
 
 
 def _bad(key: str, value: Any, allowed: str) -> ValueError:
@@ -125,6 +126,11 @@ class ZenFlowConfig:
         update has landed (the columns joining it get that next boundary's update at once, as "incoming").
         Needs overlap_step=True. ZenFlowAdamW implements "incoming" (one process, FSDP2) and refuses "deferred",
         which only ZenFlowReference implements for now.
+    accumulate_on: where the unselected columns' gradients are summed between CPU updates (this project's key;
+        the result is the same): "device" (an fp32 accumulator on the device, copied to the host once per update
+        interval), "host" (every step's gradient copied to the host and added there by a worker thread: for a
+        device without room for the accumulator), "auto" (device where the accumulators fit half of the free
+        device memory; host where the device is the host, or with ZenFlow's own data parallelism).
     """
 
     topk_ratio: float = 0.1
@@ -141,6 +147,7 @@ class ZenFlowConfig:
     interval_aware_update: bool = False
     interval_second_moment: bool = False
     overlap_reselect: str = "wait"
+    accumulate_on: str = "auto"
 
     # preset: which defaults the keys not given take, "project" (None) or "deepspeed" (see PRESETS); not stored.
     preset: dataclasses.InitVar[Optional[str]] = None
@@ -200,6 +207,8 @@ class ZenFlowConfig:
             raise ValueError(
                 f"ZenFlowConfig.overlap_reselect={self.overlap_reselect!r} needs overlap_step=True: it says which "
                 "part of a reselecting boundary's CPU update stays in flight, and without overlap none does")
+        if not (isinstance(self.accumulate_on, str) and self.accumulate_on in _ACCUMULATE_ON):
+            raise _bad("accumulate_on", self.accumulate_on, 'one of "auto", "device", "host"')
         if self.interval_second_moment and not self.interval_aware_update:
             raise ValueError(
                 "ZenFlowConfig.interval_second_moment=True needs interval_aware_update=True: it sizes the second "

@@ -1,0 +1,313 @@
+"""A simulated GPU: ZenFlow's step schedule against fused AdamW's, with the host's work done for real.
+
+    python benchmarks/bench_offload.py --simulated-device --out sim.json     # the scaled H100 regime
+    python benchmarks/bench_offload.py --simulated-device --sim-step-ms 124 --sim-time-scale 1 ...
+
+What is simulated and what is real:
+- the device is three streams of its own (compute, copies down, copies up), each a thread that runs its queue
+  in order and spends each operation's time asleep: the step's forward and backward (the measured time of
+  fused AdamW's step less its AdamW), each of the runtime's device kernels (its bytes over the device's
+  memory bandwidth), each copy (its bytes over the link's bandwidth). Events order the streams as the runtime
+  orders them. The training thread only queues work and waits where the runtime waits;
+- the host's CPU AdamW is real: the runtime's own kernel (`kernels.cpu_adamw_`) on one of its CPU workers,
+  over fp32 state sized so that this machine's throughput stands for the target host's (below); with the
+  accumulation on the host, each step's accumulation is real too (`kernels.accumulate_scaled_many_`).
+
+Scaling the H100 regime to this machine: one measured second here is `time_scale` simulated ones (every
+device time is divided by it), and the host work is sized so that it takes, on this machine's worker core,
+the time the target host would take: (1 - r) x params x (this core's measured throughput / the target host's
+throughput) / time_scale parameters. The defaults are the H100 run's: a 1.1B bf16 model, fused AdamW's step
+124 ms, r 0.05, S 4, 3.35 TB/s device memory, 25 GB/s each way over PCIe, a target host at 2.2 Gparam/s
+of CPU AdamW and 4.2 Gparam/s of bf16 accumulation (what the schedule needs: README "Sizing").
+
+The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
+1. compute: forward + backward; the training thread waits for it (the step's one host read: the norm);
+2. compute: the selected columns' AdamW, and with device accumulation the unselected gradient's gather and
+   add into the fp32 sums; with host accumulation, the gather and its copy down, then a worker adds it;
+3. at a boundary: the previous boundary's CPU update is waited for (counted as stall: device idle) and its
+   columns, which the update worker queued for upload when it finished, merged once they have landed; the
+   interval's sums go down (device accumulation) and the CPU AdamW starts on the update worker once they have
+   landed.
+Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
+beyond fused AdamW's, measured on the simulated compute stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Callable, Optional
+
+import torch
+
+from zenflow_compile.runtime import kernels
+from zenflow_compile.runtime.worker import CpuWorker
+
+
+@dataclasses.dataclass
+class Regime:
+    params: float = 1.1e9  # model parameters (matrices: all but a negligible share)
+    param_bytes: int = 2  # bf16
+    step_ms: float = 124.0  # fused AdamW's whole step, measured (the H100 run)
+    topk_ratio: float = 0.05
+    update_interval: int = 4
+    device_bandwidth: float = 3.35e12  # bytes/s
+    link_bandwidth: float = 25e9  # bytes/s, each way
+    host_update_rate: float = 2.2e9  # target host: CPU AdamW, params/s
+    host_accumulate_rate: float = 4.2e9  # target host: bf16 accumulation, params/s
+    time_scale: float = 10.0  # simulated seconds per second here
+    steps: int = 24  # measured steps (whole intervals)
+    warmup: int = 4
+
+    def seconds(self, simulated_s: float) -> float:
+        return simulated_s / self.time_scale
+
+    @property
+    def adamw_s(self) -> float:
+        """Fused AdamW on the device: param, grad, and fp32 moments read and written (the baseline's share)."""
+        return self.params * (2 * self.param_bytes + 2 * 8 + self.param_bytes) / self.device_bandwidth
+
+    @property
+    def forward_backward_s(self) -> float:
+        return self.step_ms / 1e3 - self.adamw_s
+
+
+class Stream:
+    """A simulated device stream: a thread running its queue in order, each operation's time asleep."""
+
+    def __init__(self, name: str, busy: Optional[list] = None):
+        self.name = name
+        self.busy = busy  # (start, end) of each operation, where kept
+        self._queue: "queue.Queue" = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"sim-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            operation = self._queue.get()
+            if operation is None:
+                return
+            operation()
+
+    def run(self, seconds: float) -> None:
+        def operation():
+            start = time.perf_counter()
+            time.sleep(seconds)
+            if self.busy is not None:
+                self.busy.append((start, time.perf_counter()))
+        self._queue.put(operation)
+
+    def record(self) -> threading.Event:
+        done = threading.Event()
+        self._queue.put(done.set)
+        return done
+
+    def wait_event(self, event: threading.Event) -> None:
+        self._queue.put(event.wait)
+
+    def synchronize(self) -> None:
+        self.record().wait()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+def _idle_seconds(busy: list, start: float, end: float) -> float:
+    return (end - start) - sum(min(b, end) - max(a, start) for a, b in busy if b > start and a < end)
+
+
+def measure_host_rates(numel: int = 4_000_000, repeats: int = 3) -> tuple[float, float]:
+    """This machine's CPU AdamW and bf16 accumulation throughput (params/s) on one thread, the runtime's
+    kernels (the best of `repeats`)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        state = [torch.zeros(numel) for _ in range(4)]
+        step = torch.zeros(())
+        grad = torch.zeros(numel, dtype=torch.bfloat16)
+        update = accumulate = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            kernels.cpu_adamw_([state[0]], [state[1]], [state[2]], [state[3]], [step], lr=1e-4, beta1=0.9,
+                               beta2=0.999, eps=1e-8, weight_decay=0.01)
+            update = min(update, time.perf_counter() - started)
+            started = time.perf_counter()
+            kernels.accumulate_scaled_many_([state[1]], [grad], 1.0)
+            accumulate = min(accumulate, time.perf_counter() - started)
+        return numel / update, numel / accumulate
+    finally:
+        torch.set_num_threads(previous)
+
+
+class HostWork:
+    """The host's real work, sized for the regime: the CPU AdamW of the unselected columns and (host
+    accumulation) each step's add, on the runtime's CPU workers with one thread each."""
+
+    def __init__(self, regime: Regime, update_rate_here: float, accumulate_rate_here: float):
+        unselected = (1 - regime.topk_ratio) * regime.params / regime.time_scale
+        self.update_numel = max(1, int(unselected * update_rate_here / regime.host_update_rate))
+        self.accumulate_numel = max(1, int(unselected * accumulate_rate_here / regime.host_accumulate_rate))
+        self.state = [torch.zeros(self.update_numel) for _ in range(4)]
+        self.step = torch.zeros(())
+        self.acc = torch.zeros(self.accumulate_numel)
+        self.grad = torch.zeros(self.accumulate_numel, dtype=torch.bfloat16)
+        self.update_worker = CpuWorker("sim-update")
+        self.accumulate_worker = CpuWorker("sim-accumulate")
+        for worker in (self.update_worker, self.accumulate_worker):
+            worker.submit(lambda: torch.set_num_threads(1)).result()
+
+    def cpu_adamw(self) -> None:
+        kernels.cpu_adamw_([self.state[0]], [self.state[1]], [self.state[2]], [self.state[3]], [self.step],
+                           lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+
+    def accumulate(self) -> None:
+        kernels.accumulate_scaled_many_([self.acc], [self.grad], 1.0)
+
+    def close(self) -> None:
+        self.update_worker.shutdown()
+        self.accumulate_worker.shutdown()
+
+
+def _run_loop(regime: Regime, step: Callable[[int], None], compute: Stream, finish: Callable[[], None]) -> dict:
+    for i in range(regime.warmup):
+        step(i)
+    finish()
+    compute.synchronize()
+    compute.busy.clear()
+    start = time.perf_counter()
+    for i in range(regime.warmup, regime.warmup + regime.steps):
+        step(i)
+    finish()
+    compute.synchronize()
+    end = time.perf_counter()
+    return dict(window_s=end - start, idle_s=_idle_seconds(compute.busy, start, end))
+
+
+def simulate_adamw(regime: Regime) -> dict:
+    compute = Stream("compute", busy=[])
+
+    def step(i):
+        compute.run(regime.seconds(regime.forward_backward_s))
+        compute.synchronize()  # (the one host read a training loop makes: the loss)
+        compute.run(regime.seconds(regime.adamw_s))
+
+    try:
+        result = _run_loop(regime, step, compute, finish=lambda: None)
+    finally:
+        compute.close()
+    return dict(result, bytes_device_to_host_per_step=0.0)
+
+
+def simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dict:
+    """ZenFlow's schedule with the overlap on and no reselection (see the module docstring)."""
+    compute, down, up = Stream("compute", busy=[]), Stream("d2h"), Stream("h2d")
+    r, P, S = regime.topk_ratio, regime.params, regime.update_interval
+    unselected = (1 - r) * P
+    bandwidth = regime.device_bandwidth
+    device_update_s = r * P * (2 * regime.param_bytes + 2 * 8 + 4 + regime.param_bytes) / bandwidth
+    gather_s = unselected * 2 * regime.param_bytes / bandwidth  # read the gradient, write its unselected part
+    add_s = unselected * (regime.param_bytes + 2 * 4) / bandwidth  # read it, read and write the fp32 sums
+    merge_s = unselected * 2 * regime.param_bytes / bandwidth
+    sums_down_s = unselected * 4 / regime.link_bandwidth
+    grads_down_s = unselected * regime.param_bytes / regime.link_bandwidth
+    upload_s = unselected * regime.param_bytes / regime.link_bandwidth
+    pending: dict = dict(update=None)
+    sent = dict(bytes=0.0)
+    accumulations: list[Future] = []
+
+    def apply_previous():
+        update = pending["update"]
+        if update is None:
+            return
+        uploaded = update.result()  # the documented wait: the device idles through it, measured on its stream
+        compute.wait_event(uploaded)  # (queued by the update worker when it finished: landed by now, mostly)
+        compute.run(regime.seconds(merge_s))
+        pending["update"] = None
+
+    def step(i):
+        compute.run(regime.seconds(regime.forward_backward_s))
+        compute.synchronize()  # the step's one host read (the global norm)
+        compute.run(regime.seconds(device_update_s + gather_s))
+        if accumulate_on == "device":
+            compute.run(regime.seconds(add_s))
+        else:
+            down.wait_event(compute.record())
+            down.run(regime.seconds(grads_down_s))
+            landed = down.record()
+            sent["bytes"] += unselected * regime.param_bytes
+
+            def add(landed=landed):
+                landed.wait()
+                host.accumulate()
+
+            accumulations.append(host.accumulate_worker.submit(add))
+        if (i + 1) % S:
+            return
+        apply_previous()
+        if accumulate_on == "device":
+            down.wait_event(compute.record())
+            down.run(regime.seconds(sums_down_s))
+            landed = down.record()
+            sent["bytes"] += unselected * 4
+            ready = landed.wait
+        else:
+            last = accumulations[-1]
+            ready = last.result
+        accumulations.clear()
+
+        def cpu_update(ready=ready):
+            ready()
+            host.cpu_adamw()
+            up.run(regime.seconds(upload_s))  # the new columns go up at once, beside the next steps
+            return up.record()
+
+        pending["update"] = host.update_worker.submit(cpu_update)
+
+    try:
+        result = _run_loop(regime, step, compute, finish=apply_previous)
+    finally:
+        for stream in (compute, down, up):
+            stream.close()
+    total_steps = regime.warmup + regime.steps
+    return dict(result, bytes_device_to_host_per_step=sent["bytes"] / total_steps)
+
+
+def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host")) -> dict:
+    """Rows for fused AdamW and ZenFlow (each placement), side by side in one run, with the method."""
+    update_rate, accumulate_rate = measure_host_rates()
+    host = HostWork(regime, update_rate, accumulate_rate)
+    try:
+        results = {"fused AdamW (simulated device)": simulate_adamw(regime)}
+        for placement in accumulate_on:
+            results[f"zenflow r={regime.topk_ratio:g} S={regime.update_interval} overlap sum on {placement} "
+                    "(simulated device)"] = simulate_zenflow(regime, host, placement)
+    finally:
+        host.close()
+    baseline = results["fused AdamW (simulated device)"]
+    rows = []
+    for system, result in results.items():
+        mean_step_s = result["window_s"] / regime.steps * regime.time_scale
+        stall_s = max(0.0, result["idle_s"] - baseline["idle_s"]) * regime.time_scale
+        rows.append(dict(system=system, mean_step_ms=mean_step_s * 1e3,
+                         ratio_to_adamw=result["window_s"] / baseline["window_s"],
+                         stall_fraction=stall_s / (mean_step_s * regime.steps),
+                         bytes_device_to_host_per_step=result["bytes_device_to_host_per_step"]))
+    return dict(regime=dataclasses.asdict(regime),
+                host=dict(update_params_per_s=update_rate, accumulate_params_per_s=accumulate_rate,
+                          update_numel=host.update_numel, accumulate_numel=host.accumulate_numel, threads=1),
+                rows=rows, method=__doc__)
+
+
+def format_rows(report: dict) -> str:
+    lines = [f"{'system':62s} {'mean step ms':>12s} {'x adamw':>8s} {'stall %':>8s} {'D2H GB/step':>11s}"]
+    for row in report["rows"]:
+        lines.append(f"{row['system']:62s} {row['mean_step_ms']:12.1f} {row['ratio_to_adamw']:8.3f} "
+                     f"{100 * row['stall_fraction']:8.1f} {row['bytes_device_to_host_per_step'] / 1e9:11.3f}")
+    return "\n".join(lines)
+
+
+__all__ = ["Regime", "run", "format_rows", "measure_host_rates"]
