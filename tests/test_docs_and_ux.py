@@ -274,3 +274,42 @@ def test_a_graph_from_the_cache_says_why_its_rewrite_is_not_logged(caplog):
     assert notes, [r.getMessage() for r in caplog.records]
     assert "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in notes[0] and "debug_dir" in notes[0]
     assert opt.stats()["steps"] == 1  # and the cached graph still hands its gradients over
+
+
+def _clip_and_step(model, run, opt, steps: int = 3) -> list[float]:
+    norms = []
+    for _ in range(steps):
+        run(torch.randn(3, 12)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def test_clip_grad_norm_beside_a_compiled_model_is_told_once_to_use_max_grad_norm():
+    """Compiled, the gradients never reach `.grad`: `clip_grad_norm_` returns 0 and clips nothing, and leaves no
+    trace. The first step whose gradients came through the graph warns (once per optimizer, pointing at the
+    caller's `opt.step()`) that clipping goes through `max_grad_norm`; an optimizer with `max_grad_norm` is not
+    warned, nor is an eager one, whose `.grad` `clip_grad_norm_` does clip."""
+    torch._dynamo.reset()
+    model = _Probe()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.5, update_interval=2)
+    with pytest.warns(zenflow_compile.GradHandOffWarning) as warned:
+        norms = _clip_and_step(model, torch.compile(model, backend="zenflow"), opt)
+    assert norms == [0.0, 0.0, 0.0]  # the trap itself
+    told = [w for w in warned if issubclass(w.category, zenflow_compile.GradHandOffWarning)]
+    assert len(told) == 1 and told[0].filename == __file__, [(w.filename, str(w.message)) for w in told]
+    message = str(told[0].message)
+    assert "clip_grad_norm_" in message and "clips nothing" in message and "max_grad_norm=" in message
+    assert "opt.stats()['grad_norm']" in message
+
+    import warnings
+
+    for compiled, max_grad_norm in ((True, 1.0), (False, None)):
+        model = _Probe()
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.5, update_interval=2,
+                           max_grad_norm=max_grad_norm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", zenflow_compile.GradHandOffWarning)
+            norms = _clip_and_step(model, torch.compile(model, backend="zenflow") if compiled else model, opt)
+        assert all(norm > 0 for norm in norms) != compiled

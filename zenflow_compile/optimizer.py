@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional
@@ -25,6 +26,11 @@ from zenflow_compile.runtime.engine import ZenFlowRuntime
 
 #: Parameter dtypes ZenFlow trains (fp32 masters); integer and bool tensors are skipped, as by torch.optim.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class GradHandOffWarning(UserWarning):
+    """A step's gradients were handed to ZenFlowAdamW inside the backward, so `.grad` stays None and
+    `torch.nn.utils.clip_grad_norm_` clips nothing (shown once per optimizer that has no `max_grad_norm`)."""
 
 
 def _is_real(value) -> bool:
@@ -67,7 +73,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     edits and `zero_grad(set_to_none=False)` change what the update uses, and `step()` takes `.grad` as it
     stands. Under `torch.compile(backend="zenflow")` the backward hands gradients over itself and `.grad`
     stays None (a parameter with a gradient hook keeps its `.grad`, so the hook applies); clip with
-    `max_grad_norm` and read the step's global norm (before clipping) from `stats()["grad_norm"]`. Under
+    `max_grad_norm` and read the step's global norm (before clipping) from `stats()["grad_norm"]` (a
+    `clip_grad_norm_` would clip nothing: without `max_grad_norm`, the first such step warns, once,
+    `GradHandOffWarning`). Under
     compiled autograd (`torch._dynamo.config.compiled_autograd`) the compiled backward fills `.grad` and
     `step()` takes it as eagerly.
 
@@ -152,6 +160,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._groups_seen: Optional[list] = None  # the param groups' ids when last followed (see step())
         self._followed: tuple[list, list] = ([], [])  # (parameters in group order, their runtime ids)
         self._hook_handles: dict[int, Any] = {}  # data parallel: id(param) -> its post-accumulate-grad hook
+        # Whether the user was told that `.grad` stays None (`_note_grad_hand_off`); integrations that clip
+        # through `max_grad_norm` themselves set it.
+        self._grad_hand_off_noted = False
         self._dp_hooks = None if self._runtime.reducer is None else DataParallelHooks(self._runtime, self._param_ids)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -298,6 +309,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._runtime.sharding is not None:
             self._runtime.sharding.check_still_held(params, self._describe)
         scale = self._loss_scale(grad_scaler)
+        if self._runtime.holds_step_grads and not self._grad_hand_off_noted and self.max_grad_norm is None:
+            self._note_grad_hand_off()
         try:
             if self._dp_hooks is None:
                 handed = hand_over_grads(self._runtime, params, pids)
@@ -337,6 +350,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "clip_grad_norm_ call, and clip with ZenFlowAdamW(max_grad_norm=...), which sees the unscaled "
                 "global norm (opt.stats()['grad_norm'])")
         return None
+
+    def _note_grad_hand_off(self) -> None:
+        """Once per optimizer without `max_grad_norm`, at the first step whose gradients were handed over inside
+        the backward: `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` then saw no `.grad`, returned 0
+        and clipped nothing, and nothing it does leaves a trace the optimizer could check."""
+        self._grad_hand_off_noted = True
+        warnings.warn(
+            "ZenFlowAdamW: this step's gradients were handed to the optimizer inside the backward (a model "
+            "compiled with backend='zenflow', or data parallel), so .grad stays None: "
+            "torch.nn.utils.clip_grad_norm_ and any code that reads .grad see no gradient (clip_grad_norm_ "
+            "returns 0 and clips nothing). To clip, pass ZenFlowAdamW(max_grad_norm=...) or set opt.max_grad_norm: "
+            "it clips the global norm of each step's gradient, compiled or eager; opt.stats()['grad_norm'] is that "
+            "norm before clipping. (Shown once, for an optimizer without max_grad_norm; "
+            "warnings.filterwarnings('ignore', category=zenflow_compile.GradHandOffWarning) silences it.)",
+            GradHandOffWarning, stacklevel=5)  # (the caller of opt.step(), past torch.optim's wrappers)
 
     def _hand_over_late_grads(self, params: list, pids: list) -> bool:
         """Data parallel: gradients that are in `.grad` at step() although the hooks take each one during the
