@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -201,6 +202,139 @@ def test_architecture_names_exist_where_it_says():
                 stale.append(token)
     assert checked > 40
     assert not stale, f"ARCHITECTURE.md names what the code does not define: {stale}"
+
+
+# ------------------------------------------------------------------------------ what the prose cites exists
+PACKAGE_DIRS = ("zenflow_compile", "passes", "runtime", "triton_kernels")
+REPO_DIRS = (*PACKAGE_DIRS, "tests", "benchmarks", "examples")
+# Where a cited path may start (a file of the checkout); other roots (`deepspeed/runtime/...`, `torch/...`)
+# name other projects' files.
+PATH_ROOTS = (*REPO_DIRS, "docs", "integrations")
+CITED_PATH = re.compile(r"(?<![\w/.<>*{}$-])((?:[\w-]+/)*[\w-]+\.(?:py|md|json|png))(?![\w/])")
+BACKTICKED = re.compile(r"`+([^`\s]+?)`+")
+# Module names the prose also uses for other things: DeepSpeed's engine, a Trainer's optimizer, Inductor's config,
+# the libraries of the same name.
+AMBIGUOUS_MODULES = {"engine", "optimizer", "config", "deepspeed", "transformers", "datasets", "inspect"}
+# Environment variables and names of other projects that the prose cites in capitals.
+EXTERNAL_CAPS_PREFIXES = ("TORCH", "TRITON", "CUDA", "OMP_", "NCCL", "PYTORCH", "TYPE_CHECKING")
+
+
+def _python_prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every docstring and comment of a Python file: what a reader takes for documentation (the
+    code itself is checked by running it)."""
+    import ast
+    import io
+    import tokenize
+
+    text = path.read_text(encoding="utf-8")
+    prose = [(node.body[0].lineno, ast.get_docstring(node, clean=False)) for node in ast.walk(ast.parse(text))
+             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+             and ast.get_docstring(node, clean=False)]
+    prose += [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(text).readline)
+              if token.type == tokenize.COMMENT]
+    return prose
+
+
+def _cited_prose() -> list[tuple[str, str]]:
+    """(where, text): the docstrings and comments of the repository's Python files, ARCHITECTURE.md, docs/*.md."""
+    prose = [(f"{path.relative_to(ROOT)}:{line}", text) for d in REPO_DIRS for path in sorted((ROOT / d).rglob("*.py"))
+             for line, text in _python_prose(path)]
+    return prose + [(str(path.relative_to(ROOT)), path.read_text(encoding="utf-8"))
+                    for path in (ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md")))]
+
+
+def _repo_files() -> set[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return {line for line in out.splitlines() if (ROOT / line).is_file()}
+
+
+def _path_exists(path: str, files: set[str]) -> bool:
+    """A cited path exists: from the checkout's root, from the package (`integrations/...`, or the installed
+    names `zenflow_compile/runtime/...`), or as the tail of a file's path; a bare file name anywhere."""
+    path = re.sub(r"^zenflow_compile/(passes|runtime|triton_kernels)/", r"\1/", path)
+    if "/" not in path:
+        return any(f == path or f.endswith("/" + path) for f in files)
+    return path in files or f"zenflow_compile/{path}" in files or any(f.endswith("/" + path) for f in files)
+
+
+def _resolves(token: str, classes: dict, modules: dict) -> Optional[bool]:
+    """Whether a backticked `token` names something the repository defines; None when it is not the
+    project's to define (torch, a user's variable, another library)."""
+    if re.fullmatch(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+", token):  # a constant, or an environment variable
+        if token.startswith(EXTERNAL_CAPS_PREFIXES):
+            return None
+        return any(_definitions(p, token) or f'"{token}"' in p.read_text(encoding="utf-8")
+                   for d in REPO_DIRS for p in (ROOT / d).rglob("*.py"))
+    if not re.fullmatch(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", token):
+        return None
+    if re.search(r"\.(py|md|json|toml|tab|txt|png|csv|ya?ml)$", token):
+        return None  # a file name
+    head, *rest = token.split(".")
+    if head == "zenflow_compile":  # the import path: resolved by importing it
+        import importlib
+
+        parts = token.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                found = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for name in parts[cut:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    if head in classes:  # `Slab.take_grads`, `ZenFlowRuntime._adopt_casts`
+        return any(_definitions(p, rest[0]) for p in classes[head])
+    if head in modules and head not in AMBIGUOUS_MODULES:  # `kernels.cpu_adamw_`, `slab.SHARED_SLAB_MAX_NUMEL`
+        return any(_definitions(p, rest[0]) for p in modules[head])
+    return None
+
+
+def test_what_docstrings_comments_and_docs_cite_exists():
+    """Every file path the docstrings and comments of the repository's Python files, ARCHITECTURE.md and docs/*.md
+    cite (`runtime/slab.py`, `tests/helpers.py`, `grad_hooks.py`) exists in the checkout, and every backticked
+    name that looks like the project's (`Slab.take_grads`: a member of a class defined here; `kernels.cpu_adamw_`:
+    a name in a package module; `zenflow_compile.ZenFlowAdamW`: an import path; a constant or environment
+    variable in capitals) is defined in its source: a rename or a removal must take its citations with it. A
+    FILE::NAME citation names a definition in that file."""
+    files = _repo_files()
+    sources = [p for d in REPO_DIRS for p in sorted((ROOT / d).rglob("*.py"))]
+    classes: dict[str, list[Path]] = {}
+    for path in sources:
+        for name in re.findall(r"^class (\w+)", path.read_text(encoding="utf-8"), flags=re.M):
+            classes.setdefault(name, []).append(path)
+    modules: dict[str, list[Path]] = {}
+    for path in (p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py") if p.stem != "__init__"):
+        modules.setdefault(path.stem, []).append(path)
+    checked, stale = 0, []
+    for where, text in _cited_prose():
+        for path in CITED_PATH.findall(text):
+            root = path.split("/")[0]
+            if ("/" in path and root not in PATH_ROOTS) or ("/" not in path and not path.endswith(".py")):
+                continue  # another project's file, or an output a command writes (`zenflow_check.md`)
+            checked += 1
+            if not _path_exists(path, files):
+                stale.append(f"{where}: {path}")
+        for token in BACKTICKED.findall(text):
+            token = token.removesuffix("()")
+            if "::" in token and token.split("::")[0].endswith(".py"):
+                path, name = token.split("::", 1)
+                if path.split("/")[0] not in PATH_ROOTS:
+                    continue  # another project's function (`deepspeed/runtime/zenflow/zenflow_utils.py::...`)
+                checked += 1
+                if not (_path_exists(path, files) and (ROOT / path).is_file()
+                        and _definitions(ROOT / path, name.split(".")[-1])):
+                    stale.append(f"{where}: {token}")
+                continue
+            verdict = _resolves(token, classes, modules)
+            checked += verdict is not None
+            if verdict is False:
+                stale.append(f"{where}: {token}")
+    assert checked > 200, checked  # (the scanner still finds the citations)
+    assert not stale, "cited but not in the repository:\n" + "\n".join(sorted(set(stale)))
 
 
 # ------------------------------------------------------------------------------------- errors that help
