@@ -55,9 +55,14 @@ def build(scenario: dict, rank: int):
                                        max_grad_norm=scenario.get("clip"),
                                        reduce_bucket_size=scenario.get("bucket", 300), **keys)
     run_model = model
-    if scenario.get("ddp"):  # wrapped in DistributedDataParallel, which ZenFlowAdamW refuses
-        run_model = torch.nn.parallel.DistributedDataParallel(model)
-    if scenario["compiled"]:
+    ddp = scenario.get("ddp")  # wrapped in DistributedDataParallel (which ZenFlowAdamW refuses): "outside" the
+    if ddp:                    # compiled model, torch.compile(DDP(model)), or "inside", DDP(torch.compile(model))
+        torch._dynamo.reset()  # (an earlier scenario's refused compile must not decide this one's)
+    if scenario["compiled"] and ddp == "inside":
+        run_model = torch.compile(run_model, backend="zenflow")
+    if ddp:
+        run_model = torch.nn.parallel.DistributedDataParallel(run_model)
+    if scenario["compiled"] and ddp != "inside":
         run_model = torch.compile(run_model, backend="zenflow")
     return model, opt, run_model
 
@@ -67,11 +72,16 @@ def train(scenario, model, opt, run_model, batches, rank, world_size, record, fi
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     for step in range(first_step, first_step + scenario["steps"]):
         for k in range(backwards):
-            loss_fn(run_model, micro_batch(batches[step * backwards + k], rank, world_size)).backward()
+            record["phase"] = f"forward {step}"  # (where an expected error came: the first forward compiles)
+            loss = loss_fn(run_model, micro_batch(batches[step * backwards + k], rank, world_size))
+            record["phase"] = f"backward {step}"
+            loss.backward()
         if scenario.get("grad_after_backward"):  # a .grad written after the backward: refused
             model.fc1.weight.grad = torch.zeros_like(model.fc1.weight)
+        record["phase"] = f"step {step}"
         opt.step()
         opt.zero_grad()
+        record["phase"] = None
         if scenario.get("die_rank") == rank and step == scenario.get("die_after_step"):
             os._exit(3)  # a rank that dies mid-run
         record["params"].append([p.detach().clone() for p in model.parameters()])

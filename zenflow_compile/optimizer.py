@@ -75,18 +75,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     stays None (a parameter with a gradient hook keeps its `.grad`, so the hook applies); clip with
     `max_grad_norm` and read the step's global norm (before clipping) from `stats()["grad_norm"]` (a
     `clip_grad_norm_` would clip nothing: without `max_grad_norm`, the first such step warns, once,
-    `GradHandOffWarning`). Under
-    compiled autograd (`torch._dynamo.config.compiled_autograd`) the compiled backward fills `.grad` and
-    `step()` takes it as eagerly.
+    `GradHandOffWarning`). Under compiled autograd (`torch._dynamo.config.compiled_autograd`) the compiled
+    backward fills `.grad` and `step()` takes it as eagerly.
 
     Data parallel (docs/semantics.md): under torch.distributed with more than one rank in `process_group` (None = the
     default group, if initialised), gradients are averaged across ranks inside the backward, every rank
     makes the same selection, and each rank holds the host state of a share of the matrices; as when
     compiled, `.grad` is None after the backward (tensor hooks still apply). Do not wrap the model in
-    DistributedDataParallel (refused: compiled, at compile time; eagerly, at the first step). Parameters are
-    broadcast from rank 0 at construction. `state_dict()` is this rank's part of the state, in the form
-    torch.distributed.checkpoint saves and loads at any world size; `consolidated_state_dict()` gathers a full
-    one.
+    DistributedDataParallel: refused, compiled, when the graph is compiled (in one process too); eagerly (or
+    where Dynamo compiles nothing inside DDP's forward, e.g. an `nn.Sequential`), at the first step, where DDP
+    refilled `.grad`. In one process, eager DDP's `.grad` (its average over one rank) cannot be told from a plain
+    backward's and trains as without DDP. Parameters are broadcast from rank 0 at construction. `state_dict()`
+    is this rank's part of the state, in the form torch.distributed.checkpoint saves and loads at any world size;
+    `consolidated_state_dict()` gathers a full one.
 
     Follows torch.optim conventions: parameters that never get a gradient (frozen, unused, integer tensors)
     are never touched and cost nothing; one that starts requiring grad later trains from then on; values
