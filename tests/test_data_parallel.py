@@ -297,6 +297,30 @@ def test_an_eager_model_in_ddp_is_refused_at_the_first_step_on_two_ranks_and_tra
         assert len(record["params"]) == 2 and max_param_diff(record["params"][-1], plain["params"][-1]) == 0.0
 
 
+def test_a_checkpoint_of_other_shapes_is_refused_on_every_rank_and_training_goes_on(tmp_path):
+    """A full state_dict of a model whose head is wider, loaded on 2 ranks: whichever rank owns the head finds it,
+    every rank raises the same ValueError naming it (no hang in a collective), and training then goes on on
+    both ranks exactly as without the attempt."""
+    wide = model_for("repeated", seed=0)
+    opt = zenflow_compile.ZenFlowAdamW(wide.parameters(), lr=1e-2, preset="deepspeed", **BASE)
+    batches = make_batches(2, batch=8)
+    for batch in batches:
+        wide(batch[0]).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(opt.state_dict(), tmp_path / "wide.pt")
+    narrow = dict(compiled=False, steps=3, keys=BASE, model="repeated", head=8, expect_error=True)
+    scenarios = [dict(narrow, name="refused", load_optimizer_from=str(tmp_path / "wide.pt")),
+                 dict(narrow, name="untouched")]
+    assert launch(scenarios, tmp_path / "out") == [0] * WORLD_SIZE
+    refused, untouched = load(tmp_path / "out", "refused"), load(tmp_path / "out", "untouched")
+    for rank, (record, twin) in enumerate(zip(refused, untouched)):
+        assert record["error"] is None and twin["error"] is None, (record["error"], twin["error"])
+        assert "holds state of shape (16, 16) for parameter 13 of param group 0, which has shape (8, 16)" in \
+            record.get("load_error", ""), (rank, record.get("load_error"))
+        assert len(record["params"]) == 3 and max_param_diff(record["params"][-1], twin["params"][-1]) == 0.0
+
+
 def test_parameters_are_broadcast_from_rank_zero_at_construction(runs):
     rank0, rank1 = load(runs, "different_init")
     assert all(torch.equal(a, b) for a, b in zip(rank0["initial"], rank1["initial"]))
