@@ -4,12 +4,17 @@ rewrite) get a message that names the problem and the fix."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import io
 import json
 import logging
 import os
 import re
 import subprocess
 import sys
+import tokenize
+import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -222,10 +227,6 @@ EXTERNAL_CAPS_PREFIXES = ("TORCH", "TRITON", "CUDA", "OMP_", "NCCL", "PYTORCH", 
 def _python_prose(path: Path) -> list[tuple[int, str]]:
     """(line, text) of every docstring and comment of a Python file: what a reader takes for documentation (the
     code itself is checked by running it)."""
-    import ast
-    import io
-    import tokenize
-
     text = path.read_text(encoding="utf-8")
     prose = [(node.body[0].lineno, ast.get_docstring(node, clean=False)) for node in ast.walk(ast.parse(text))
              if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
@@ -272,8 +273,6 @@ def _resolves(token: str, classes: dict, modules: dict) -> Optional[bool]:
         return None  # a file name
     head, *rest = token.split(".")
     if head == "zenflow_compile":  # the import path: resolved by importing it
-        import importlib
-
         parts = token.split(".")
         for cut in range(len(parts), 0, -1):
             try:
@@ -436,8 +435,6 @@ def test_clip_grad_norm_beside_a_compiled_model_is_told_once_to_use_max_grad_nor
     message = str(told[0].message)
     assert "clip_grad_norm_" in message and "clips nothing" in message and "max_grad_norm=" in message
     assert "opt.stats()['grad_norm']" in message
-
-    import warnings
 
     for compiled, max_grad_norm in ((True, 1.0), (False, None)):
         model = _Probe()

@@ -13,6 +13,8 @@ import math
 import re
 import subprocess
 import sys
+import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -160,9 +162,6 @@ def test_callback_clipping_with_trainer_takes_the_place_of_the_clip_grad_norm_wa
     """Trainer clips through the callback (max_grad_norm forwarded, Trainer's own clip_grad_norm_ off), also when
     its max_grad_norm is 0 (no clipping): the optimizer's warning that clip_grad_norm_ clips nothing would be
     noise there, so a compiled step does not give it."""
-    import types
-    import warnings
-
     torch._dynamo.reset()
     for trainer_clip, expected in ((0.0, None), (CLIP, CLIP)):
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
