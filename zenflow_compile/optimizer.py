@@ -358,13 +358,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         and clipped nothing, and nothing it does leaves a trace the optimizer could check."""
         self._grad_hand_off_noted = True
         warnings.warn(
-            "ZenFlowAdamW: this step's gradients were handed to the optimizer inside the backward (a model "
-            "compiled with backend='zenflow', or data parallel), so .grad stays None: "
-            "torch.nn.utils.clip_grad_norm_ and any code that reads .grad see no gradient (clip_grad_norm_ "
-            "returns 0 and clips nothing). To clip, pass ZenFlowAdamW(max_grad_norm=...) or set opt.max_grad_norm: "
-            "it clips the global norm of each step's gradient, compiled or eager; opt.stats()['grad_norm'] is that "
-            "norm before clipping. (Shown once, for an optimizer without max_grad_norm; "
-            "warnings.filterwarnings('ignore', category=zenflow_compile.GradHandOffWarning) silences it.)",
+            "ZenFlowAdamW takes the gradients inside the backward (backend='zenflow', or data parallel), so .grad "
+            "stays None and torch.nn.utils.clip_grad_norm_ clips nothing (it returns 0). To clip, pass "
+            "ZenFlowAdamW(max_grad_norm=...); opt.stats()['grad_norm'] is the step's norm. (Said once, to an "
+            "optimizer without max_grad_norm; to silence: warnings.filterwarnings('ignore', "
+            "category=zenflow_compile.GradHandOffWarning).)",
             GradHandOffWarning, stacklevel=5)  # (the caller of opt.step(), past torch.optim's wrappers)
 
     def _hand_over_late_grads(self, params: list, pids: list) -> bool:
