@@ -140,6 +140,24 @@ def dcp_form(entry: dict, dtype: torch.dtype, has_state: bool) -> dict:
     return out
 
 
+def saved_shape(entry: dict) -> "tuple[int, ...] | None":
+    """The shape of the state an entry holds: a vector's own shape, a matrix's [rows, columns] (as
+    `expected_shape` says for a parameter); None where the entry does not say."""
+    if "master" in entry:
+        return tuple(entry["master"].shape)
+    if "selected_master" in entry:  # a data-parallel device part
+        return entry["selected_master"].shape[0], entry["selected"].numel()
+    return None
+
+
+def expected_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the state `param` (or a sharded one's local rows) takes: its own for a vector, [rows,
+    columns] for a matrix."""
+    if param.dim() >= 2:
+        return param.shape[0], math.prod(param.shape[1:])
+    return tuple(param.shape)
+
+
 def holds_state(entry: dict) -> bool:
     """Whether a loaded entry is a parameter's state (not empty, not a template of a parameter without one)."""
     return bool(entry) and bool(entry.get("has_state", True))
@@ -164,4 +182,5 @@ def device_part(entry: dict, owner: int) -> dict:
     return part
 
 
-__all__ = ["export_entry", "state_from_entry", "fresh_entry", "dcp_form", "holds_state", "device_part", "Slab"]
+__all__ = ["export_entry", "state_from_entry", "fresh_entry", "dcp_form", "saved_shape", "expected_shape",
+           "holds_state", "device_part", "Slab"]

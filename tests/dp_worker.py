@@ -44,6 +44,8 @@ def build(scenario: dict, rank: int):
                       seed=scenario.get("seed", 0) + (rank if scenario.get("differ_init") else 0))
     if scenario.get("unused_param"):  # a trainable matrix the forward never uses: it never gets a gradient
         model.unused = torch.nn.Parameter(torch.ones(4, 8))
+    if scenario.get("head"):  # TinyRepeated with another head width
+        model.head = torch.nn.Linear(16, scenario["head"])
     if scenario.get("row_mask"):
         mask_first_rows(model)
         torch._dynamo.reset()  # the graphs compiled for the earlier scenarios' (unhooked) models would refuse it
@@ -55,9 +57,14 @@ def build(scenario: dict, rank: int):
                                        max_grad_norm=scenario.get("clip"),
                                        reduce_bucket_size=scenario.get("bucket", 300), **keys)
     run_model = model
-    if scenario.get("ddp"):  # wrapped in DistributedDataParallel, which ZenFlowAdamW refuses
-        run_model = torch.nn.parallel.DistributedDataParallel(model)
-    if scenario["compiled"]:
+    ddp = scenario.get("ddp")  # wrapped in DistributedDataParallel (which ZenFlowAdamW refuses): "outside" the
+    if ddp:                    # compiled model, torch.compile(DDP(model)), or "inside", DDP(torch.compile(model))
+        torch._dynamo.reset()  # (an earlier scenario's refused compile must not decide this one's)
+    if scenario["compiled"] and ddp == "inside":
+        run_model = torch.compile(run_model, backend="zenflow")
+    if ddp:
+        run_model = torch.nn.parallel.DistributedDataParallel(run_model)
+    if scenario["compiled"] and ddp != "inside":
         run_model = torch.compile(run_model, backend="zenflow")
     return model, opt, run_model
 
@@ -67,11 +74,18 @@ def train(scenario, model, opt, run_model, batches, rank, world_size, record, fi
     matrices = [p for p in model.parameters() if p.dim() >= 2]
     for step in range(first_step, first_step + scenario["steps"]):
         for k in range(backwards):
-            loss_fn(run_model, micro_batch(batches[step * backwards + k], rank, world_size)).backward()
+            record["phase"] = f"forward {step}"  # (where an expected error came: the first forward compiles)
+            batch = micro_batch(batches[step * backwards + k], rank, world_size)
+            # (`head`: the targets have another width; the mean square of the output trains as well)
+            loss = run_model(batch[0]).float().square().mean() if scenario.get("head") else loss_fn(run_model, batch)
+            record["phase"] = f"backward {step}"
+            loss.backward()
         if scenario.get("grad_after_backward"):  # a .grad written after the backward: refused
             model.fc1.weight.grad = torch.zeros_like(model.fc1.weight)
+        record["phase"] = f"step {step}"
         opt.step()
         opt.zero_grad()
+        record["phase"] = None
         if scenario.get("die_rank") == rank and step == scenario.get("die_after_step"):
             os._exit(3)  # a rank that dies mid-run
         record["params"].append([p.detach().clone() for p in model.parameters()])
@@ -136,6 +150,11 @@ def run(scenario: dict, rank: int, world_size: int, out_dir: Path) -> None:
             saved = torch.load(scenario["load_from"], weights_only=False)
             model.load_state_dict(saved["model"])
             opt.load_state_dict(saved["optimizer"])
+        if "load_optimizer_from" in scenario:  # a model of other shapes' checkpoint: refused, then train on
+            try:
+                opt.load_state_dict(torch.load(scenario["load_optimizer_from"], weights_only=False))
+            except ValueError as error:
+                record["load_error"] = f"{type(error).__name__}: {error}"
         if "load_rank_state" in scenario:  # one rank's torch.save'd opt.state_dict() (of another world size)
             saved_rank = min(rank, scenario["saved_at"] - 1)
             opt.load_state_dict(torch.load(f"{scenario['load_rank_state']}.rank{saved_rank}.pt", weights_only=False))

@@ -37,8 +37,8 @@ TEST_DEVICES = _test_devices()
 
 
 __all__ = ["TEST_DEVICES", "seeded_generator", "skip_where_dynamo_misses_parameter_changes", "value_tolerance",
-           "launch_ranks", "Tiny", "tiny_model", "TinyRepeated", "model_for", "make_batches", "loss_fn",
-           "train_steps", "TrainLog", "max_param_diff", "snapshot", "bf16_ulp_distance"]
+           "launch_ranks", "Tiny", "tiny_model", "TinyRepeated", "tiny_sequential", "model_for", "make_batches",
+           "loss_fn", "train_steps", "TrainLog", "max_param_diff", "snapshot", "bf16_ulp_distance"]
 
 
 class Tiny(nn.Module):
@@ -86,11 +86,19 @@ class TinyRepeated(nn.Module):
         return self.head(h)
 
 
+def tiny_sequential() -> nn.Sequential:
+    """Tiny as an `nn.Sequential`: the same layers, built in the same order (the same weights for a seed), in
+    one of torch.nn's own modules, whose forward Dynamo does not trace where eager code such as
+    DistributedDataParallel's forward calls it."""
+    return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 24), nn.Tanh(), nn.LayerNorm(24), nn.Linear(24, 16))
+
+
 def model_for(kind: str = "tiny", seed: int = 0) -> nn.Module:
-    """"tiny" (`Tiny`) or "repeated" (`TinyRepeated`), same initial weights for the same seed."""
+    """"tiny" (`Tiny`), "repeated" (`TinyRepeated`) or "sequential" (`tiny_sequential`), same initial weights for
+    the same seed."""
     torch.manual_seed(seed)
     with torch.device("cpu"):
-        model = {"tiny": Tiny, "repeated": TinyRepeated}[kind]()
+        model = {"tiny": Tiny, "repeated": TinyRepeated, "sequential": tiny_sequential}[kind]()
     return model.to(torch.get_default_device())
 
 

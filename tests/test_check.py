@@ -40,6 +40,24 @@ def bench_targets() -> dict:
 
 
 @pytest.mark.slow
+def test_cpu_run_by_default_is_quick_and_reports_no_speed_ratio(tmp_path):
+    """`python -m zenflow_compile.check` on a CPU, as a user runs it: the smoke runs only (the emulated suite
+    behind --emulated-suite), in minutes, and no ratio of the smoke model's step times anywhere."""
+    proc, report, markdown = run_check(tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    parts = parts_by_name(report)
+    assert parts["tests"]["status"] == "not run" and "--emulated-suite" in parts["tests"]["reason"]
+    assert parts["bench"]["status"] == parts["host"]["status"] == "passed"
+    assert report["total_s"] < 300, report["total_s"]
+    for row in report["benchmark"]["systems"]:
+        assert row["ratio_to_fused_adamw"] is None and row["speedup_over_zero_offload"] is None, row
+    assert all(t["value"] is None for t in report["benchmark"]["targets"])
+    for text in (proc.stdout, markdown):
+        assert "| x fused AdamW |" not in text and "x faster than ZeRO-Offload |" not in text
+        assert "no speed ratio" in text
+
+
+@pytest.mark.slow
 def test_cpu_run_reports_every_part_and_the_benchmark_figures(tmp_path):
     proc, report, markdown = run_check(tmp_path, "--parts", "tests,bench", "--pytest-args", "-k test_worker")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -63,9 +81,10 @@ def test_cpu_run_reports_every_part_and_the_benchmark_figures(tmp_path):
     bench = report["benchmark"]
     assert bench["smoke"] is True and bench["judged"] is False
     zenflow = next(row for row in bench["systems"] if row["kind"] == "zenflow")
-    for figure in ("mean_step_s", "ratio_to_fused_adamw", "stall_fraction", "peak_host_rss_gb", "bytes_per_step"):
+    for figure in ("mean_step_s", "stall_fraction", "peak_host_rss_gb", "bytes_per_step"):
         assert zenflow[figure] is not None, figure
     assert {"speedup_over_zero_offload", "peak_gpu_mem_gb", "traffic_multiple"} <= set(zenflow)
+    assert zenflow["ratio_to_fused_adamw"] is None  # (a smoke run measures no speed)
     assert bench["targets"] and all(t["verdict"] == "not judged: no GPU" for t in bench["targets"])
     assert bench_targets().items() <= report["targets"].items()
 
@@ -73,6 +92,61 @@ def test_cpu_run_reports_every_part_and_the_benchmark_figures(tmp_path):
     assert "not run: no GPU" in markdown
     for heading in ("## Parts", "## Benchmark", "## Targets", "## Commands"):
         assert heading in markdown
+
+
+def _plan(tmp_path, argv: list[str], gpu: bool) -> dict:
+    return {part.name: part for part in check.plan_parts(check.parse_args(argv), dict(gpu=gpu, cpu_count=16),
+                                                         tmp_path)}
+
+
+def test_on_a_cpu_the_emulated_suite_runs_only_when_asked(tmp_path):
+    """The whole suite on the emulated device takes over 5 minutes: on a CPU the default plan leaves it out
+    (saying how to ask for it), --emulated-suite or --parts naming it runs it; a GPU's plan is unchanged."""
+    tests = _plan(tmp_path, [], gpu=False)["tests"]
+    assert tests.not_run_reason == check.EMULATED_SUITE_OFF and "--emulated-suite" in tests.not_run_reason
+    for argv in (["--emulated-suite"], ["--parts", "tests,bench"]):
+        tests = _plan(tmp_path, argv, gpu=False)["tests"]
+        assert tests.not_run_reason is None, argv
+        assert tests.env["ZENFLOW_TEST_DEVICE"] == "emulated" and "not slow" in tests.command
+    assert _plan(tmp_path, ["--parts", "bench"], gpu=False)["tests"].not_run_reason == "not selected (--parts)"
+    for argv in ([], ["--emulated-suite"]):
+        plan = _plan(tmp_path, argv, gpu=True)
+        assert all(part.not_run_reason is None for part in plan.values()), argv
+        assert plan["tests"].env["ZENFLOW_TEST_DEVICE"] == "cuda"
+
+
+def _bench_json(path: Path, smoke: bool) -> Path:
+    """A bench_offload.py JSON as a run writes it (the fields the check reads): fused AdamW and ZenFlow."""
+    def row(name, kind, mean_s, ratio):
+        targets = {} if kind != "zenflow" else {"within_1.25x_of_adamw": dict(
+            value=ratio, passed=None if smoke else ratio <= 1.25, judged=not smoke, detail="mean step / adamw")}
+        return dict(name=name, kind=kind, status="ok", mean_step_s=mean_s, median_step_s=mean_s,
+                    ratio_to_speed_limit_mean=ratio, stall_fraction=0.01, peak_gpu_mem_gb=None,
+                    peak_host_rss_gb=1.0, traffic_multiple=1.25, model_bytes=4e5, targets=targets)
+    path.write_text(json.dumps(dict(title="bench", device="cpu", smoke=smoke, judged=not smoke, systems=[
+        row("adamw", "adamw", 0.5, 1.0), row("zenflow", "zenflow", 0.13, 0.26)])))
+    return path
+
+
+@pytest.mark.parametrize("smoke", [True, False], ids=["cpu-smoke", "gpu"])
+def test_a_smoke_run_reports_no_speed_ratio(tmp_path, smoke):
+    """A CPU smoke run's 0.1M-parameter model shows that the pipeline runs; its step-time ratio (ZenFlow at
+    "0.26 x fused AdamW") would read as a speed result: neither the JSON nor the report has one. A GPU run's
+    report keeps its ratios and verdicts."""
+    figures = check.benchmark_figures(_bench_json(tmp_path / "bench.json", smoke))
+    zenflow = next(row for row in figures["systems"] if row["kind"] == "zenflow")
+    assert zenflow["mean_step_s"] == 0.13
+    assert (zenflow["ratio_to_fused_adamw"] is None) == smoke and (figures["targets"][0]["value"] is None) == smoke
+    machine = dict(gpu=not smoke, gpu_name=None if smoke else "GPU", torch="2", cuda=None, triton=None,
+                   deepspeed=None, python="3", platform="linux", cpu_count=2)
+    report = dict(machine=machine, passed=True, total_s=1.0, time_budget_s=10.0, parts=[], benchmark=figures,
+                  host=None, files_dir=str(tmp_path),
+                  targets=dict(judged_on="mean step time", ratio_to_fused_adamw_max=1.25,
+                               speedup_over_zero_offload_min=3, stall_fraction_max=0.05, bytes_per_step_max="x"))
+    markdown = check.render_markdown(report)
+    assert ("0.26" in markdown) != smoke and ("| x fused AdamW |" in markdown) != smoke
+    assert ("130.0" in markdown) != smoke  # (nor its step times side by side)
+    assert ("no speed ratio" in markdown) == smoke
 
 
 @pytest.mark.slow

@@ -88,8 +88,6 @@ def runs(request, tmp_path_factory):
                   dict(name="accumulate_on_device", compiled=False, steps=1, expect_error=True,
                        keys=dict(BASE, accumulate_on="device")),
                   dict(name="accumulate_on_auto", compiled=False, steps=2, keys=dict(BASE, accumulate_on="auto"))]
-    scenarios += [dict(name=f"ddp_{mode}", compiled=mode == "compiled", steps=1, keys=BASE, ddp=True,
-                       expect_error=True) for mode in MODES]
     assert launch(scenarios, out_dir, env=dict(ZENFLOW_WORKER_DEVICE=request.param)) == [0] * WORLD_SIZE
     return out_dir
 
@@ -254,15 +252,86 @@ def test_a_grad_written_after_the_backward_is_refused_on_each_rank(runs):
         assert "register_hook" in record["error"] and "max_grad_norm" in record["error"]
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_model_wrapped_in_ddp_is_refused(runs, mode):
-    """DistributedDataParallel beside ZenFlowAdamW's own reduction: eagerly DDP refills the .grad the hooks
-    took (refused at the first step); compiled, the graph would hand gradients over before DDP could
-    average them (refused at compile time, whatever the optimizer's process group)."""
-    for record in load(runs, f"ddp_{mode}"):
-        assert record["error"] is not None, mode
-        assert "DistributedDataParallel" in record["error"] and "do not wrap" in record["error"], record["error"]
-        assert record["params"] == []  # no step was taken
+# DistributedDataParallel around a ZenFlow model, at world sizes 1 and 2: "outside" the compiled model
+# (torch.compile(DDP(model))) or "inside" (DDP(torch.compile(model))); "sequential": Tiny as an nn.Sequential,
+# whose forward Dynamo leaves to run eagerly inside DDP's; "plain": no DDP, what one process trains.
+DDP_SCENARIOS = dict(
+    ddp_compiled_outside=dict(compiled=True, ddp="outside"),
+    ddp_compiled_inside=dict(compiled=True, ddp="inside"),
+    ddp_eager=dict(compiled=False, ddp="outside"),
+    ddp_sequential_compiled=dict(compiled=True, ddp="outside", model="sequential"),
+    plain_eager=dict(compiled=False),
+)
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> dict[int, Path]:
+    """One launch per world size (1 and 2) of the DDP scenarios, on the host."""
+    out = {}
+    for world_size in (1, 2):
+        out[world_size] = tmp_path_factory.mktemp(f"ddp_world_{world_size}")
+        scenarios = [dict(name=name, steps=2, keys=BASE, expect_error=True, **spec)
+                     for name, spec in DDP_SCENARIOS.items()]
+        assert launch_ranks(WORKER, world_size, scenarios, out[world_size]) == [0] * world_size
+    return out
+
+
+def load_ddp(ddp_runs, world_size: int, name: str) -> list[dict]:
+    return [torch.load(ddp_runs[world_size] / f"{name}.rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_a_compiled_model_in_ddp_is_refused_when_it_is_compiled(ddp_runs, world_size, where):
+    """Compiled, the graph would hand each gradient to ZenFlowAdamW before DDP could average it: refused when
+    the graph is compiled (the first forward, before any backward), whichever way DDP wraps the compiled model,
+    in one process too, with the fix named."""
+    for record in load_ddp(ddp_runs, world_size, f"ddp_compiled_{where}"):
+        error = record["error"] or ""
+        assert error.startswith("BackendCompilerFailed") and record["phase"] == "forward 0", (record["phase"], error)
+        assert "compiled a model wrapped in torch.nn.parallel.DistributedDataParallel" in error, error
+        assert "do not wrap the model in DDP" in error and record["params"] == []
+
+
+def test_an_eager_model_in_ddp_is_refused_at_the_first_step_on_two_ranks_and_trains_as_without_it_on_one(ddp_runs):
+    """Eagerly (and where Dynamo compiles nothing inside DDP: an nn.Sequential model, whose forward it leaves to
+    run eagerly) DDP refills the `.grad` that the data-parallel hooks took: refused at the first step, naming
+    DDP. In one process ZenFlowAdamW is not data parallel and DDP's average over one rank is the gradient itself:
+    nothing tells its `.grad` from a plain backward's, and it trains exactly as without DDP."""
+    for name in ("ddp_eager", "ddp_sequential_compiled"):
+        for record in load_ddp(ddp_runs, 2, name):
+            error = record["error"] or ""
+            assert error.startswith("ValueError: ZenFlowAdamW (data parallel)") and record["phase"] == "step 0", \
+                (name, record["phase"], error)
+            assert "wrapped in DistributedDataParallel" in error and "do not wrap the model in DDP" in error
+        (record,) = load_ddp(ddp_runs, 1, name)
+        (plain,) = load_ddp(ddp_runs, 1, "plain_eager")
+        assert record["error"] is None and plain["error"] is None, (record["error"], plain["error"])
+        assert len(record["params"]) == 2 and max_param_diff(record["params"][-1], plain["params"][-1]) == 0.0
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_on_every_rank_and_training_goes_on(tmp_path):
+    """A full state_dict of a model whose head is wider, loaded on 2 ranks: whichever rank owns the head finds it,
+    every rank raises the same ValueError naming it (no hang in a collective), and training then goes on on
+    both ranks exactly as without the attempt."""
+    wide = model_for("repeated", seed=0)
+    opt = zenflow_compile.ZenFlowAdamW(wide.parameters(), lr=1e-2, preset="deepspeed", **BASE)
+    batches = make_batches(2, batch=8)
+    for batch in batches:
+        wide(batch[0]).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(opt.state_dict(), tmp_path / "wide.pt")
+    narrow = dict(compiled=False, steps=3, keys=BASE, model="repeated", head=8, expect_error=True)
+    scenarios = [dict(narrow, name="refused", load_optimizer_from=str(tmp_path / "wide.pt")),
+                 dict(narrow, name="untouched")]
+    assert launch(scenarios, tmp_path / "out") == [0] * WORLD_SIZE
+    refused, untouched = load(tmp_path / "out", "refused"), load(tmp_path / "out", "untouched")
+    for rank, (record, twin) in enumerate(zip(refused, untouched)):
+        assert record["error"] is None and twin["error"] is None, (record["error"], twin["error"])
+        assert "holds state of shape (16, 16) for parameter 13 of param group 0, which has shape (8, 16)" in \
+            record.get("load_error", ""), (rank, record.get("load_error"))
+        assert len(record["params"]) == 3 and max_param_diff(record["params"][-1], twin["params"][-1]) == 0.0
 
 
 def test_parameters_are_broadcast_from_rank_zero_at_construction(runs):

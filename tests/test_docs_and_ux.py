@@ -4,13 +4,19 @@ rewrite) get a message that names the problem and the fix."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import io
 import json
 import logging
 import os
 import re
 import subprocess
 import sys
+import tokenize
+import warnings
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -203,6 +209,135 @@ def test_architecture_names_exist_where_it_says():
     assert not stale, f"ARCHITECTURE.md names what the code does not define: {stale}"
 
 
+# ------------------------------------------------------------------------------ what the prose cites exists
+PACKAGE_DIRS = ("zenflow_compile", "passes", "runtime", "triton_kernels")
+REPO_DIRS = (*PACKAGE_DIRS, "tests", "benchmarks", "examples")
+# Where a cited path may start (a file of the checkout); other roots (`deepspeed/runtime/...`, `torch/...`)
+# name other projects' files.
+PATH_ROOTS = (*REPO_DIRS, "docs", "integrations")
+CITED_PATH = re.compile(r"(?<![\w/.<>*{}$-])((?:[\w-]+/)*[\w-]+\.(?:py|md|json|png))(?![\w/])")
+BACKTICKED = re.compile(r"`+([^`\s]+?)`+")
+# Module names the prose also uses for other things: DeepSpeed's engine, a Trainer's optimizer, Inductor's config,
+# the libraries of the same name.
+AMBIGUOUS_MODULES = {"engine", "optimizer", "config", "deepspeed", "transformers", "datasets", "inspect"}
+# Environment variables and names of other projects that the prose cites in capitals.
+EXTERNAL_CAPS_PREFIXES = ("TORCH", "TRITON", "CUDA", "OMP_", "NCCL", "PYTORCH", "TYPE_CHECKING")
+
+
+def _python_prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every docstring and comment of a Python file: what a reader takes for documentation (the
+    code itself is checked by running it)."""
+    text = path.read_text(encoding="utf-8")
+    prose = [(node.body[0].lineno, ast.get_docstring(node, clean=False)) for node in ast.walk(ast.parse(text))
+             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+             and ast.get_docstring(node, clean=False)]
+    prose += [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(text).readline)
+              if token.type == tokenize.COMMENT]
+    return prose
+
+
+def _cited_prose() -> list[tuple[str, str]]:
+    """(where, text): the docstrings and comments of the repository's Python files, and its documents (README.md,
+    ARCHITECTURE.md, benchmarks/README.md, docs/*.md)."""
+    prose = [(f"{path.relative_to(ROOT)}:{line}", text) for d in REPO_DIRS for path in sorted((ROOT / d).rglob("*.py"))
+             for line, text in _python_prose(path)]
+    documents = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", ROOT / "benchmarks" / "README.md",
+                 *sorted((ROOT / "docs").glob("*.md"))]
+    return prose + [(str(path.relative_to(ROOT)), path.read_text(encoding="utf-8")) for path in documents]
+
+
+def _repo_files() -> set[str]:
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    return {line for line in out.splitlines() if (ROOT / line).is_file()}
+
+
+def _path_exists(path: str, files: set[str]) -> bool:
+    """A cited path exists: from the checkout's root, from the package (`integrations/...`, or the installed
+    names `zenflow_compile/runtime/...`), or as the tail of a file's path; a bare file name anywhere."""
+    path = re.sub(r"^zenflow_compile/(passes|runtime|triton_kernels)/", r"\1/", path)
+    if "/" not in path:
+        return any(f == path or f.endswith("/" + path) for f in files)
+    return path in files or f"zenflow_compile/{path}" in files or any(f.endswith("/" + path) for f in files)
+
+
+def _resolves(token: str, classes: dict, modules: dict) -> Optional[bool]:
+    """Whether a backticked `token` names something the repository defines; None when it is not the
+    project's to define (torch, a user's variable, another library)."""
+    if re.fullmatch(r"[A-Z][A-Z0-9]*(?:_[A-Z0-9]+)+", token):  # a constant, or an environment variable
+        if token.startswith(EXTERNAL_CAPS_PREFIXES):
+            return None
+        return any(_definitions(p, token) or f'"{token}"' in p.read_text(encoding="utf-8")
+                   for d in REPO_DIRS for p in (ROOT / d).rglob("*.py"))
+    if not re.fullmatch(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+", token):
+        return None
+    if re.search(r"\.(py|md|json|toml|tab|txt|png|csv|ya?ml)$", token):
+        return None  # a file name
+    head, *rest = token.split(".")
+    if head == "zenflow_compile":  # the import path: resolved by importing it
+        parts = token.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                found = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for name in parts[cut:]:
+            if not hasattr(found, name):
+                return False
+            found = getattr(found, name)
+        return True
+    if head in classes:  # `Slab.take_grads`, `ZenFlowRuntime._adopt_casts`
+        return any(_definitions(p, rest[0]) for p in classes[head])
+    if head in modules and head not in AMBIGUOUS_MODULES:  # `kernels.cpu_adamw_`, `slab.SHARED_SLAB_MAX_NUMEL`
+        return any(_definitions(p, rest[0]) for p in modules[head])
+    return None
+
+
+def test_what_docstrings_comments_and_docs_cite_exists():
+    """Every file path the docstrings and comments of the repository's Python files and its documents cite
+    (`runtime/slab.py`, `tests/helpers.py`, `grad_hooks.py`) exists in the checkout, and every backticked
+    name that looks like the project's (`Slab.take_grads`: a member of a class defined here; `kernels.cpu_adamw_`:
+    a name in a package module; `zenflow_compile.ZenFlowAdamW`: an import path; a constant or environment
+    variable in capitals) is defined in its source: a rename or a removal must take its citations with it. A
+    FILE::NAME citation names a definition in that file."""
+    files = _repo_files()
+    sources = [p for d in REPO_DIRS for p in sorted((ROOT / d).rglob("*.py"))]
+    classes: dict[str, list[Path]] = {}
+    for path in sources:
+        for name in re.findall(r"^class (\w+)", path.read_text(encoding="utf-8"), flags=re.M):
+            classes.setdefault(name, []).append(path)
+    modules: dict[str, list[Path]] = {}
+    for path in (p for d in PACKAGE_DIRS for p in (ROOT / d).rglob("*.py") if p.stem != "__init__"):
+        modules.setdefault(path.stem, []).append(path)
+    checked, stale = 0, []
+    for where, text in _cited_prose():
+        for path in CITED_PATH.findall(text):
+            root = path.split("/")[0]
+            if ("/" in path and root not in PATH_ROOTS) or ("/" not in path and not path.endswith(".py")):
+                continue  # another project's file, or an output a command writes (`zenflow_check.md`)
+            checked += 1
+            if not _path_exists(path, files):
+                stale.append(f"{where}: {path}")
+        for token in BACKTICKED.findall(text):
+            token = token.removesuffix("()")
+            if "::" in token and token.split("::")[0].endswith(".py"):
+                path, name = token.split("::", 1)
+                if path.split("/")[0] not in PATH_ROOTS:
+                    continue  # another project's function (`deepspeed/runtime/zenflow/zenflow_utils.py::...`)
+                checked += 1
+                if not (_path_exists(path, files) and (ROOT / path).is_file()
+                        and _definitions(ROOT / path, name.split(".")[-1])):
+                    stale.append(f"{where}: {token}")
+                continue
+            verdict = _resolves(token, classes, modules)
+            checked += verdict is not None
+            if verdict is False:
+                stale.append(f"{where}: {token}")
+    assert checked > 300, checked  # (the scanner still finds the citations)
+    assert not stale, "cited but not in the repository:\n" + "\n".join(sorted(set(stale)))
+
+
 # ------------------------------------------------------------------------------------- errors that help
 def test_misspelt_config_keys_suggest_the_right_one():
     with pytest.raises(TypeError, match=r"'topk_ration': did you mean 'topk_ratio'\?"):
@@ -274,3 +409,40 @@ def test_a_graph_from_the_cache_says_why_its_rewrite_is_not_logged(caplog):
     assert notes, [r.getMessage() for r in caplog.records]
     assert "TORCHINDUCTOR_FORCE_DISABLE_CACHES=1" in notes[0] and "debug_dir" in notes[0]
     assert opt.stats()["steps"] == 1  # and the cached graph still hands its gradients over
+
+
+def _clip_and_step(model, run, opt, steps: int = 3) -> list[float]:
+    norms = []
+    for _ in range(steps):
+        run(torch.randn(3, 12)).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def test_clip_grad_norm_beside_a_compiled_model_is_told_once_to_use_max_grad_norm():
+    """Compiled, the gradients never reach `.grad`: `clip_grad_norm_` returns 0 and clips nothing, and leaves no
+    trace. The first step whose gradients came through the graph warns (once per optimizer, pointing at the
+    caller's `opt.step()`) that clipping goes through `max_grad_norm`; an optimizer with `max_grad_norm` is not
+    warned, nor is an eager one, whose `.grad` `clip_grad_norm_` does clip."""
+    torch._dynamo.reset()
+    model = _Probe()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.5, update_interval=2)
+    with pytest.warns(zenflow_compile.GradHandOffWarning) as warned:
+        norms = _clip_and_step(model, torch.compile(model, backend="zenflow"), opt)
+    assert norms == [0.0, 0.0, 0.0]  # the trap itself
+    told = [w for w in warned if issubclass(w.category, zenflow_compile.GradHandOffWarning)]
+    assert len(told) == 1 and told[0].filename == __file__, [(w.filename, str(w.message)) for w in told]
+    message = str(told[0].message)
+    assert "clip_grad_norm_" in message and "clips nothing" in message and "max_grad_norm=" in message
+    assert "opt.stats()['grad_norm']" in message
+
+    for compiled, max_grad_norm in ((True, 1.0), (False, None)):
+        model = _Probe()
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.5, update_interval=2,
+                           max_grad_norm=max_grad_norm)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", zenflow_compile.GradHandOffWarning)
+            norms = _clip_and_step(model, torch.compile(model, backend="zenflow") if compiled else model, opt)
+        assert all(norm > 0 for norm in norms) != compiled

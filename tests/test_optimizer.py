@@ -20,8 +20,8 @@ from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime.slab import Slab
 
-from helpers import (bf16_ulp_distance, loss_fn, make_batches, max_param_diff, seeded_generator, snapshot, tiny_model,
-                     train_steps, value_tolerance)
+from helpers import (TinyRepeated, bf16_ulp_distance, loss_fn, make_batches, max_param_diff, seeded_generator, snapshot,
+                     tiny_model, train_steps, value_tolerance)
 
 LR = 1e-2
 
@@ -404,6 +404,62 @@ def test_load_rejects_other_config_and_plain_adamw_checkpoints():
     adam = torch.optim.AdamW(tiny_model().parameters())
     with pytest.raises(ValueError):
         ZenFlowAdamW(tiny_model().parameters(), lr=LR).load_state_dict(adam.state_dict())
+
+
+def _repeated(out_features: int) -> TinyRepeated:
+    torch.manual_seed(0)
+    return TinyRepeated(out_features)
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_naming_the_parameter_and_loses_nothing():
+    """A checkpoint of a model whose head has another width: a ValueError naming the parameter, the saved shape
+    and the model's, raised before anything changes (the optimizer trains on exactly as an untouched twin);
+    dropping the named entries loads the rest. A checkpoint with another number of parameters is refused too."""
+    def loss(model, batch):
+        return model(batch[0]).float().pow(2).mean()
+
+    keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True)
+    batches = make_batches(6)
+    wide = _repeated(16)
+    wide_opt = ZenFlowAdamW(wide.parameters(), lr=LR / 2, **keys)
+    train_steps(wide, wide_opt, batches[:3], loss=loss)
+    saved = copy.deepcopy(wide_opt.state_dict())
+    model, twin = _repeated(8), _repeated(8)
+    opt, twin_opt = (ZenFlowAdamW(m.parameters(), lr=LR, **keys) for m in (model, twin))
+    for m, o in ((model, opt), (twin, twin_opt)):
+        train_steps(m, o, batches[:3], loss=loss)  # the last step leaves a CPU update in flight
+    before = copy.deepcopy(opt.state_dict())
+
+    with pytest.raises(ValueError) as refused:
+        opt.load_state_dict(saved)
+    message = str(refused.value)
+    assert ("holds state of shape (16, 16) for parameter 13 of param group 0, which has shape (8, 16) in this model"
+            in message), message
+    assert "Nothing was loaded" in message and "del state_dict['state'][13]" in message
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"] and after["param_groups"][0]["lr"] == LR
+    assert after["zenflow"]["step_count"] == before["zenflow"]["step_count"] == 3
+    for i, entry in before["state"].items():
+        for key, value in entry.items():
+            assert (torch.equal(value, after["state"][i][key]) if isinstance(value, torch.Tensor)
+                    else value == after["state"][i][key]), (i, key)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        train_steps(m, o, batches[3:], loss=loss)
+    opt.synchronize()
+    twin_opt.synchronize()
+    assert max_param_diff(model, twin) == 0.0
+
+    del saved["state"][13]  # the head's weight: then its bias, a vector, is named
+    with pytest.raises(ValueError, match=r"state of shape \(16,\) for parameter 14 of param group 0, which has "
+                                         r"shape \(8,\)"):
+        opt.load_state_dict(saved)
+    del saved["state"][14]
+    opt.load_state_dict(saved)  # the rest loads; the head starts afresh
+    assert opt.state_dict()["zenflow"]["step_count"] == 3 and opt.param_groups[0]["lr"] == LR / 2
+    train_steps(model, opt, batches[:2], loss=loss)
+
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        ZenFlowAdamW(tiny_model().parameters(), lr=LR, **keys).load_state_dict(saved)
 
 
 # ------------------------------------------------------------------------------------- non-finite

@@ -13,6 +13,8 @@ import math
 import re
 import subprocess
 import sys
+import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -154,6 +156,24 @@ def test_callback_rejects_conflicting_clipping(minilm, tmp_path):
                                    callbacks=[ZenFlowCallback()])
     with pytest.raises(ValueError, match=r"max_grad_norm=1.0 and ZenFlowAdamW\(max_grad_norm=2.0\) disagree"):
         trainer.train()
+
+
+def test_callback_clipping_with_trainer_takes_the_place_of_the_clip_grad_norm_warning():
+    """Trainer clips through the callback (max_grad_norm forwarded, Trainer's own clip_grad_norm_ off), also when
+    its max_grad_norm is 0 (no clipping): the optimizer's warning that clip_grad_norm_ clips nothing would be
+    noise there, so a compiled step does not give it."""
+    torch._dynamo.reset()
+    for trainer_clip, expected in ((0.0, None), (CLIP, CLIP)):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **ZENFLOW)
+        args = types.SimpleNamespace(max_grad_norm=trainer_clip)
+        ZenFlowCallback().on_train_begin(args, None, None, optimizer=opt)
+        assert args.max_grad_norm == 0.0 and opt.max_grad_norm == expected
+        compiled = torch.compile(model, backend="zenflow")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", zenflow_compile.GradHandOffWarning)
+            compiled(torch.randn(4, 8)).square().mean().backward()
+            opt.step()
 
 
 @pytest.mark.slow

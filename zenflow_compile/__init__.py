@@ -6,6 +6,6 @@
 
 from zenflow_compile import backend  # noqa: F401  registers the "zenflow" backend (idempotent with the entry point)
 from zenflow_compile.config import ZenFlowConfig
-from zenflow_compile.optimizer import ZenFlowAdamW
+from zenflow_compile.optimizer import GradHandOffWarning, ZenFlowAdamW
 
-__all__ = ["ZenFlowConfig", "ZenFlowAdamW"]
+__all__ = ["ZenFlowConfig", "ZenFlowAdamW", "GradHandOffWarning"]

@@ -4,6 +4,7 @@ offload benchmark, in bounded time, into one report.
     python -m zenflow_compile.check                         # everything; under 20 minutes on one GPU
     python -m zenflow_compile.check --parts kernels,bench   # some parts only
     python -m zenflow_compile.check --pytest-args="-k stacked" --out-dir /tmp/check
+    python -m zenflow_compile.check --emulated-suite        # on a CPU: also the suite on the emulated device
 
 Parts, each a subprocess with its own time limit, in this order:
   kernels  the Triton kernels compiled (TRITON_INTERPRET unset) against their torch twins, CUDA cases (GPU only)
@@ -12,10 +13,13 @@ Parts, each a subprocess with its own time limit, in this order:
            all cores and on the worker share (what bounds an offloading step on this machine); on a CPU its
            --smoke run
   bench    benchmarks/bench_offload.py: on a GPU the 1B model in bf16, compiled ZenFlow vs compiled fused AdamW
-           (and DeepSpeed's rows when deepspeed is installed); on a CPU its --smoke run (compiled systems)
+           (and DeepSpeed's rows when deepspeed is installed); on a CPU its --smoke run (compiled systems on a
+           0.1M-parameter model: it shows that the pipeline runs, not how fast, so no speed ratio is reported)
   tests    on a GPU the suite's CUDA tests (`-m cuda`: the `cuda` device's cases), without what `kernels` and
            `overlap` ran, over pytest-xdist workers when it is installed; on a CPU the whole suite on the
-           `emulated` device. Never the `slow` tests.
+           `emulated` device (over 5 minutes), only with --emulated-suite or when --parts names it. Never the
+           `slow` tests.
+On a CPU the check is therefore quick by default: the two smoke runs, a few minutes at most.
 The bounded parts run first; the suite, whose length grows with the project, takes the time they leave.
 Each part's limit is its weight's share of what --time-budget (1140 s) has left (weights: kernels 90, overlap
 90, host 60, bench 540, tests 420), so time a part leaves unused goes to the parts after it. A part that
@@ -24,8 +28,9 @@ fails or runs past its limit is a row with its reason; the command still writes 
 Output: zenflow_check.md and zenflow_check.json in --out-dir (default: the current directory): per part its
 status, test counts (from pytest's junit xml) and duration; the GPU, torch, triton and CUDA versions; the
 benchmark's figures (step time ratio to fused AdamW, speed-up over ZeRO-Offload, stall fraction, peak memory,
-bytes per step) with the targets of benchmarks/bench_offload.py, PASS/FAIL on a GPU only. Logs, junit files
-and the benchmark's own JSON go to <out-dir>/zenflow_check_files/.
+bytes per step) with the targets of benchmarks/bench_offload.py, PASS/FAIL on a GPU only (a CPU smoke run
+reports step times, no ratios). Logs, junit files and the benchmark's own JSON go to
+<out-dir>/zenflow_check_files/.
 
 It runs from a source checkout: tests/ and benchmarks/ must sit beside the package (`pip install -e .`).
 """
@@ -55,9 +60,12 @@ PART_NAMES = ("kernels", "overlap", "host", "bench", "tests")
 DEFAULT_TIME_BUDGET_S = 1140.0  # 19 minutes: the issue's 20, less start-up and the report
 # Interrupted parts get this long to write what they have (pytest its junit xml, the benchmark its JSON).
 INTERRUPT_GRACE_S = 20.0
-NO_GPU_STATEMENT = ("No GPU: torch sees no CUDA device on this machine. This is the CPU part only (the suite on "
-                    "the emulated device, the benchmark's smoke run); the GPU parts are marked \"not run: no GPU\" "
-                    "and no performance target is judged.")
+NO_GPU_STATEMENT = ("No GPU: torch sees no CUDA device on this machine. This is the CPU part only (the benchmarks' "
+                    "smoke runs, which show that the pipeline runs, not its speed; the suite on the emulated device "
+                    "with --emulated-suite); the GPU parts are marked \"not run: no GPU\" and no performance "
+                    "target is judged.")
+EMULATED_SUITE_OFF = ("on a CPU only with --emulated-suite (the whole suite on the emulated device: over 5 "
+                      "minutes)")
 
 
 @dataclasses.dataclass
@@ -94,8 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m zenflow_compile.check", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default=",".join(PART_NAMES),
-                        help=f"comma-separated subset of {','.join(PART_NAMES)} (default all; run in that order)")
+    parser.add_argument("--parts", default=None,
+                        help=f"comma-separated subset of {','.join(PART_NAMES)} (default all, but on a CPU the "
+                             "tests part only with --emulated-suite; run in that order)")
+    parser.add_argument("--emulated-suite", action="store_true",
+                        help="on a CPU, also run the whole suite on the emulated device (the tests part: over 5 "
+                             "minutes); a GPU runs its CUDA tests anyway")
     parser.add_argument("--pytest-args", default="",
                         help="extra pytest arguments for every pytest part, one shell-quoted string, e.g. "
                              "--pytest-args=\"-k stacked -x\" (a -m here replaces the part's own)")
@@ -110,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.parts = [name.strip() for name in args.parts.split(",") if name.strip()]
+    args.parts_named = args.parts is not None  # (--parts tests on a CPU is a request for the emulated suite)
+    args.parts = [name.strip() for name in (args.parts or ",".join(PART_NAMES)).split(",") if name.strip()]
     unknown = sorted(set(args.parts) - set(PART_NAMES))
     if unknown or not args.parts:
         parser.error(f"--parts {unknown or 'is empty'}: expected a subset of {','.join(PART_NAMES)}")
@@ -221,6 +234,8 @@ def plan_parts(args: argparse.Namespace, machine: dict[str, Any], files_dir: Pat
         tests.env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # one compile process per worker, not one per core
     else:
         selection += ["-m", "not slow"]
+        if not (args.emulated_suite or args.parts_named):
+            tests.not_run_reason = EMULATED_SUITE_OFF
     tests.command = pytest + ["tests", *selection, f"--junitxml={tests.junit}"]
 
     parts = [kernels, overlap, host, bench, tests]
@@ -429,22 +444,26 @@ def performance_targets(bench: ModuleType) -> dict[str, Any]:
 
 
 def benchmark_figures(bench_json: Path) -> Optional[dict[str, Any]]:
-    """Per system the figures the targets need, and per compiled ZenFlow row the benchmark's verdicts."""
+    """Per system the figures the targets need, and per compiled ZenFlow row the benchmark's verdicts. A smoke
+    run (on a CPU) gets no speed ratio and no target values: its 0.1M-parameter model shows that the pipeline
+    runs, and a ratio of its step times would read as a speed result."""
     bench = read_bench_json(bench_json)
     if bench is None:
         return None
+    smoke = bool(bench["smoke"])
     offload = next((r for r in bench["systems"] if r["kind"] == "ds_offload" and r["status"] == "ok"), None)
     systems, verdicts = [], []
     for row in bench["systems"]:
         ok = row["status"] == "ok"
         traffic, model_bytes = row.get("traffic_multiple"), row.get("model_bytes")
         speedup = None
-        if ok and offload is not None and row["kind"] == "zenflow":
+        if ok and offload is not None and row["kind"] == "zenflow" and not smoke:
             speedup = offload["mean_step_s"] / row["mean_step_s"]
         systems.append(dict(
             system=row["name"], kind=row["kind"], status=row["status"], error=row.get("error"),
             mean_step_s=row.get("mean_step_s"), median_step_s=row.get("median_step_s"),
-            ratio_to_fused_adamw=row.get("ratio_to_speed_limit_mean"), speedup_over_zero_offload=speedup,
+            ratio_to_fused_adamw=None if smoke else row.get("ratio_to_speed_limit_mean"),
+            speedup_over_zero_offload=speedup,
             stall_fraction=row.get("stall_fraction"), peak_gpu_mem_gb=row.get("peak_gpu_mem_gb"),
             peak_host_rss_gb=row.get("peak_host_rss_gb"), traffic_multiple=traffic,
             bytes_per_step=traffic * model_bytes if traffic is not None and model_bytes else None))
@@ -453,8 +472,8 @@ def benchmark_figures(bench_json: Path) -> Optional[dict[str, Any]]:
                 outcome = "not judged: no GPU"
             else:
                 outcome = {True: "PASS", False: "FAIL", None: "n/a"}[verdict["passed"]]
-            verdicts.append(dict(system=row["name"], target=target, value=verdict["value"], verdict=outcome,
-                                 criterion=verdict["detail"]))
+            verdicts.append(dict(system=row["name"], target=target, value=None if smoke else verdict["value"],
+                                 verdict=outcome, criterion=verdict["detail"]))
     return dict(title=bench["title"], device=bench["device"], smoke=bench["smoke"], judged=bench["judged"],
                 json=str(bench_json), systems=systems, targets=verdicts)
 
@@ -526,16 +545,24 @@ def render_markdown(report: dict[str, Any]) -> str:
     if bench is None:
         lines.append("Not run, or it wrote no JSON (see the bench part).")
     else:
-        if not bench["judged"]:
+        smoke = bench["smoke"]
+        if smoke:
+            lines += ["Smoke run: a 0.1M-parameter model on the CPU shows that every system's pipeline runs, not "
+                      "how fast it is, so no speed ratio is reported (step times: the benchmark's JSON).", ""]
+        elif not bench["judged"]:
             lines += ["CPU figures: they show that the harness measures; they are not GPU results.", ""]
-        lines += [f"{bench['title']}. Its JSON: `{bench['json']}`.", "",
-                  "| system | status | mean step ms | x fused AdamW | x faster than ZeRO-Offload | stall % "
-                  "| peak GPU GB | peak host GB | bytes/step MB | x model bytes |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        # (A smoke run's step times side by side would invite the same reading as their ratio: JSON only.)
+        speed = [] if smoke else ["mean step ms", "x fused AdamW", "x faster than ZeRO-Offload"]
+        header = ["system", "status", *speed, "stall %", "peak GPU GB", "peak host GB", "bytes/step MB",
+                  "x model bytes"]
+        lines += [f"{bench['title']}. Its JSON: `{bench['json']}`.", "", table_row(header),
+                  table_row(["---", "---"] + ["---:"] * (len(header) - 2))]
         for row in bench["systems"]:
             status = "ok" if row["status"] == "ok" else f"FAILED: {str(row['error'])[:120]}"
-            cells = [row["system"], status, fmt(row["mean_step_s"], ".1f", 1e3),
-                     fmt(row["ratio_to_fused_adamw"], ".2f"), fmt(row["speedup_over_zero_offload"], ".2f"),
+            speed_cells = [] if smoke else [fmt(row["mean_step_s"], ".1f", 1e3),
+                                            fmt(row["ratio_to_fused_adamw"], ".2f"),
+                                            fmt(row["speedup_over_zero_offload"], ".2f")]
+            cells = [row["system"], status, *speed_cells,
                      fmt(row["stall_fraction"], ".1f", 100),
                      fmt(row["peak_gpu_mem_gb"], ".2f"), fmt(row["peak_host_rss_gb"], ".2f"),
                      fmt(row["bytes_per_step"], ".1f", 1e-6), fmt(row["traffic_multiple"], ".3f")]
@@ -563,10 +590,12 @@ def render_markdown(report: dict[str, Any]) -> str:
               f"{targets['ratio_to_fused_adamw_max']}x fused AdamW, >= {targets['speedup_over_zero_offload_min']}x "
               f"faster than ZeRO-Offload, stall fraction < {targets['stall_fraction_max']}, bytes per step <= "
               f"{targets['bytes_per_step_max']}, faster than DeepSpeed's ZenFlow.", ""]
-    if bench is not None and bench["targets"]:
+    if bench is not None and bench["targets"] and not bench["smoke"]:
         lines += ["| system | target | value | verdict | criterion |", "| --- | --- | ---: | --- | --- |"]
         lines += [table_row([t["system"], t["target"], fmt(t["value"]), t["verdict"], t["criterion"]])
                   for t in bench["targets"]]
+    elif bench is not None and bench["smoke"]:
+        lines.append("Not judged: a smoke run measures no speed.")
     lines += ["", "## Commands", "", "Run from the checkout; logs and junit files: "
               f"`{report['files_dir']}`.", "", "```"]
     lines += [f"{part['command']}" for part in report["parts"] if part["command"]]

@@ -447,9 +447,13 @@ def _build_optimizer(engine, plan: ZenFlowDeepSpeedPlan, model_parameters) -> Ze
     bucket = plan.user_config.get("zero_optimization", {}).get("reduce_bucket_size")
     if bucket == "auto":  # DeepSpeed reads "auto" as "its default"; ZenFlow's default bucket size then applies
         bucket = None
-    return ZenFlowAdamW(_param_groups(model_parameters), **plan.adamw, max_grad_norm=plan.max_grad_norm,
-                        config=config, process_group=engine.data_parallel_group,
-                        **({"reduce_bucket_size": int(bucket)} if bucket is not None else {}))
+    optimizer = ZenFlowAdamW(_param_groups(model_parameters), **plan.adamw, max_grad_norm=plan.max_grad_norm,
+                             config=config, process_group=engine.data_parallel_group,
+                             **({"reduce_bucket_size": int(bucket)} if bucket is not None else {}))
+    # The engine's clipping is the config's gradient_clipping, forwarded as max_grad_norm: it never calls
+    # clip_grad_norm_, so the optimizer's note about it would be noise.
+    optimizer._grad_hand_off_noted = True
+    return optimizer
 
 
 def _report_skipped_steps(optimizer: ZenFlowAdamW) -> None:

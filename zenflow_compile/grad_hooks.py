@@ -2,8 +2,8 @@
 
 Single process (`hand_over_grads`): `.grad` belongs to the user until `step()`, as with torch.optim. Tensor
 hooks, `clip_grad_norm_`, edits and `zero_grad(set_to_none=False)` act on it, and `step()` hands the
-`.grad` of every parameter in the param groups to `ZenFlowRuntime.take_grads` in one batched call
-(`runtime/handoff.py`), leaving it in place for `zero_grad()` to clear. Gradient accumulation is autograd's
+`.grad` of every parameter in the param groups to `ZenFlowRuntime.take_grads` (`runtime/engine.py`) in one
+batched call, leaving it in place for `zero_grad()` to clear. Gradient accumulation is autograd's
 own sum into `.grad`.
 
 Data parallel (`DataParallelHooks`): a post-accumulate-grad hook moves each gradient out of `.grad` into the

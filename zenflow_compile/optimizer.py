@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional
@@ -25,6 +26,11 @@ from zenflow_compile.runtime.engine import ZenFlowRuntime
 
 #: Parameter dtypes ZenFlow trains (fp32 masters); integer and bool tensors are skipped, as by torch.optim.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class GradHandOffWarning(UserWarning):
+    """A step's gradients were handed to ZenFlowAdamW inside the backward, so `.grad` stays None and
+    `torch.nn.utils.clip_grad_norm_` clips nothing (shown once per optimizer that has no `max_grad_norm`)."""
 
 
 def _is_real(value) -> bool:
@@ -67,18 +73,21 @@ class ZenFlowAdamW(torch.optim.Optimizer):
     edits and `zero_grad(set_to_none=False)` change what the update uses, and `step()` takes `.grad` as it
     stands. Under `torch.compile(backend="zenflow")` the backward hands gradients over itself and `.grad`
     stays None (a parameter with a gradient hook keeps its `.grad`, so the hook applies); clip with
-    `max_grad_norm` and read the step's global norm (before clipping) from `stats()["grad_norm"]`. Under
-    compiled autograd (`torch._dynamo.config.compiled_autograd`) the compiled backward fills `.grad` and
-    `step()` takes it as eagerly.
+    `max_grad_norm` and read the step's global norm (before clipping) from `stats()["grad_norm"]` (a
+    `clip_grad_norm_` would clip nothing: without `max_grad_norm`, the first such step warns, once,
+    `GradHandOffWarning`). Under compiled autograd (`torch._dynamo.config.compiled_autograd`) the compiled
+    backward fills `.grad` and `step()` takes it as eagerly.
 
     Data parallel (docs/semantics.md): under torch.distributed with more than one rank in `process_group` (None = the
     default group, if initialised), gradients are averaged across ranks inside the backward, every rank
     makes the same selection, and each rank holds the host state of a share of the matrices; as when
     compiled, `.grad` is None after the backward (tensor hooks still apply). Do not wrap the model in
-    DistributedDataParallel (refused: compiled, at compile time; eagerly, at the first step). Parameters are
-    broadcast from rank 0 at construction. `state_dict()` is this rank's part of the state, in the form
-    torch.distributed.checkpoint saves and loads at any world size; `consolidated_state_dict()` gathers a full
-    one.
+    DistributedDataParallel: refused, compiled, when the graph is compiled (in one process too); eagerly (or
+    where Dynamo compiles nothing inside DDP's forward, e.g. an `nn.Sequential`), at the first step, where DDP
+    refilled `.grad`. In one process, eager DDP's `.grad` (its average over one rank) cannot be told from a plain
+    backward's and trains as without DDP. Parameters are broadcast from rank 0 at construction. `state_dict()`
+    is this rank's part of the state, in the form torch.distributed.checkpoint saves and loads at any world size;
+    `consolidated_state_dict()` gathers a full one.
 
     Follows torch.optim conventions: parameters that never get a gradient (frozen, unused, integer tensors)
     are never touched and cost nothing; one that starts requiring grad later trains from then on; values
@@ -152,6 +161,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         self._groups_seen: Optional[list] = None  # the param groups' ids when last followed (see step())
         self._followed: tuple[list, list] = ([], [])  # (parameters in group order, their runtime ids)
         self._hook_handles: dict[int, Any] = {}  # data parallel: id(param) -> its post-accumulate-grad hook
+        # Whether the user was told that `.grad` stays None (`_note_grad_hand_off`); integrations that clip
+        # through `max_grad_norm` themselves set it.
+        self._grad_hand_off_noted = False
         self._dp_hooks = None if self._runtime.reducer is None else DataParallelHooks(self._runtime, self._param_ids)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -298,6 +310,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if self._runtime.sharding is not None:
             self._runtime.sharding.check_still_held(params, self._describe)
         scale = self._loss_scale(grad_scaler)
+        if self._runtime.holds_step_grads and not self._grad_hand_off_noted and self.max_grad_norm is None:
+            self._note_grad_hand_off()
         try:
             if self._dp_hooks is None:
                 handed = hand_over_grads(self._runtime, params, pids)
@@ -337,6 +351,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "clip_grad_norm_ call, and clip with ZenFlowAdamW(max_grad_norm=...), which sees the unscaled "
                 "global norm (opt.stats()['grad_norm'])")
         return None
+
+    def _note_grad_hand_off(self) -> None:
+        """Once per optimizer without `max_grad_norm`, at the first step whose gradients were handed over inside
+        the backward: `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)` then saw no `.grad`, returned 0
+        and clipped nothing, and nothing it does leaves a trace the optimizer could check."""
+        self._grad_hand_off_noted = True
+        warnings.warn(
+            "ZenFlowAdamW takes the gradients inside the backward (backend='zenflow', or data parallel), so .grad "
+            "stays None and torch.nn.utils.clip_grad_norm_ clips nothing (it returns 0). To clip, pass "
+            "ZenFlowAdamW(max_grad_norm=...); opt.stats()['grad_norm'] is the step's norm. (Said once, to an "
+            "optimizer without max_grad_norm; to silence: warnings.filterwarnings('ignore', "
+            "category=zenflow_compile.GradHandOffWarning).)",
+            GradHandOffWarning, stacklevel=5)  # (the caller of opt.step(), past torch.optim's wrappers)
 
     def _hand_over_late_grads(self, params: list, pids: list) -> bool:
         """Data parallel: gradients that are in `.grad` at step() although the hooks take each one during the
@@ -488,7 +515,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Restore a `state_dict()`. As torch.optim restores the saved lr, betas, eps and weight_decay, the saved
-        `max_grad_norm` is restored too (set `opt.max_grad_norm` after loading to change it).
+        `max_grad_norm` is restored too (set `opt.max_grad_norm` after loading to change it). A state_dict that
+        does not fit (other param groups, a parameter's state of another shape) is refused before anything
+        changes, naming the parameter.
 
         Data parallel: a collective (call it on every rank together). Each rank takes the entries of the
         parameters it owns (DCP's form, this rank's own `state_dict()` at the same world size, or a full
@@ -507,13 +536,15 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowAdamW.load_state_dict() was called between a backward and step(): that backward's "
                 "gradients were already handed to the optimizer and loading would discard them. Load the "
                 "checkpoint before the backward, or after step() (or call zero_grad() first to drop them)")
+        _check_same_groups(groups, self.param_groups)
         # A parameter's entry is keyed as its place in the saved param groups says: its index (torch.optim's
         # state_dict) or its name (torch.distributed.checkpoint's get_optimizer_state_dict).
         keys = [key for group in groups for key in group["params"]]
         params = self._params_in_order()
         entries = {self.param_id(param): state_dict["state"][keys[i]] for i, param in enumerate(params)
                    if id(param) in self._param_ids and keys[i] in state_dict["state"]}
-        self._check_entries_complete(zenflow.get("data_parallel"), entries)
+        # Checked before anything changes: a refused load leaves the optimizer as it was.
+        self._check_entries_complete(zenflow.get("data_parallel"), entries, self._shape_problem(params, keys, entries))
         if self._runtime.failed:  # a worker failure or an interrupted step: loading replaces every state
             self._runtime.settle_after_failure()
         else:
@@ -533,13 +564,34 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._follow_param_groups()
             self._mark_state()
 
-    def _check_entries_complete(self, saved: Optional[dict], entries: dict) -> None:
+    def _shape_problem(self, params: list, keys: list, entries: dict) -> Optional[str]:
+        """Why the entries cannot be loaded into these parameters (the first whose saved state has another
+        shape than the parameter's, e.g. a checkpoint of a model with another classification head), or None."""
+        for i, param in enumerate(params):
+            entry = entries.get(self._param_ids.get(id(param)))
+            if entry is None or not checkpoint.holds_state(entry):
+                continue
+            local = sharded.local_shard(param)  # (sharded: this rank's rows of both)
+            saved = checkpoint.saved_shape(sharded.local_entry(entry) if self._runtime.sharding else entry)
+            wanted = checkpoint.expected_shape(local)
+            if saved is None or saved == wanted:
+                continue
+            name = f" ({keys[i]!r})" if isinstance(keys[i], str) else ""
+            layout = "" if wanted == tuple(local.shape) else f", whose state is [rows, columns] {wanted}"
+            return (f"ZenFlowAdamW.load_state_dict: the checkpoint holds state of shape {saved} for "
+                    f"{self._place(param)}{name}, which has shape {tuple(local.shape)} in this model{layout}: the "
+                    "checkpoint was saved for a model of other shapes (another head or vocabulary?). Nothing was "
+                    "loaded. Fix: load it into a model of the shapes it was saved from; or, to start that "
+                    f"parameter's state afresh, drop its entry first (del state_dict['state'][{keys[i]!r}])")
+        return None
+
+    def _check_entries_complete(self, saved: Optional[dict], entries: dict, problem: Optional[str] = None) -> None:
         """A data-parallel state_dict holds only its rank's parameters' entries: each parameter this rank owns
         (every one, without data parallelism) must have its entry where the saving run had an owner for it
         (one rank's torch.save'd state_dict loaded by another rank, at another world size or in one process
-        lacks them). Data parallel: every rank learns every rank's verdict (a collective), so all raise."""
-        problem = None
-        if saved is not None:
+        lacks them). `problem`: one found already (a shape). Data parallel: every rank learns every rank's
+        verdict (a collective), so all raise."""
+        if saved is not None and problem is None:
             runtime, owners = self._runtime, saved["owners"].tolist()
             for i, param in enumerate(self._params_in_order()):
                 pid = self._param_ids.get(id(param))
@@ -549,24 +601,28 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                     problem = (f"ZenFlowAdamW.load_state_dict: this state_dict has no state for parameter {i} "
                                f"(shape {tuple(param.shape)}), which rank {owners[i]} of the {saved['world_size']} "
                                "ranks that saved it held: it is one rank's state_dict of a data-parallel run, "
-                               "which holds only the state of that rank's parameters")
+                               "which holds only the state of that rank's parameters. Fix: load it on the rank "
+                               "that saved it, at the same world size; or save with torch.distributed.checkpoint "
+                               "(dcp.save of every rank's state_dict, dcp.load into a new optimizer's: any world "
+                               "size); or save opt.consolidated_state_dict() and load that anywhere")
                     break
         data_parallel = self._runtime.data_parallel
         verdicts = [problem] if data_parallel is None else data_parallel.all_gather_object(problem)
         problem = next((p for p in verdicts if p is not None), None)
         if problem is not None:
-            raise ValueError(
-                f"{problem}. Fix: load it on the rank that saved it, at the same world size; or save with "
-                "torch.distributed.checkpoint (dcp.save of every rank's state_dict, dcp.load into a new "
-                "optimizer's: any world size); or save opt.consolidated_state_dict() and load that anywhere")
+            raise ValueError(problem)
 
     def _describe(self, param: torch.Tensor) -> str:
         """How error messages name a parameter: its place in the param groups and its shape."""
+        place, shape = self._place(param), tuple(param.shape)
+        return f"a parameter of shape {shape}" if place is None else f"{place} (shape {shape})"
+
+    def _place(self, param: torch.Tensor) -> Optional[str]:
         for g, group in enumerate(self.param_groups):
             for i, p in enumerate(group["params"]):
                 if p is param:
-                    return f"parameter {i} of param group {g} (shape {tuple(param.shape)})"
-        return f"a parameter of shape {tuple(param.shape)}"
+                    return f"parameter {i} of param group {g}"
+        return None
 
     # -- copies -------------------------------------------------------------------------------------------
     def __reduce_ex__(self, protocol):
@@ -602,6 +658,19 @@ class ZenFlowAdamW(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return super().__repr__().replace("(\n", f"(\n{self.config}\n", 1)
+
+
+def _check_same_groups(saved: list[dict], groups: list[dict]) -> None:
+    """torch.optim's check that a state_dict's param groups match the optimizer's, made before anything is
+    loaded."""
+    if len(saved) != len(groups):
+        raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved)}) than the "
+                         f"optimizer ({len(groups)})")
+    sizes = [(len(s["params"]), len(g["params"])) for s, g in zip(saved, groups)]
+    if any(a != b for a, b in sizes):
+        raise ValueError("loaded state dict contains a parameter group that doesn't match the size of optimizer's "
+                         f"group (parameters per group: saved {[a for a, _ in sizes]}, this optimizer "
+                         f"{[b for _, b in sizes]})")
 
 
 def _param_list(params):

@@ -145,9 +145,11 @@ class ZenFlowCallback(TrainerCallback):
                     f"TrainingArguments.max_grad_norm={args.max_grad_norm!r} and ZenFlowAdamW(max_grad_norm="
                     f"{opt.max_grad_norm!r}) disagree: set one of them (ZenFlow clips with the global norm of "
                     f"each step's gradient), or make them equal")
-        # Trainer's clip_grad_norm_ would see no .grad (ZenFlow consumes the gradients): turn it off.
+        # Trainer's clip_grad_norm_ would see no .grad (ZenFlow consumes the gradients): turn it off. Trainer's
+        # clipping now goes through max_grad_norm, so the optimizer's note about clip_grad_norm_ is not needed.
         self._trainer_max_grad_norm = args.max_grad_norm
         args.max_grad_norm = 0.0
+        opt._grad_hand_off_noted = True
 
     # -- evaluation and checkpoints see current weights ---------------------------------------------------
     def _synchronize_if_due(self, control) -> None:
