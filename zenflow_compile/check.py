@@ -208,16 +208,17 @@ def plan_parts(args: argparse.Namespace, machine: dict[str, Any], files_dir: Pat
         systems = ["adamw", "zenflow"]
         if importlib.util.find_spec("deepspeed") is not None:
             systems += ["ds_offload", "ds_zenflow"]
-        # One ZenFlow setting, overlap on, 16 measured steps (4 update intervals): the targets' figures in
-        # minutes; the benchmark's full grid takes an hour.
+        # One ZenFlow setting, overlap on, summing on the device and on the host, 16 measured steps (4 update
+        # intervals): the targets' figures in minutes; the benchmark's full grid takes an hour.
         bench_plan = ["--model", "1b", "--batch", "8", "--seq", "1024", "--steps", "16", "--warmup", "4",
-                      "--zenflow-settings", "0.05:4", "--overlap", "on", "--systems", ",".join(systems)]
+                      "--zenflow-settings", "0.05:4", "--overlap", "on", "--accumulate-on", "both",
+                      "--systems", ",".join(systems)]
     else:
         # DeepSpeed's rows need its ops JIT-built first (minutes): beyond a bounded CPU check.
         bench_plan = ["--smoke", "--systems", "adamw,zenflow"]
     bench.command = [sys.executable, "benchmarks/bench_offload.py", *bench_plan,
                      "--out", str(bench.bench_json), "--chart", str(files_dir / "bench_offload.png"),
-                     "--log-dir", str(files_dir / "bench_logs")]
+                     "--log-dir", str(files_dir / "bench_logs"), "--trace-dir", str(files_dir / "traces")]
     bench.extra_args = shlex.split(args.bench_args)
 
     tests = Part("tests", f"test suite on the {device} device", weight_s=420, junit=files_dir / "tests.xml",
