@@ -193,8 +193,11 @@ def test_every_rank_holds_the_same_selection_and_bytes(runs, name, mode):
 def test_host_state_per_rank_is_a_world_size_share(runs):
     out_dir, world_size = runs
     name = "overlap_reselect_clip_nan"
-    per_rank = [r["stats"]["host_state_bytes"] for r in load(out_dir, f"{name}_eager", world_size)]
-    _, _, single = one_process(PARITY[name], world_size)
+    records = load(out_dir, f"{name}_eager", world_size)
+    per_rank = [r["stats"]["host_state_bytes"] for r in records]
+    placement = records[0]["stats"]["accumulate_on"]  # (the host holds gradient buffers only summing there)
+    _, _, single = one_process(dict(PARITY[name], keys=dict(PARITY[name]["keys"], accumulate_on=placement)),
+                               world_size)
     whole = single.stats()["host_state_bytes"]
     print(f"host_state_bytes: one process {whole}, per rank {per_rank} ({world_size} ranks)")
     # Every buffer scales with the rows a rank holds, except the per-column counts (replicated, [u] floats).
