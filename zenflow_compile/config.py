@@ -96,7 +96,8 @@ class ZenFlowConfig:
     select_strategy: when the selected columns are re-chosen: "auto" (on churn), "step" or "epoch".
     select_interval: "auto", or the int >= 1 number of steps ("step") / epochs ("epoch") between reselections.
     update_interval: "auto" (Zen-auto) or the int >= 1 number of steps between CPU updates of the other columns.
-    overlap_step: run the CPU update of a boundary while the device goes on (applied at the next boundary).
+    overlap_step: run the CPU update of a boundary while the device goes on (applied at the next boundary, or
+        sooner with landing_lag).
     offload: offload the selected columns' optimizer state to the host too (DeepSpeed's flag).
     auto_ratio: fraction in [0, 1] of matrices that must be ripe for Zen-auto to make a boundary.
     full_warm_up_rounds: number W >= 0 of initial steps with plain full AdamW updates, before any selection.
