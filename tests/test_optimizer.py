@@ -385,6 +385,27 @@ def test_load_rejects_other_config_and_plain_adamw_checkpoints():
         ZenFlowAdamW(tiny_model().parameters(), lr=LR).load_state_dict(adam.state_dict())
 
 
+def test_a_checkpoint_saved_before_the_landing_lag_key_existed_resumes():
+    """Its config has no landing_lag: it ran the key's default (None), so it is not another config."""
+    keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True)
+    batches = make_batches(7)
+    a = tiny_model()
+    oa = ZenFlowAdamW(a.parameters(), lr=LR, **keys)
+    train_steps(a, oa, batches[:3])
+    sd = _roundtrip(oa.state_dict())
+    del sd["zenflow"]["config"]["landing_lag"]
+    b = tiny_model()
+    b.load_state_dict(a.state_dict())
+    ob = ZenFlowAdamW(b.parameters(), lr=LR, **keys)
+    ob.load_state_dict(sd)
+    log_a, log_b = train_steps(a, oa, batches[3:]), train_steps(b, ob, batches[3:])
+    for xs, ys in zip(log_a.params, log_b.params):
+        assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+    sd["zenflow"]["config"]["landing_lag"] = 1  # but a checkpoint that names another value is another config
+    with pytest.raises(ValueError, match="landing_lag"):
+        ZenFlowAdamW(tiny_model().parameters(), lr=LR, **keys).load_state_dict(sd)
+
+
 # ------------------------------------------------------------------------------------- non-finite
 def _flat_state(sd):
     out = {}

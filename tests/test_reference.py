@@ -677,3 +677,28 @@ def test_zenflow_adamw_refuses_a_landing_lag_it_does_not_run_yet():
         ZenFlowAdamW(model.parameters(), config=ZenFlowConfig(overlap_step=True, update_interval=4, landing_lag=2))
     for lag in (None, 4):                                    # the default's schedule: runs
         ZenFlowAdamW(model.parameters(), overlap_step=True, update_interval=4, landing_lag=lag)
+
+
+def test_a_state_dict_saved_before_per_column_counts_resumes():
+    """Saved mid-interval by a reference without acc_n and land_at: one count per matrix, no lag."""
+    keys = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, interval_aware_update=True,
+                select_strategy="step", select_interval=4)
+    a = make_model()
+    oa = ZenFlowReference(a.parameters(), lr=LR, **keys)
+    for i in range(6):
+        train_step(a, oa, i)
+    sd = oa.state_dict()
+    del sd["zenflow"]["land_at"]
+    for entry in sd["state"].values():
+        if "acc_n" in entry:
+            assert entry["acc_n"].max() == entry["acc_steps"] == 2
+            del entry["acc_n"]
+    b = make_model()
+    b.load_state_dict(a.state_dict())
+    ob = ZenFlowReference(b.parameters(), lr=LR, **keys)
+    ob.load_state_dict(sd)
+    for i in range(6, 12):
+        train_step(a, oa, i)
+        train_step(b, ob, i)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q) and torch.equal(oa.master(p), ob.master(q))

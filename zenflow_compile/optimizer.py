@@ -525,6 +525,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._runtime.quiesce()
         super().load_state_dict({"state": {}, "param_groups": groups})
         globals_ = {k: v for k, v in zenflow.items() if k != "data_parallel"}
+        if isinstance(globals_.get("config"), Mapping):
+            # A checkpoint saved before a config key existed ran with that key's default (None, for the keys
+            # listed), which must not read as a different config.
+            globals_["config"] = {"landing_lag": None, **globals_["config"]}
         self._runtime.import_globals(globals_)
         if "max_grad_norm" in zenflow:
             self.max_grad_norm = zenflow["max_grad_norm"]

@@ -423,4 +423,9 @@ class ZenFlowReference(torch.optim.Optimizer):
         for i, p in zip(ids, params):
             if i in saved_state:
                 self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v for k, v in saved_state[i].items()}
+                st = self.state[p]
+                if "acc" in st and "acc_n" not in st:  # saved before per-column counts: one count per matrix
+                    st["acc_n"] = torch.zeros(st["count"].numel(), dtype=torch.long, device=p.device)
+                    if "S" in st:
+                        st["acc_n"][self._unselected(p)] = st["acc_steps"]
         self.zf = dict(dict(land_at=None), **zf)
