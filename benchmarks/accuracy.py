@@ -40,14 +40,18 @@ rule thresholds at one half).
 Run names (--runs):
   adamw                                  torch.optim.AdamW (eager model)
   zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1[,sm=1][,select=auto|stepN|epochN]
-          [,reselect=wait|incoming|deferred]
+          [,reselect=wait|incoming|deferred][,lag=L]
                                          torch.compile(backend="zenflow") + ZenFlowAdamW; iau is the opt-in
                                          interval_aware_update key, sm the opt-in interval_second_moment (needs
                                          iau=1); select: select_strategy "auto", or "step" / "epoch" with
                                          select_interval N; omitted keys: topk=0.1, interval=4, overlap=1,
-                                         warmup=0, iau=0, sm=0, select=auto, reselect=wait (the last three
-                                         named only when set); reselect is the opt-in overlap_reselect key
-                                         ("deferred": ZenFlowReference runs only)
+                                         warmup=0, iau=0, sm=0, select=auto, reselect=wait, no lag (the last
+                                         four named only when set); reselect is the opt-in overlap_reselect
+                                         key ("deferred": ZenFlowReference runs only), lag the opt-in
+                                         landing_lag key: a boundary's CPU update lands L steps after it (1 <=
+                                         L <= interval; omitted: at the next boundary; L < interval or with
+                                         interval=auto: ZenFlowReference runs only; needs overlap=1). With
+                                         reselect=deferred a reselection takes effect at that landing
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
                                          plain synchronous implementation of docs/semantics.md (an algorithm check)
 
@@ -72,9 +76,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0, sm=0, select="auto", reselect="wait")
+ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0, sm=0, select="auto", reselect="wait",
+                        lag=None)
 # Keys named in a run name only when not at their default, so the names of runs made before they existed match.
-_NAMED_WHEN_SET = ("sm", "select", "reselect")
+_NAMED_WHEN_SET = ("sm", "select", "reselect", "lag")
 _RESELECT = ("wait", "incoming", "deferred")
 
 
@@ -109,6 +114,11 @@ def parse_run(name: str) -> dict:
             if value not in _RESELECT:
                 raise ValueError(f"run {name!r}: reselect={value!r}: expected one of {_RESELECT}")
             settings[key] = value
+        elif key == "lag":
+            if not (value.isdigit() and int(value) >= 1):
+                raise ValueError(f"run {name!r}: lag={value!r}: expected an int >= 1 (steps after its boundary at "
+                                 "which a CPU update lands)")
+            settings[key] = int(value)
         else:
             settings[key] = value if (key == "interval" and value == "auto") else (
                 float(value) if key == "topk" else int(value))
@@ -126,7 +136,10 @@ def _setting_words(key: str, value) -> str:
     if key == "reselect":
         return {"wait": "a reselection waits for its CPU update",
                 "incoming": "a reselection keeps the overlap ('incoming')",
-                "deferred": "a reselection takes effect one boundary later ('deferred')"}[value]
+                "deferred": "a reselection takes effect when its boundary's update lands ('deferred')"}[value]
+    if key == "lag":
+        return (f"the CPU update lands {value} step{'s' if value > 1 else ''} after its boundary"
+                if value is not None else "the CPU update lands at the next boundary")
     if key == "select":
         return ("reselection on drift (select 'auto')" if value == "auto" else
                 f"reselection every {value[4:]} steps" if value.startswith("step") else
@@ -154,7 +167,7 @@ def chart_labels(names: list[str]) -> tuple[dict[str, str], str]:
     flows = [spec for spec in specs.values() if spec["kind"] != "adamw"]
     # The selection rule is worded only when some run sets it (charts of runs that all use "auto" stay as they were).
     keys = ("topk", "interval", "overlap", "warmup") + tuple(
-        key for key in ("select", "reselect") if any(spec[key] != ZENFLOW_DEFAULTS[key] for spec in flows))
+        key for key in ("select", "reselect", "lag") if any(spec[key] != ZENFLOW_DEFAULTS[key] for spec in flows))
     shared = [key for key in keys if flows and len({spec[key] for spec in flows}) == 1]
     labels = {}
     for name in names:
@@ -194,6 +207,8 @@ def zenflow_keys(spec: dict, steps_per_epoch: int | None = None) -> dict:
                 interval_aware_update=bool(spec["iau"]), interval_second_moment=bool(spec["sm"]))
     if spec.get("reselect", "wait") != "wait":
         keys["overlap_reselect"] = spec["reselect"]
+    if spec.get("lag") is not None:
+        keys["landing_lag"] = spec["lag"]
     select = spec.get("select", "auto")
     if select == "auto":  # named, so the optimizer's preset never picks another rule for a run that names none
         keys.update(select_strategy="auto", select_interval="auto")

@@ -15,7 +15,9 @@ sqrt(m) times larger than m AdamW steps would be, i.e. AdamW at a higher lr. The
   next-step        with overlap_step, a boundary's CPU update lands at the start of the next step() instead of
                    at the next boundary: the forward and backward of one step see the unselected columns stale,
                    instead of a whole interval's (a schedule that stalls wherever the CPU update takes longer
-                   than one step's device work).
+                   than one step's device work). The key landing_lag=1 (accuracy.py run setting lag=1) is
+                   this schedule with overlap_reselect "wait" or "incoming": the same values, the update
+                   landing at the end of the next step().
 
 The "second-moment" variant explored here first (exp_avg_sq fed the mean of the per-step squared
 gradients) is now the opt-in key `interval_second_moment` (benchmarks/accuracy.py run setting sm=1).
@@ -40,7 +42,7 @@ import zenflow_compile.reference  # noqa: E402
 
 VARIANTS = ("sqrt", "next-step")
 
-_LR_TIMES_M = 'group = dict(group, lr=group["lr"] * st["acc_steps"])'
+_LR_TIMES_M = 'hp = dict(group, lr=group["lr"] * m)'
 _STEP_START = '        self._adopt_external_writes()\n        live = ['
 
 
@@ -55,7 +57,7 @@ def variant_reference(variant: str) -> type:
     """ZenFlowReference with the interval update of ``variant`` (with interval_aware_update=True)."""
     source = Path(zenflow_compile.reference.__file__).read_text()
     if variant == "sqrt":
-        source = _patch(source, _LR_TIMES_M, 'group = dict(group, lr=group["lr"] * math.sqrt(st["acc_steps"]))')
+        source = _patch(source, _LR_TIMES_M, 'hp = dict(group, lr=group["lr"] * math.sqrt(m))')
     elif variant == "next-step":
         source = _patch(source, _STEP_START, '        self._adopt_external_writes()\n'
                         '        if self.zf["pending"]:  # next-step: the update in flight lands one step later\n'

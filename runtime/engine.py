@@ -50,6 +50,9 @@ from zenflow_compile.runtime.transfers import Transfers
 # (longer sequences, a larger batch at evaluation) and the allocator's fragmentation.
 DEVICE_ACCUMULATOR_SHARE = 0.5
 
+# Config keys that say where work runs, not what it computes: a checkpoint resumes across them.
+PLACEMENT_KEYS = ("accumulate_on",)
+
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -854,8 +857,11 @@ class ZenFlowRuntime:
 
     def import_globals(self, saved: dict) -> None:
         """The schedule of a checkpoint (`export_globals`); the states follow (`import_states`)."""
-        if saved["config"] != self.config.to_dict():
-            differing = sorted(k for k, v in saved["config"].items() if self.config.to_dict().get(k) != v)
+        # A key the checkpoint lacks was saved before the key existed, when it meant what None means now.
+        mine = self.config.to_dict()
+        differing = sorted(k for k in {*saved["config"], *mine}
+                           if k not in PLACEMENT_KEYS and saved["config"].get(k) != mine.get(k))
+        if differing:
             raise ValueError(f"checkpoint was saved with a different ZenFlow config (keys {differing}); "
                              "construct the optimizer with the saved config to resume exactly")
         self.step_count = saved["step_count"]

@@ -110,6 +110,25 @@ def test_run_names_with_a_selection_rule_and_their_config_keys():
     assert labels["zenflow:iau=1"].endswith("reselection on drift (select 'auto')")
 
 
+def test_run_names_take_the_landing_lag():
+    """lag=L is named only when set and becomes the landing_lag key; with reselect=deferred the reselection
+    takes effect at that landing."""
+    accuracy = _accuracy_module()
+    spec = accuracy.parse_run("reference:iau=1,select=step4,reselect=deferred,lag=01")
+    assert accuracy.run_name(spec) == (
+        "reference:topk=0.1,interval=4,overlap=1,warmup=0,iau=1,select=step4,reselect=deferred,lag=1")
+    keys = accuracy.zenflow_keys(spec)
+    assert (keys["landing_lag"], keys["overlap_reselect"]) == (1, "deferred")
+    assert ZenFlowConfig(**keys).landing_lag == 1
+    assert "landing_lag" not in accuracy.zenflow_keys(accuracy.parse_run("reference:iau=1"))
+    for bad in ("0", "-1", "x", "1.5", ""):
+        with pytest.raises(ValueError, match=rf"lag='{bad}': expected an int >= 1"):
+            accuracy.parse_run(f"reference:lag={bad}")
+    labels, _ = accuracy.chart_labels(["reference:iau=1,lag=1", "reference:iau=1"])
+    assert labels["reference:iau=1,lag=1"].endswith("the CPU update lands 1 step after its boundary")
+    assert labels["reference:iau=1"].endswith("the CPU update lands at the next boundary")
+
+
 @pytest.mark.project_defaults
 def test_a_run_that_names_no_selection_rule_selects_on_drift_under_the_project_defaults():
     """select "auto" (drift) when a run names no rule, though the optimizer's own default is step 4: the run

@@ -42,7 +42,7 @@ TUTORIAL_JSON = """\
 DEFAULTS = dict(topk_ratio=0.1, select_strategy="auto", select_interval="auto", update_interval="auto",
                 overlap_step=False, offload=False, auto_ratio=0.99, full_warm_up_rounds=0,
                 pt_reserved_cores_perc=0.5, steps_per_epoch=None, max_update_interval=16,
-                interval_aware_update=False, interval_second_moment=False, overlap_reselect="wait",
+                interval_aware_update=False, interval_second_moment=False, overlap_reselect="wait", landing_lag=None,
                 accumulate_on="auto")
 
 
@@ -94,6 +94,8 @@ INVALID = [
     ("steps_per_epoch", 0), ("steps_per_epoch", -5), ("steps_per_epoch", 10.0), ("steps_per_epoch", True),
     ("max_update_interval", 0), ("max_update_interval", 2.5), ("max_update_interval", "auto"),
     ("max_update_interval", False), ("max_update_interval", None),
+    ("landing_lag", 0), ("landing_lag", -1), ("landing_lag", 1.0), ("landing_lag", "1"), ("landing_lag", True),
+    ("landing_lag", "auto"),
     ("accumulate_on", "gpu"), ("accumulate_on", None), ("accumulate_on", True),
 ]
 
@@ -283,7 +285,8 @@ def test_deepspeed_defaults_parity():
     ours = ZenFlowConfig()
     shared = [k for k in ZENFLOW_KEYS if k in type(ds).model_fields]
     assert set(ZENFLOW_KEYS) - set(shared) == {"max_update_interval", "interval_aware_update",
-                                               "interval_second_moment", "overlap_reselect", "accumulate_on"}
+                                               "interval_second_moment", "overlap_reselect", "landing_lag",
+                                               "accumulate_on"}
     assert set(type(ds).model_fields) <= set(ZENFLOW_KEYS)
     for k in shared:
         assert getattr(ours, k) == getattr(ds, k), k
@@ -316,3 +319,34 @@ def test_second_moment_needs_interval_aware_update():
         ZenFlowConfig(interval_second_moment=True)
     assert str(ei.value).startswith("ZenFlowConfig.interval_second_moment=True needs interval_aware_update=True")
     assert "Set both, or neither" in str(ei.value)
+
+
+# ------------------------------------------------------------------------------------------- landing lag
+def test_landing_lag_values():
+    assert ZenFlowConfig().landing_lag is None and ZenFlowConfig(preset="project").landing_lag is None
+    for lag in (1, 2, 4):
+        c = ZenFlowConfig(overlap_step=True, update_interval=4, landing_lag=lag)
+        assert c.landing_lag == lag and ZenFlowConfig.from_dict(c.to_dict()) == c
+    c = ZenFlowConfig(overlap_step=True, update_interval="auto", landing_lag=16)  # max_update_interval 16
+    assert c.landing_lag == 16
+    np = pytest.importorskip("numpy")
+    c = ZenFlowConfig(overlap_step=True, update_interval=4, landing_lag=np.int64(2))
+    assert type(c.landing_lag) is int and c.landing_lag == 2
+
+
+def test_landing_lag_needs_overlap_and_fits_in_an_interval():
+    with pytest.raises(ValueError) as ei:
+        ZenFlowConfig(overlap_step=False, update_interval=4, landing_lag=1)
+    assert str(ei.value).startswith("ZenFlowConfig.landing_lag=1 needs overlap_step=True: it says when an "
+                                    "overlapped CPU update lands")
+    with pytest.raises(ValueError) as ei:
+        ZenFlowConfig(overlap_step=True, update_interval=4, landing_lag=5)
+    assert str(ei.value).startswith("ZenFlowConfig.landing_lag=5 is invalid: expected None or an int in [1, 4] "
+                                    "with update_interval=4: an update lands at the latest at the next boundary")
+    with pytest.raises(ValueError) as ei:
+        ZenFlowConfig(overlap_step=True, update_interval="auto", max_update_interval=6, landing_lag=7)
+    assert str(ei.value).startswith("ZenFlowConfig.landing_lag=7 is invalid: expected None or an int in [1, 6] "
+                                    "with update_interval='auto' (max_update_interval=6, its longest interval)")
+    with pytest.raises(ValueError, match=r"ZenFlowConfig.landing_lag=0 is invalid: expected None \(land at the "
+                                         r"next boundary\) or an int >= 1"):
+        ZenFlowConfig.from_dict(dict(overlap_step=True, update_interval=4, landing_lag=0))

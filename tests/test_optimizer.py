@@ -462,6 +462,47 @@ def test_a_checkpoint_of_other_shapes_is_refused_naming_the_parameter_and_loses_
         ZenFlowAdamW(tiny_model().parameters(), lr=LR, **keys).load_state_dict(saved)
 
 
+def test_a_checkpoint_resumes_exactly_where_the_gradients_are_summed_elsewhere(device):
+    """accumulate_on says where the sums are made, not what they are: a checkpoint taken mid-interval with an
+    update in flight, summing on the host, resumes summing on the device (and back) as the run would have
+    gone on."""
+    keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True)
+    batches = make_batches(8)
+    for saved_on, resumed_on in (("host", "device"), ("device", "host")):
+        a = tiny_model()
+        oa = ZenFlowAdamW(a.parameters(), lr=LR, accumulate_on=saved_on, **keys)
+        train_steps(a, oa, batches[:3])  # t = 2: one step summed, the t = 1 update in flight
+        sd = _roundtrip(oa.state_dict())
+        b = tiny_model()
+        b.load_state_dict(a.state_dict())
+        ob = ZenFlowAdamW(b.parameters(), lr=LR, accumulate_on=resumed_on, **keys)
+        ob.load_state_dict(sd)
+        log_a, log_b = train_steps(a, oa, batches[3:]), train_steps(b, ob, batches[3:])
+        assert ob.stats()["accumulate_on"] == resumed_on
+        assert_history_close(log_b.params, log_a.params, names_of(a))
+
+
+def test_a_checkpoint_saved_before_the_landing_lag_key_existed_resumes():
+    """Its config has no landing_lag: it ran the key's default (None), so it is not another config."""
+    keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True)
+    batches = make_batches(7)
+    a = tiny_model()
+    oa = ZenFlowAdamW(a.parameters(), lr=LR, **keys)
+    train_steps(a, oa, batches[:3])
+    sd = _roundtrip(oa.state_dict())
+    del sd["zenflow"]["config"]["landing_lag"]
+    b = tiny_model()
+    b.load_state_dict(a.state_dict())
+    ob = ZenFlowAdamW(b.parameters(), lr=LR, **keys)
+    ob.load_state_dict(sd)
+    log_a, log_b = train_steps(a, oa, batches[3:]), train_steps(b, ob, batches[3:])
+    for xs, ys in zip(log_a.params, log_b.params):
+        assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+    sd["zenflow"]["config"]["landing_lag"] = 1  # but a checkpoint that names another value is another config
+    with pytest.raises(ValueError, match="landing_lag"):
+        ZenFlowAdamW(tiny_model().parameters(), lr=LR, **keys).load_state_dict(sd)
+
+
 # ------------------------------------------------------------------------------------- non-finite
 def _flat_state(sd):
     out = {}

@@ -415,3 +415,290 @@ def test_grad_none_param_is_skipped():
     a.grad = col_grad(1, 2, 3, 4)
     opt.step()
     assert opt.selected_columns(a).tolist() == [2, 3] and (a.data != P0).all()
+
+
+# ------------------------------------------------------------------------------------------ landing lag
+# One 3x6 matrix fed by a real loss (its gradient depends on the values the forward sees, so a late landing
+# changes the result), k = 2 columns selected, lr 0.05 so that the steps matter.
+LAG_P0 = torch.tensor([[0.5, -0.3, 0.8, 0.1, -0.7, 0.2], [0.4, 0.9, -0.2, -0.6, 0.3, -0.1],
+                       [-0.5, 0.2, 0.6, -0.4, 0.7, 0.3]])
+LAG_LR = 0.05
+
+
+def lag_grad(w, t):
+    """Gradient at the values ``w`` (what the forward sees) of step t's loss, a least-squares fit."""
+    g = seeded_generator(300 + t)
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+    w = w.detach().clone().requires_grad_(True)
+    ((x @ w.T - y) ** 2).mean().backward()
+    return w.grad
+
+
+def top2(g):
+    s = (g ** 2).sum(0).tolist()
+    return sorted(sorted(range(6), key=lambda j: (-s[j], j))[:2])
+
+
+def hand_schedule(S, L, mode, every, iau, steps):
+    """The landing lag and the reselection modes scheduled by hand with one torch.optim.AdamW per column (the
+    column's state lives in its optimizer, so it moves with the column by construction). Boundaries every S
+    steps, a reselection at every `every`-th; a boundary's CPU update lands L steps later. Returns, per step,
+    (what the forward of the next step sees, the masters, the selection)."""
+    cols = [nn.Parameter(LAG_P0[:, j].clone()) for j in range(6)]
+    opts = [torch.optim.AdamW([c], lr=LAG_LR, betas=(B1, B2), eps=EPS, weight_decay=WD) for c in cols]
+    visible = LAG_P0.clone()                     # the parameter the forward reads
+    acc, n = torch.zeros(3, 6), [0] * 6         # per column: accumulated gradient, steps in it
+    selected, waiting, land_at, history = None, None, None, []
+
+    def adamw(j, g, m=1):
+        opts[j].param_groups[0]["lr"] = LAG_LR * (m if iau else 1)
+        cols[j].grad = g.clone()
+        opts[j].step()
+
+    def land():                                  # the unselected columns' masters reach the forward
+        for j in set(range(6)) - set(selected):
+            visible[:, j] = cols[j].detach()
+
+    def switch(new):                             # joining columns: their accumulation as one update, then current
+        for j in set(new) - set(selected):
+            if n[j]:
+                adamw(j, acc[:, j] / n[j], n[j])
+                acc[:, j], n[j] = 0, 0
+            visible[:, j] = cols[j].detach()
+        return new
+
+    for t in range(steps):
+        g = lag_grad(visible, t)
+        selected = selected or top2(g)
+        for j in range(6):
+            if j in selected:
+                adamw(j, g[:, j])
+                visible[:, j] = cols[j].detach()
+            else:
+                acc[:, j] += g[:, j]
+                n[j] += 1
+        if (t + 1) % S == 0:                     # a boundary
+            land()                               # the previous update lands at the latest here
+            for j in set(range(6)) - set(selected):
+                if n[j]:
+                    adamw(j, acc[:, j] / n[j], n[j])
+                    acc[:, j], n[j] = 0, 0
+            new = top2(g) if (t + 1) % (S * every) == 0 else None
+            if new and mode == "wait":
+                land()
+                selected = switch(new)
+            else:
+                land_at = t + L
+                if waiting:                      # deferred to this boundary (L = S)
+                    selected, waiting = switch(waiting), None
+                if new and mode == "incoming":
+                    selected = switch(new)
+                elif new:
+                    waiting = new
+        elif t == land_at:
+            land()
+            if waiting:
+                selected, waiting = switch(waiting), None
+        history.append((visible.clone(), torch.stack([c.detach() for c in cols], 1), selected))
+    return history
+
+
+def lag_reference(S, L, mode, every, iau, steps, **keys):
+    p = nn.Parameter(LAG_P0.clone())
+    opt = ZenFlowReference([p], lr=LAG_LR, betas=(B1, B2), eps=EPS, weight_decay=WD, topk_ratio=0.34,
+                           update_interval=S, overlap_step=True, select_strategy="step", select_interval=S * every,
+                           interval_aware_update=iau, overlap_reselect=mode, landing_lag=L, **keys)
+    history = []
+    for t in range(steps):
+        do_step(p, opt, lag_grad(p, t))
+        history.append((p.detach().clone(), opt.master(p), opt.selected_columns(p).tolist()))
+    return p, opt, history
+
+
+@pytest.mark.parametrize("S,L", [(2, 1), (2, 2), (4, 1), (4, 3), (4, 4)])
+@pytest.mark.parametrize("mode,every", [("wait", 2), ("incoming", 1), ("deferred", 1), ("deferred", 2)])
+@pytest.mark.parametrize("iau", [True, False])
+def test_landing_lag_equals_a_hand_schedule_of_adamw_calls(S, L, mode, every, iau):
+    expected = hand_schedule(S, L, mode, every, iau, steps=4 * S + 1)
+    _, opt, history = lag_reference(S, L, mode, every, iau, steps=4 * S + 1)
+    for t, ((device, master, selected), (device_h, master_h, selected_h)) in enumerate(zip(history, expected)):
+        assert selected == selected_h, t
+        torch.testing.assert_close(master, master_h, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {t}: {m}")
+        torch.testing.assert_close(device, device_h, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {t}: {m}")
+    assert opt.stats()["reselections"] == 4 // every and opt.stats()["cpu_updates"] == 4
+
+
+def test_a_shorter_landing_lag_changes_the_result():
+    """The hand schedule's premise: the lag is not a no-op (the forward sees the update sooner)."""
+    one, four = lag_reference(4, 1, "deferred", 1, True, 9)[2], lag_reference(4, 4, "deferred", 1, True, 9)[2]
+    assert torch.equal(one[3][0], four[3][0])          # step 3, a boundary: launched, nowhere landed yet
+    assert not torch.equal(one[4][0], four[4][0])      # step 4: landed with L = 1 only
+    assert one[3][2] == four[3][2] and one[4][2] != four[4][2]  # the deferred selection: at step 4 with L = 1
+
+
+@pytest.mark.parametrize("mode", ["wait", "incoming", "deferred"])
+@pytest.mark.parametrize("S", [2, 4])
+def test_landing_lag_equal_to_the_interval_is_the_default_bit_for_bit(mode, S):
+    runs = []
+    for L in (None, S):
+        model = make_model()
+        opt = ZenFlowReference(model.parameters(), lr=LR, max_grad_norm=1.0, topk_ratio=0.25, update_interval=S,
+                               overlap_step=True, interval_aware_update=True, select_strategy="step",
+                               select_interval=S, overlap_reselect=mode, landing_lag=L)
+        snapshots = []
+        for i in range(3 * S + 1):
+            train_step(model, opt, i)
+            snapshots += [p.detach().clone() for p in model.parameters()]
+            snapshots += [opt.master(p) for p in model.parameters()]
+        runs.append((snapshots, opt.stats()))
+    assert runs[0][1] == runs[1][1] and runs[0][1]["reselections"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+
+
+def test_deferred_switch_moves_each_gradient_exactly_once():
+    """S 4, L 1, a reselection at every boundary: the selection chosen at step 3 takes effect at the end of
+    step 4. The joining columns' step-4 gradient becomes one host update (m = 1) at the switch; the leaving
+    columns, updated on the device through step 4, get their first host update at step 7 from steps 5-7
+    (m = 3, lr x 3). Checked in float64 and by each column's update count."""
+    p = nn.Parameter(LAG_P0.clone())
+    opt = ZenFlowReference([p], lr=LAG_LR, betas=(B1, B2), eps=EPS, weight_decay=WD, topk_ratio=0.34,
+                           update_interval=4, overlap_step=True, select_strategy="step", select_interval=4,
+                           interval_aware_update=True, overlap_reselect="deferred", landing_lag=1)
+    snap = {}
+    for t in range(8):
+        g = lag_grad(p, t)
+        before = {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq", "count", "acc")} if t else {}
+        do_step(p, opt, g)
+        snap[t] = dict(before=before, master_before=snap[t - 1]["master"] if t else None, g=g,
+                       master=opt.master(p), S=opt.selected_columns(p).tolist(),
+                       count=opt.state[p]["count"].tolist(), acc_n=opt.state[p]["acc_n"].tolist())
+    old, new = snap[3]["S"], snap[4]["S"]
+    assert old == snap[0]["S"] and snap[5]["S"] == snap[7]["S"] == new
+    joining, leaving = sorted(set(new) - set(old)), sorted(set(old) - set(new))
+    staying = sorted(set(range(6)) - set(old) - set(new))
+    kept = sorted(set(old) & set(new))
+    assert joining and leaving and staying
+    assert snap[3]["acc_n"] == [0] * 6
+    assert snap[4]["acc_n"] == [1 if j in staying else 0 for j in range(6)]
+    assert snap[6]["acc_n"] == [3 if j in staying else 2 if j in leaving else 0 for j in range(6)]
+    expected_count = {**{j: 5 for j in kept + leaving}, **{j: 2 for j in joining}, **{j: 1 for j in staying}}
+    assert snap[4]["count"] == [expected_count[j] for j in range(6)]
+    expected_count = {**{j: 8 for j in kept}, **{j: 6 for j in leaving}, **{j: 5 for j in joining},
+                      **{j: 2 for j in staying}}
+    assert snap[7]["count"] == [expected_count[j] for j in range(6)]
+    # The joining columns at step 4: one AdamW update with g4 alone, from the boundary's master.
+    s4 = snap[4]
+    for j in joining:
+        exp, _, _ = adamw64(s4["master_before"][:, j], s4["before"]["exp_avg"][:, j],
+                            s4["before"]["exp_avg_sq"][:, j], 2, s4["g"][:, j], lr=LAG_LR)
+        torch.testing.assert_close(s4["master"][:, j].double(), exp, atol=1e-6, rtol=0)
+    # The leaving columns at step 7: one AdamW update with the mean of g5..g7 and lr x 3.
+    s7 = snap[7]
+    for j in leaving:
+        mean = (s7["before"]["acc"][:, j] + s7["g"][:, j]) / 3
+        torch.testing.assert_close(s7["before"]["acc"][:, j], snap[5]["g"][:, j] + snap[6]["g"][:, j])
+        exp, _, _ = adamw64(s7["master_before"][:, j], s7["before"]["exp_avg"][:, j],
+                            s7["before"]["exp_avg_sq"][:, j], 6, mean, lr=LAG_LR * 3)
+        torch.testing.assert_close(s7["master"][:, j].double(), exp, atol=1e-6, rtol=0)
+
+
+def test_resume_is_exact_with_an_update_in_flight_and_a_selection_waiting_for_its_landing():
+    keys = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, interval_aware_update=True,
+                select_strategy="step", select_interval=4, overlap_reselect="deferred", landing_lag=2)
+    N, M = 5, 7                                             # saved after step 4: step 3's update lands at step 5
+    a = make_model()
+    oa = ZenFlowReference(a.parameters(), lr=LR, **keys)
+    for i in range(N):
+        train_step(a, oa, i)
+    saved_model, saved_opt = copy.deepcopy(a.state_dict()), oa.state_dict()
+    assert saved_opt["zenflow"]["pending"] and saved_opt["zenflow"]["land_at"] == 5
+    assert all("S_next" in s for s in saved_opt["state"].values() if "S" in s)
+    for i in range(N, N + M):
+        train_step(a, oa, i)
+    b = make_model()
+    b.load_state_dict(saved_model)
+    ob = ZenFlowReference(b.parameters(), lr=LR, **keys)
+    ob.load_state_dict(saved_opt)
+    for i in range(N, N + M):
+        train_step(b, ob, i)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+        for k, v in oa.state[p].items():
+            assert torch.equal(v, ob.state[q][k]) if torch.is_tensor(v) else v == ob.state[q][k], k
+    assert oa.stats() == ob.stats() and oa.zf == ob.zf and oa.stats()["reselections"] == 3
+
+
+def test_synchronize_lands_early_but_the_deferred_switch_stays_at_its_step():
+    p, opt, history = lag_reference(4, 3, "deferred", 1, True, 5)   # step 3's update lands at step 6
+    assert opt.stats()["pending"] and history[4][2] == history[3][2]
+    opt.synchronize()
+    assert torch.equal(p.detach(), opt.master(p)) and not opt.stats()["pending"]
+    do_step(p, opt, lag_grad(p, 5))
+    assert opt.selected_columns(p).tolist() == history[3][2]         # step 5: still the old selection
+    do_step(p, opt, lag_grad(p, 6))
+    assert opt.selected_columns(p).tolist() != history[3][2]         # step 6: the landing step switches
+    assert torch.equal(p.detach(), opt.master(p))
+
+
+def test_zen_auto_lands_at_the_lag_or_at_an_earlier_boundary():
+    # U never ripens: boundaries at max_update_interval (steps 3, 7); with L 2 the update of 3 lands at step 5
+    p, opt = single(topk_ratio=0.5, update_interval="auto", max_update_interval=4, overlap_step=True,
+                    landing_lag=2)
+    device = []
+    for t in range(6):
+        do_step(p, opt, col_grad(1, 1, 1e-3, 1e-3))
+        device.append((p.data.clone(), opt.master(p)))
+    assert opt.stats()["cpu_updates"] == 1
+    assert torch.equal(device[4][0][:, 2:], device[2][0][:, 2:])     # step 4: in flight
+    assert not torch.equal(device[5][0][:, 2:], device[4][0][:, 2:])  # step 5: landed
+    assert torch.equal(device[5][0], device[5][1]) and not opt.stats()["pending"]
+    # U ripe at every step: a boundary at every step, each landing the previous one before L = 2 steps
+    p, opt = single(topk_ratio=0.5, update_interval="auto", overlap_step=True, landing_lag=2)
+    previous = None
+    for t in range(4):
+        do_step(p, opt, col_grad(1, 1, 1, 1))                       # sumU = 2 m >= mean K = 2
+        assert opt.stats()["cpu_updates"] == t + 1 and opt.stats()["pending"]
+        if previous is not None:
+            assert torch.equal(p.data[:, 2:], previous[:, 2:])      # the previous step's update, landed
+        previous = opt.master(p)
+
+
+def test_zenflow_adamw_refuses_a_landing_lag_it_does_not_run_yet():
+    from zenflow_compile import ZenFlowAdamW
+
+    model = make_model()
+    for keys in (dict(update_interval=4, landing_lag=1), dict(update_interval=4, landing_lag=3),
+                 dict(update_interval="auto", landing_lag=4)):
+        with pytest.raises(NotImplementedError, match=rf"ZenFlowConfig.landing_lag={keys['landing_lag']} with "
+                                                      rf"update_interval={keys['update_interval']!r} is not "
+                                                      r"implemented by ZenFlowAdamW yet .*ZenFlowReference"):
+            ZenFlowAdamW(model.parameters(), overlap_step=True, **keys)
+    with pytest.raises(NotImplementedError, match="landing_lag=2"):
+        ZenFlowAdamW(model.parameters(), config=ZenFlowConfig(overlap_step=True, update_interval=4, landing_lag=2))
+    for lag in (None, 4):                                    # the default's schedule: runs
+        ZenFlowAdamW(model.parameters(), overlap_step=True, update_interval=4, landing_lag=lag)
+
+
+def test_a_state_dict_saved_before_per_column_counts_resumes():
+    """Saved mid-interval by a reference without acc_n and land_at: one count per matrix, no lag."""
+    keys = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, interval_aware_update=True,
+                select_strategy="step", select_interval=4)
+    a = make_model()
+    oa = ZenFlowReference(a.parameters(), lr=LR, **keys)
+    for i in range(6):
+        train_step(a, oa, i)
+    sd = oa.state_dict()
+    del sd["zenflow"]["land_at"]
+    for entry in sd["state"].values():
+        if "acc_n" in entry:
+            assert entry["acc_n"].max() == entry["acc_steps"] == 2
+            del entry["acc_n"]
+    b = make_model()
+    b.load_state_dict(a.state_dict())
+    ob = ZenFlowReference(b.parameters(), lr=LR, **keys)
+    ob.load_state_dict(sd)
+    for i in range(6, 12):
+        train_step(a, oa, i)
+        train_step(b, ob, i)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q) and torch.equal(oa.master(p), ob.master(q))

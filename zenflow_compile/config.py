@@ -97,7 +97,8 @@ class ZenFlowConfig:
     select_strategy: when the selected columns are re-chosen: "auto" (on churn), "step" or "epoch".
     select_interval: "auto", or the int >= 1 number of steps ("step") / epochs ("epoch") between reselections.
     update_interval: "auto" (Zen-auto) or the int >= 1 number of steps between CPU updates of the other columns.
-    overlap_step: run the CPU update of a boundary while the device goes on (applied at the next boundary).
+    overlap_step: run the CPU update of a boundary while the device goes on (applied at the next boundary, or
+        sooner with landing_lag).
     offload: offload the selected columns' optimizer state to the host too (DeepSpeed's flag).
     auto_ratio: fraction in [0, 1] of matrices that must be ripe for Zen-auto to make a boundary.
     full_warm_up_rounds: number W >= 0 of initial steps with plain full AdamW updates, before any selection.
@@ -109,8 +110,9 @@ class ZenFlowConfig:
         update boundary the unselected columns take one AdamW step with the mean of the m accumulated
         gradients, so they move about 1/m as far as under AdamW. True sizes that step for the m steps it
         stands for: lr * m (weight decay included, so the decay is (1 - lr*wd)^m to first order, as the
-        selected columns get). m is the matrix's steps since its last update: update_interval, or under
-        Zen-auto up to max_update_interval (lower that cap to bound the largest step).
+        selected columns get). m is the column's steps accumulated since its last update: update_interval
+        (fewer for a column that left the selection between boundaries, see overlap_reselect="deferred"), or
+        under Zen-auto up to max_update_interval (lower that cap to bound the largest step).
     interval_second_moment: opt-in, needs interval_aware_update=True (this project's key). The interval step's
         second moment takes the mean of the m per-step squared gradients, what AdamW's m steps would have fed
         exp_avg_sq, instead of the square of their mean (smaller by the gradient's variance / m, so the
@@ -122,10 +124,21 @@ class ZenFlowConfig:
         "incoming": only the columns joining the selection get the boundary's update at once (they move to the
         device with their state and must be current there); the columns that stay unselected keep it in flight
         until the next boundary, as at any overlapped boundary, so the boundary overlaps. "deferred": the
-        selection decided from the boundary's scores takes effect at the next boundary, when this one's CPU
-        update has landed (the columns joining it get that next boundary's update at once, as "incoming").
-        Needs overlap_step=True. ZenFlowAdamW implements "incoming" (one process, FSDP2) and refuses "deferred",
-        which only ZenFlowReference implements for now.
+        selection decided from the boundary's scores takes effect when this boundary's CPU update lands (see
+        landing_lag; by default at the next boundary, after that boundary's CPU update), so the boundary
+        overlaps and the steps until the landing keep the old selection. The columns joining the selection
+        bring what the host accumulated for them since their last update as one AdamW update, applied at
+        once; the columns leaving it start an empty host accumulator. Needs overlap_step=True. ZenFlowAdamW
+        implements "incoming" (one process, FSDP2) and refuses "deferred", which only ZenFlowReference
+        implements for now.
+    landing_lag: this project's key, opt-in, needs overlap_step=True. None (the default): an overlapped CPU
+        update lands (is applied to the parameters) at the next boundary, DeepSpeed's overlap. An int L >= 1:
+        the update launched at boundary b lands at the end of step b + L, or at the next boundary if that comes
+        first (which with an int update_interval S it never does: L must be <= S, and L = S is the default's
+        schedule). With update_interval="auto" the next boundary is not known in advance, so L is a cap on
+        the staleness (L <= max_update_interval). With overlap_reselect="deferred" a reselection takes effect
+        at that landing. ZenFlowAdamW runs only the default's schedule (None, or L = update_interval) for now;
+        ZenFlowReference runs every L.
     accumulate_on: where the unselected columns' gradients are summed between CPU updates (this project's key;
         the result is the same): "device" (an fp32 accumulator on the device, copied to the host once per update
         interval), "host" (every step's gradient copied to the host and added there by a worker thread: for a
@@ -147,6 +160,7 @@ class ZenFlowConfig:
     interval_aware_update: bool = False
     interval_second_moment: bool = False
     overlap_reselect: str = "wait"
+    landing_lag: Optional[int] = None
     accumulate_on: str = "auto"
 
     # preset: which defaults the keys not given take, "project" (None) or "deepspeed" (see PRESETS); not stored.
@@ -207,6 +221,21 @@ class ZenFlowConfig:
             raise ValueError(
                 f"ZenFlowConfig.overlap_reselect={self.overlap_reselect!r} needs overlap_step=True: it says which "
                 "part of a reselecting boundary's CPU update stays in flight, and without overlap none does")
+        int_at_least("landing_lag", 1, "None (land at the next boundary) or an int >= 1 (steps after the boundary)",
+                     none=True)
+        if self.landing_lag is not None:
+            if not self.overlap_step:
+                raise ValueError(
+                    f"ZenFlowConfig.landing_lag={self.landing_lag!r} needs overlap_step=True: it says when an "
+                    "overlapped CPU update lands, and without overlap every update lands at its own boundary")
+            longest, why = ((self.update_interval, f"update_interval={self.update_interval}")
+                            if not self.auto_update else
+                            (self.max_update_interval, f"update_interval='auto' (max_update_interval="
+                                                       f"{self.max_update_interval}, its longest interval)"))
+            if self.landing_lag > longest:
+                raise _bad("landing_lag", self.landing_lag,
+                           f"None or an int in [1, {longest}] with {why}: an update lands at the latest at the "
+                           "next boundary, before that boundary launches its own")
         if not (isinstance(self.accumulate_on, str) and self.accumulate_on in _ACCUMULATE_ON):
             raise _bad("accumulate_on", self.accumulate_on, 'one of "auto", "device", "host"')
         if self.interval_second_moment and not self.interval_aware_update:

@@ -143,6 +143,11 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowConfig.overlap_reselect='deferred' is not implemented by ZenFlowAdamW yet "
                 "(zenflow_compile.reference.ZenFlowReference specifies it); use overlap_reselect='incoming' "
                 "or 'wait'")
+        if config.landing_lag is not None and (config.auto_update or config.landing_lag < config.update_interval):
+            raise NotImplementedError(
+                f"ZenFlowConfig.landing_lag={config.landing_lag!r} with update_interval={config.update_interval!r} "
+                "is not implemented by ZenFlowAdamW yet (zenflow_compile.reference.ZenFlowReference specifies "
+                "it and runs it for now); use landing_lag=None: an overlapped CPU update lands at the next boundary")
         params = _param_list(params)
         # FSDP2-sharded (DTensor) parameters: the mesh comes from them, and FSDP2 reduces the gradients.
         sharding = sharded.sharding_of(_tensors_in(params), process_group)
@@ -550,8 +555,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         else:
             self._runtime.quiesce()
         super().load_state_dict({"state": {}, "param_groups": groups})
-        globals_ = {k: v for k, v in zenflow.items() if k != "data_parallel"}
-        self._runtime.import_globals(globals_)
+        self._runtime.import_globals({k: v for k, v in zenflow.items() if k != "data_parallel"})
         if "max_grad_norm" in zenflow:
             self.max_grad_norm = zenflow["max_grad_norm"]
         entries = {pid: entry for pid, entry in entries.items() if checkpoint.holds_state(entry)}

@@ -19,10 +19,13 @@ Its decisions in detail (the rest of the project follows them):
   index first), kept sorted ascending; k = config.num_selected(C).
 - Warm-up (t < W): plain AdamW on every parameter, no boundaries, no Zen-auto bookkeeping.
 - t >= W: vectors and the columns of S get AdamW with g (device copy refreshed); the other columns U do
-  acc[:, U] += g[:, U]. Each matrix counts the steps accumulated into its acc (acc_steps; equal to the
-  global m_acc unless some grads were None) and its CPU update uses g = acc[:, U] / acc_steps.
-  Opt-in keys: interval_aware_update multiplies that update's lr by acc_steps; interval_second_moment also
-  accumulates acc_sq[:, U] += g[:, U]**2 and feeds exp_avg_sq acc_sq / acc_steps instead of g * g.
+  acc[:, U] += g[:, U] and acc_n[U] += 1. acc_n counts, per column, the steps in its accumulator (equal to
+  the global m_acc unless some grads were None, or the column left S since the last boundary: "deferred"
+  with a landing_lag below). A CPU update of columns gives each column j one AdamW update with
+  g = acc[:, j] / acc_n[j] (columns with acc_n 0 are left alone), then empties their acc and acc_n.
+  Opt-in keys: interval_aware_update multiplies that update's lr by acc_n[j]; interval_second_moment also
+  accumulates acc_sq[:, U] += g[:, U]**2 and feeds exp_avg_sq acc_sq / acc_n instead of g * g.
+  Each matrix also counts acc_steps, its steps accumulated since its last boundary, for Zen-auto.
 - Zen-auto: per matrix sumK += mean(s[S]), sumU += mean(s[U]) (fp32 means summed as Python floats). Ripe
   iff sumU >= sumK / acc_steps, or U is empty. Boundary iff #ripe >= auto_ratio * #matrices or
   m_acc >= max_update_interval (#matrices: those with acc_steps > 0; none at all: every step is a boundary).
@@ -32,17 +35,30 @@ Its decisions in detail (the rest of the project follows them):
   E = select_interval * steps_per_epoch completed steps counted from W, i.e. iff (t - W + 1) // E has grown
   since the last selection (on the grid, never drifting). "auto": a matrix has drifted iff 2*|S & topk(s)| < k;
   reselect iff 2 * sum(C of drifted) >= sum(C) over matrices with a grad this step (no matrix: never).
-- At a boundary, in order: (1) overlap and pending: device[:, U] = master[:, U] for every matrix;
-  (2) CPU AdamW of U with the mean accumulated grad, acc/sums reset, cpu_updates += 1; (3) overlap and not
-  reselecting: pending = True (device U stays stale until the next boundary or synchronize()), else
-  device[:, U] = master[:, U] (stats()["overlapped_boundaries"] counts the pending ones); (4) reselecting:
-  S = top-k(s), sel_start = t + 1, reselections += 1. Nothing in the state is reset on reselection (state "moves with the column").
+- At a boundary, in order: (1) overlap and pending: device[:, U] = master[:, U] for every matrix (the
+  update in flight lands); (2) CPU update of U (above), acc_steps/sums reset, cpu_updates += 1; (3) overlap
+  and not reselecting: pending = True (device U stays stale until it lands: at the next boundary, at the
+  end of step t + landing_lag, or at synchronize()), else device[:, U] = master[:, U]
+  (stats()["overlapped_boundaries"] counts the pending ones); (4) reselecting: S = top-k(s), sel_start =
+  t + 1, reselections += 1. Nothing in the state is reset on reselection (state "moves with the column").
+- Switching a matrix's selection from S to S_new: the columns joining it (S_new minus S) first get the CPU
+  update of what their accumulator holds (nothing at a boundary, where (2) has just emptied it), then
+  device := master for them; the columns leaving it keep their state and start with an empty accumulator.
+  So every step's gradient reaches every column exactly once: as a device update while the column is
+  selected, or in the one CPU update that empties the accumulator it went into.
+- landing_lag L (opt-in, with overlap_step; None: land at the next boundary): (5) at a step t that is not a
+  boundary, t == land_at (= b + L, set in (3) of a pending boundary b; cleared at every boundary, so with
+  update_interval="auto" an earlier boundary lands it in (1)): after the step's updates, pending: device[:, U]
+  = master[:, U], pending = False; then every matrix with an S_next switches to it. L = S (int interval)
+  lands at the next boundary in (1): the same as None. synchronize() lands early but does not move a switch.
 - overlap_reselect (opt-in, with overlap_step): "wait" is the above. "incoming": in (3) a reselecting
-  boundary stays pending like any other; in (4) the columns joining S (S_new minus S) get device := master
-  at once, the others of U keep the boundary's update in flight until the next boundary. "deferred": as
-  "incoming", but the selection chosen in (4) is kept as S_next and takes effect in (4) of the next boundary
-  (after that boundary's CPU update, which its incoming columns then carry to the device); sel_start and
-  reselections count the decision.
+  boundary stays pending like any other; in (4) the switch makes the columns joining S current at once, the
+  others of U keep the boundary's update in flight until it lands. "deferred": the selection chosen in (4) is
+  kept as S_next and the switch happens when this boundary's update lands: in (5) with a landing_lag L < S
+  (the steps b+1..b+L keep the old S; the joining columns' L accumulated steps become one CPU update at
+  b + L; the leaving ones' first CPU update, at the next boundary, holds S - L steps), else in (4) of the next
+  boundary (after that boundary's CPU update, which the joining columns then carry to the device). sel_start
+  and reselections count the decision.
 - lr / betas / eps / weight_decay: the param group's values at the step the update is made.
 - The parameter is the source of truth for its value: state is created from the parameter at its first
   gradient, and at every step() (and synchronize()) each element that differs from what this optimizer last
@@ -119,8 +135,8 @@ class ZenFlowReference(torch.optim.Optimizer):
         self.config = config
         self.max_grad_norm = max_grad_norm
         W = config.full_warm_up_rounds
-        self.zf = dict(t=0, sel_start=W, sel_epoch=0, m_acc=0, pending=False, skipped_steps=0, cpu_updates=0,
-                       reselections=0, overlapped_boundaries=0)
+        self.zf = dict(t=0, sel_start=W, sel_epoch=0, m_acc=0, pending=False, land_at=None, skipped_steps=0,
+                       cpu_updates=0, reselections=0, overlapped_boundaries=0)
 
     # ------------------------------------------------------------------------------------------- helpers
     @staticmethod
@@ -141,6 +157,7 @@ class ZenFlowReference(torch.optim.Optimizer):
         st["count"] = torch.zeros(C if self._is_matrix(p) else 1, dtype=torch.long, device=p.device)
         if self._is_matrix(p):
             st["acc"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
+            st["acc_n"] = torch.zeros(C, dtype=torch.long, device=p.device)  # steps in acc, per column
             if self.config.interval_second_moment:
                 st["acc_sq"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
             st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
@@ -199,6 +216,34 @@ class ZenFlowReference(torch.optim.Optimizer):
         for _, p in self._matrices():
             self._write_device(p, self._unselected(p))
 
+    def _host_update(self, group, p, cols):
+        """The CPU update of the columns ``cols`` of matrix p: one AdamW update of each column with the mean of
+        the m gradients its accumulator holds (m its own count; columns with m = 0 are left alone), then their
+        accumulator is emptied. Columns with the same m are updated together (at a boundary that is all of
+        them, unless a column left the selection since the last one)."""
+        cfg, st = self.config, self.state[p]
+        n = st["acc_n"][cols]
+        for m in sorted(set(n.tolist()) - {0}):
+            hp = group
+            if cfg.interval_aware_update:  # opt-in: the step stands for its m steps
+                hp = dict(group, lr=group["lr"] * m)
+            mean_sq = st["acc_sq"] / m if cfg.interval_second_moment else None
+            self._update_columns(st, st["acc"] / m, cols[n == m], hp, mean_sq)
+        st["acc"][:, cols] = 0
+        if cfg.interval_second_moment:
+            st["acc_sq"][:, cols] = 0
+        st["acc_n"][cols] = 0
+
+    def _switch(self, group, p, S_new):
+        """The selection of matrix p becomes S_new. The columns joining it first get what the host holds for
+        them (their accumulated gradient, as one update) and are made current on the device; the columns
+        leaving it start on the host with an empty accumulator."""
+        st = self.state[p]
+        incoming = S_new[~torch.isin(S_new, st["S"])]
+        self._host_update(group, p, incoming)
+        st["S"] = S_new
+        self._write_device(p, incoming)
+
     # ---------------------------------------------------------------------------------------------- step
     @torch.no_grad()
     def step(self, closure=None):
@@ -253,6 +298,7 @@ class ZenFlowReference(torch.optim.Optimizer):
             st["acc"][:, U] += g2d[:, U]
             if cfg.interval_second_moment:
                 st["acc_sq"][:, U] += g2d[:, U] ** 2
+            st["acc_n"][U] += 1
             st["acc_steps"] += 1
             if cfg.auto_update and U.numel() > 0:
                 st["sumK"] += s[S].mean().item()
@@ -283,21 +329,15 @@ class ZenFlowReference(torch.optim.Optimizer):
                     if 2 * torch.isin(S, top_k(s, k)).sum().item() < k:
                         drifted_c += s.numel()
                 reselect = total_c > 0 and 2 * drifted_c >= total_c
-            # (1) apply the previous boundary's CPU update (overlap)
+            # (1) the previous boundary's CPU update lands, if still in flight (overlap)
             if z["pending"]:
                 self._apply_unselected()
                 z["pending"] = False
+            z["land_at"] = None
             # (2) CPU update of the unselected columns with the mean accumulated gradient
             for group, p in self._matrices():
                 st = self.state[p]
-                if st["acc_steps"] > 0:
-                    if cfg.interval_aware_update:  # opt-in: the step stands for its acc_steps steps
-                        group = dict(group, lr=group["lr"] * st["acc_steps"])
-                    mean_sq = st["acc_sq"] / st["acc_steps"] if cfg.interval_second_moment else None
-                    self._update_columns(st, st["acc"] / st["acc_steps"], self._unselected(p), group, mean_sq)
-                st["acc"].zero_()
-                if cfg.interval_second_moment:
-                    st["acc_sq"].zero_()
+                self._host_update(group, p, self._unselected(p))
                 st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
             z["m_acc"] = 0
             z["cpu_updates"] += 1
@@ -305,27 +345,37 @@ class ZenFlowReference(torch.optim.Optimizer):
             waits = reselect and cfg.overlap_reselect == "wait"
             if cfg.overlap_step and not waits:
                 z["pending"] = True
+                z["land_at"] = None if cfg.landing_lag is None else t + cfg.landing_lag
                 z["overlapped_boundaries"] += 1
             else:
                 self._apply_unselected()
-            # (4) reselection: the selection decided now (or, "deferred", the one decided at the previous
-            # boundary) takes effect; the columns joining it are made current on the device at once.
-            switching = {p: self.state[p].pop("S_next") for _, p in self._matrices() if "S_next" in self.state[p]}
+            # (4) reselection: the selection decided now (or, "deferred", one decided at the previous boundary
+            # whose update lands now) takes effect; the columns joining it are made current on the device at once.
+            switching = {p: (g, self.state[p].pop("S_next")) for g, p in self._matrices() if "S_next" in self.state[p]}
             if reselect:
                 chosen = {p: top_k(s, cfg.num_selected(s.numel())) for p, s in scores.items()}
                 if cfg.overlap_reselect == "deferred":
                     for p, S_next in chosen.items():
                         self.state[p]["S_next"] = S_next
                 else:
-                    switching.update(chosen)
+                    groups = {p: g for g, p in self._matrices()}
+                    switching.update({p: (groups[p], S_new) for p, S_new in chosen.items()})
                 z["sel_start"] = t + 1
                 if cfg.select_strategy == "epoch":
                     z["sel_epoch"] = (t - W + 1) // cfg.reselect_every
                 z["reselections"] += 1
-            for p, S_new in switching.items():
-                incoming = S_new[~torch.isin(S_new, self.state[p]["S"])]
-                self.state[p]["S"] = S_new
-                self._write_device(p, incoming)
+            for p, (group, S_new) in switching.items():
+                self._switch(group, p, S_new)
+        elif z["land_at"] == t:
+            # (5) landing_lag: the update in flight lands at the end of step b + L, and a selection deferred to
+            # it takes effect, the columns joining it bringing their accumulated gradient as one update.
+            if z["pending"]:
+                self._apply_unselected()
+                z["pending"] = False
+            z["land_at"] = None
+            for group, p in self._matrices():
+                if "S_next" in self.state[p]:
+                    self._switch(group, p, self.state[p].pop("S_next"))
         z["t"] = t + 1
         return loss
 
@@ -373,4 +423,9 @@ class ZenFlowReference(torch.optim.Optimizer):
         for i, p in zip(ids, params):
             if i in saved_state:
                 self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v for k, v in saved_state[i].items()}
-        self.zf = dict(zf)
+                st = self.state[p]
+                if "acc" in st and "acc_n" not in st:  # saved before per-column counts: one count per matrix
+                    st["acc_n"] = torch.zeros(st["count"].numel(), dtype=torch.long, device=p.device)
+                    if "S" in st:
+                        st["acc_n"][self._unselected(p)] = st["acc_steps"]
+        self.zf = dict(dict(land_at=None), **zf)
