@@ -702,3 +702,26 @@ def test_a_state_dict_saved_before_per_column_counts_resumes():
         train_step(b, ob, i)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.equal(p, q) and torch.equal(oa.master(p), ob.master(q))
+
+
+def test_over_float64_parameters_the_state_is_float64_and_equals_adamw():
+    """The tests' float64 recomputation: over float64 parameters the reference keeps every state, gradient and
+    the global norm in float64 (fp32 masters would round where the parameters do not), and with r = 1 it is
+    torch.optim.AdamW in float64."""
+    a, b = make_model(torch.float64), make_model(torch.float64)
+    ref = ZenFlowReference(a.parameters(), lr=1e-2, topk_ratio=1.0, update_interval=1, max_grad_norm=0.5)
+    adamw = torch.optim.AdamW(b.parameters(), lr=1e-2, foreach=False)
+    g = seeded_generator(0)
+    for _ in range(4):
+        x, y = torch.randint(0, 32, (4, 6), generator=g), torch.randn(4, 6, 16, generator=g, dtype=torch.float64)
+        for model, opt in ((a, ref), (b, adamw)):
+            ((model(x) - y) ** 2).mean().backward()
+            if opt is adamw:
+                torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        for p, q in zip(a.parameters(), b.parameters()):
+            torch.testing.assert_close(p, q, atol=1e-14, rtol=1e-13)
+    assert all(ref.master(p).dtype == torch.float64 for p in a.parameters())
+    assert all(t.dtype == torch.float64 for st in ref.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor) and t.is_floating_point())

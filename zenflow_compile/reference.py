@@ -2,12 +2,15 @@
 
 A short, plain, synchronous implementation of docs/semantics.md. Speed is irrelevant: there are no threads and
 no host/device split; every parameter keeps full-size fp32 state (master, exp_avg, exp_avg_sq, per-column
-update counts and, for matrices, the accumulator of the unselected columns' gradients).
+update counts and, for matrices, the accumulator of the unselected columns' gradients). Over float64 parameters
+all of it, the gradients and the global norm are float64: the same algorithm without fp32 rounding, which the
+tests compare fp32 runs against to know how far rounding alone moves a workflow.
 
 Its decisions in detail (the rest of the project follows them):
 
 - t counts completed (non-skipped) steps; W = full_warm_up_rounds.
-- Global norm = sqrt(sum over params with a grad of sum(g.float()**2)), in fp32. Not finite: the step is
+- Global norm = sqrt(sum over params with a grad of sum(g.float()**2)), in fp32 (float64 if any parameter
+  is float64). Not finite: the step is
   skipped entirely (nothing changes, t and all counters stay), stats()["skipped_steps"] += 1.
 - A parameter whose .grad is None is skipped for the step entirely (as torch.optim.AdamW does): no update,
   no accumulation, no scores, not counted in the Zen-auto / drift decisions. A step with no gradient at all
@@ -91,8 +94,8 @@ def adamw_(master, exp_avg, exp_avg_sq, count, grad, lr, beta1, beta2, eps, weig
     count += 1
     steps = count.tolist()
     on = dict(dtype=torch.float64, device=master.device)
-    step_size_neg = torch.tensor([-(lr / (1 - beta1 ** n)) for n in steps], **on).float()
-    bc2_sqrt = torch.tensor([(1 - beta2 ** n) ** 0.5 for n in steps], **on).float()
+    step_size_neg = torch.tensor([-(lr / (1 - beta1 ** n)) for n in steps], **on).to(master.dtype)
+    bc2_sqrt = torch.tensor([(1 - beta2 ** n) ** 0.5 for n in steps], **on).to(master.dtype)
     master.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)
     if grad_sq is None:
@@ -101,6 +104,15 @@ def adamw_(master, exp_avg, exp_avg_sq, count, grad, lr, beta1, beta2, eps, weig
         exp_avg_sq.mul_(beta2).add_(grad_sq, alpha=1 - beta2)
     denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
     master.add_(step_size_neg * exp_avg / denom)  # == addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _state_dtype(p):
+    """fp32 state (float64 over float64 parameters: the algorithm without fp32 rounding)."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
+def _bits(dtype):
+    return torch.finfo(dtype).bits
 
 
 def top_k(scores, k):
@@ -151,15 +163,16 @@ class ZenFlowReference(torch.optim.Optimizer):
     def _init_state(self, p):
         st = self.state[p]
         R, C = self._shape2d(p)
-        st["master"] = p.detach().reshape(R, C).to(torch.float32, copy=True)
-        st["exp_avg"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
-        st["exp_avg_sq"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
+        dtype = _state_dtype(p)
+        st["master"] = p.detach().reshape(R, C).to(dtype, copy=True)
+        st["exp_avg"] = torch.zeros(R, C, dtype=dtype, device=p.device)
+        st["exp_avg_sq"] = torch.zeros(R, C, dtype=dtype, device=p.device)
         st["count"] = torch.zeros(C if self._is_matrix(p) else 1, dtype=torch.long, device=p.device)
         if self._is_matrix(p):
-            st["acc"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
+            st["acc"] = torch.zeros(R, C, dtype=dtype, device=p.device)
             st["acc_n"] = torch.zeros(C, dtype=torch.long, device=p.device)  # steps in acc, per column
             if self.config.interval_second_moment:
-                st["acc_sq"] = torch.zeros(R, C, dtype=torch.float32, device=p.device)
+                st["acc_sq"] = torch.zeros(R, C, dtype=dtype, device=p.device)
             st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
         st["written"] = p.detach().clone()  # what this optimizer last left in the parameter
         return st
@@ -173,7 +186,7 @@ class ZenFlowReference(torch.optim.Optimizer):
                     continue
                 changed = (p.detach() != st["written"]).reshape(st["master"].shape)
                 if changed.any():
-                    st["master"][changed] = p.detach().reshape(st["master"].shape).float()[changed]
+                    st["master"][changed] = p.detach().reshape(st["master"].shape).to(st["master"].dtype)[changed]
                     st["written"] = p.detach().clone()
 
     @staticmethod
@@ -258,11 +271,11 @@ class ZenFlowReference(torch.optim.Optimizer):
         if not live:  # no gradient since the last step: nothing happens, as with torch.optim.AdamW
             return loss
         grads = {}
-        total = torch.zeros((), dtype=torch.float32, device="cpu")
+        total = torch.zeros((), dtype=max((_state_dtype(p) for _, p in live), key=_bits), device="cpu")
         for _, p in live:
             if p.grad.is_sparse:
                 raise RuntimeError("ZenFlowReference does not support sparse gradients")
-            grads[p] = p.grad.detach().float()
+            grads[p] = p.grad.detach().to(_state_dtype(p))
             total = total + (grads[p] ** 2).sum().cpu()
         norm = total.sqrt()
         if not torch.isfinite(norm):
@@ -401,7 +414,8 @@ class ZenFlowReference(torch.optim.Optimizer):
         return None if S is None else S.cpu().clone()
 
     def master(self, p):
-        """fp32 master of p, in p's shape, on the host (as `ZenFlowAdamW.master`)."""
+        """fp32 master of p (float64 over a float64 parameter), in p's shape, on the host (as
+        `ZenFlowAdamW.master`)."""
         st = self.state.get(p, {})
         if "master" not in st:
             return p.detach().float().cpu().clone()
