@@ -623,10 +623,10 @@ def run_simulated(args) -> int:
 
     regime = simulated_device.Regime(time_scale=args.sim_time_scale, steps=args.sim_steps)
     placements = ("device", "host") if args.accumulate_on in ("both", "auto") else (args.accumulate_on,)
-    print(f"bench_offload --simulated-device: the H100 regime (1.1B bf16, fused AdamW step {regime.step_ms:g} ms, "
-          f"r {regime.topk_ratio:g}, S {regime.update_interval}) at 1/{regime.time_scale:g} time; host work real")
+    print(f"bench_offload --simulated-device: the H100 regime (1.1B bf16, fused AdamW step {regime.step_ms:g} ms) "
+          f"at 1/{regime.time_scale:g} time, --zenflow-settings {args.zenflow_settings}; host work real")
     sys.stdout.flush()
-    report = simulated_device.run(regime, placements)
+    report = simulated_device.run(regime, placements, [(r, S) for r, S in args.settings if isinstance(S, int)])
     report.update(environment=environment(), simulated_device=True)
     print(simulated_device.format_rows(report))
     Path(args.out).write_text(json.dumps(report, indent=1))

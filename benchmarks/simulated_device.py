@@ -60,7 +60,7 @@ class Regime:
     host_accumulate_rate: float = 4.2e9  # target host: bf16 accumulation, params/s
     time_scale: float = 10.0  # simulated seconds per second here
     steps: int = 24  # measured steps (whole intervals)
-    warmup: int = 4
+    warmup: int = 4  # unmeasured steps first (whole intervals)
 
     def seconds(self, simulated_s: float) -> float:
         return simulated_s / self.time_scale
@@ -172,19 +172,21 @@ class HostWork:
         self.accumulate_worker.shutdown()
 
 
-def _run_loop(regime: Regime, step: Callable[[int], None], compute: Stream, finish: Callable[[], None]) -> dict:
+def _run_loop(regime: Regime, step: Callable[[int], None], compute: Stream, finish: Callable[[], None],
+              on_window_start: Callable[[], None] = lambda: None) -> dict:
     for i in range(regime.warmup):
         step(i)
     finish()
     compute.synchronize()
     compute.busy.clear()
+    on_window_start()
     start = time.perf_counter()
     for i in range(regime.warmup, regime.warmup + regime.steps):
         step(i)
     finish()
     compute.synchronize()
     end = time.perf_counter()
-    return dict(window_s=end - start, idle_s=_idle_seconds(compute.busy, start, end))
+    return dict(window_s=end - start, idle_s=_idle_seconds(compute.busy, start, end), steps=regime.steps)
 
 
 def simulate_adamw(regime: Regime) -> dict:
@@ -268,37 +270,45 @@ def simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dict
         pending["update"] = host.update_worker.submit(cpu_update)
 
     try:
-        result = _run_loop(regime, step, compute, finish=apply_previous)
+        result = _run_loop(regime, step, compute, finish=apply_previous,
+                           on_window_start=lambda: sent.update(bytes=0.0))
     finally:
         for stream in (compute, down, up):
             stream.close()
-    total_steps = regime.warmup + regime.steps
-    return dict(result, bytes_device_to_host_per_step=sent["bytes"] / total_steps)
+    return dict(result, bytes_device_to_host_per_step=sent["bytes"] / regime.steps)
 
 
-def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host")) -> dict:
-    """Rows for fused AdamW and ZenFlow (each placement), side by side in one run, with the method."""
+def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host"),
+        settings: Optional[list[tuple[float, int]]] = None) -> dict:
+    """Rows for fused AdamW and ZenFlow (each (topk_ratio, update_interval) of `settings`, default the regime's,
+    each placement), side by side in one run, with the method."""
     update_rate, accumulate_rate = measure_host_rates()
-    host = HostWork(regime, update_rate, accumulate_rate)
-    try:
-        results = {"fused AdamW (simulated device)": simulate_adamw(regime)}
-        for placement in accumulate_on:
-            results[f"zenflow r={regime.topk_ratio:g} S={regime.update_interval} overlap sum on {placement} "
-                    "(simulated device)"] = simulate_zenflow(regime, host, placement)
-    finally:
-        host.close()
+    results, sizes = {"fused AdamW (simulated device)": simulate_adamw(regime)}, {}
+    for ratio, interval in settings or [(regime.topk_ratio, regime.update_interval)]:
+        # (warm-up and window in whole intervals: the window holds steps / S boundaries)
+        setting = dataclasses.replace(regime, topk_ratio=ratio, update_interval=interval, warmup=interval,
+                                      steps=interval * max(1, round(regime.steps / interval)))
+        host = HostWork(setting, update_rate, accumulate_rate)
+        try:
+            for placement in accumulate_on:
+                name = f"zenflow r={ratio:g} S={interval} overlap sum on {placement} (simulated device)"
+                results[name] = simulate_zenflow(setting, host, placement)
+                sizes[name] = dict(update_numel=host.update_numel, accumulate_numel=host.accumulate_numel)
+        finally:
+            host.close()
     baseline = results["fused AdamW (simulated device)"]
+    baseline_step_s = baseline["window_s"] / baseline["steps"]
     rows = []
     for system, result in results.items():
-        mean_step_s = result["window_s"] / regime.steps * regime.time_scale
-        stall_s = max(0.0, result["idle_s"] - baseline["idle_s"]) * regime.time_scale
-        rows.append(dict(system=system, mean_step_ms=mean_step_s * 1e3,
-                         ratio_to_adamw=result["window_s"] / baseline["window_s"],
-                         stall_fraction=stall_s / (mean_step_s * regime.steps),
-                         bytes_device_to_host_per_step=result["bytes_device_to_host_per_step"]))
+        step_s = result["window_s"] / result["steps"]  # (seconds here)
+        # The device's idle time beyond what fused AdamW's loop leaves (its one wait per step), per step.
+        stall_s = max(0.0, result["idle_s"] / result["steps"] - baseline["idle_s"] / baseline["steps"])
+        rows.append(dict(system=system, mean_step_ms=step_s * regime.time_scale * 1e3,
+                         ratio_to_adamw=step_s / baseline_step_s, stall_fraction=stall_s / step_s,
+                         bytes_device_to_host_per_step=result["bytes_device_to_host_per_step"],
+                         host_work=sizes.get(system)))
     return dict(regime=dataclasses.asdict(regime),
-                host=dict(update_params_per_s=update_rate, accumulate_params_per_s=accumulate_rate,
-                          update_numel=host.update_numel, accumulate_numel=host.accumulate_numel, threads=1),
+                host=dict(update_params_per_s=update_rate, accumulate_params_per_s=accumulate_rate, threads=1),
                 rows=rows, method=__doc__)
 
 
