@@ -18,7 +18,8 @@ device time is divided by it), and the host work is sized so that it takes, on t
 the time the target host would take: (1 - r) x params x (this core's measured throughput / the target host's
 throughput) / time_scale parameters. The defaults are the H100 run's: a 1.1B bf16 model, fused AdamW's step
 124 ms, r 0.05, S 4, 3.35 TB/s device memory, 25 GB/s each way over PCIe, a target host at 2.2 Gparam/s
-of CPU AdamW and 4.2 Gparam/s of bf16 accumulation (what the schedule needs: README "Sizing").
+of CPU AdamW (what a 1B update needs to fit 4 steps) and the H100 host's measured 1.8 Gparam/s of bf16
+accumulation (8 threads).
 
 The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
 1. compute: forward + backward; the training thread waits for it (the step's one host read: the norm);
@@ -29,12 +30,16 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
    interval's sums go down (device accumulation) and the CPU AdamW starts on the update worker once they have
    landed.
 Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
-beyond fused AdamW's, measured on the simulated compute stream.
+beyond fused AdamW's, measured on the simulated compute stream. The measured window is whole intervals in the
+steady state: it starts and ends with a CPU update in flight (bench_offload's GPU rows instead start with none
+and close with `opt.synchronize()`, which charges one update that nothing overlaps).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -43,7 +48,7 @@ from typing import Callable, Optional
 
 import torch
 
-from zenflow_compile.runtime import kernels
+from zenflow_compile.runtime import cpu_affinity, kernels, native_accumulate
 from zenflow_compile.runtime.worker import CpuWorker
 
 
@@ -57,7 +62,7 @@ class Regime:
     device_bandwidth: float = 3.35e12  # bytes/s
     link_bandwidth: float = 25e9  # bytes/s, each way
     host_update_rate: float = 2.2e9  # target host: CPU AdamW, params/s
-    host_accumulate_rate: float = 4.2e9  # target host: bf16 accumulation, params/s
+    host_accumulate_rate: float = 1.8e9  # the H100 host's bf16 accumulation, measured (8 threads), params/s
     time_scale: float = 10.0  # simulated seconds per second here
     steps: int = 24  # measured steps (whole intervals)
     warmup: int = 4  # unmeasured steps first (whole intervals)
@@ -123,6 +128,7 @@ def _idle_seconds(busy: list, start: float, end: float) -> float:
 def measure_host_rates(numel: int = 4_000_000, repeats: int = 3) -> tuple[float, float]:
     """This machine's CPU AdamW and bf16 accumulation throughput (params/s) on one thread, the runtime's
     kernels (the best of `repeats`)."""
+    native_accumulate.wait_until_ready(native_accumulate.BUILD_TIMEOUT_S)  # (what the runs will use)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -155,8 +161,11 @@ class HostWork:
         self.step = torch.zeros(())
         self.acc = torch.zeros(self.accumulate_numel)
         self.grad = torch.zeros(self.accumulate_numel, dtype=torch.bfloat16)
-        self.update_worker = CpuWorker("sim-update")
-        self.accumulate_worker = CpuWorker("sim-accumulate")
+        # The workers on the cores the runtime gives them (pt_reserved_cores_perc 0.5, its default), the
+        # simulated device's threads on the training cores (`on_training_cores`).
+        self.update_worker = CpuWorker("sim-update", pt_reserved_cores_perc=0.5)
+        self.accumulate_worker = CpuWorker("sim-accumulate", pt_reserved_cores_perc=0.5)
+        self.training_cores = cpu_affinity.worker_split(0.5).training
         for worker in (self.update_worker, self.accumulate_worker):
             worker.submit(lambda: torch.set_num_threads(1)).result()
 
@@ -174,18 +183,21 @@ class HostWork:
 
 def _run_loop(regime: Regime, step: Callable[[int], None], compute: Stream, finish: Callable[[], None],
               on_window_start: Callable[[], None] = lambda: None) -> dict:
+    """Warm-up, then the measured steps. The window runs from the end of one interval to the end of another, a
+    CPU update in flight at each end as in the steady state (the update in flight at its start is waited for
+    inside it, the one at its end after it): whole intervals, each paying for one update."""
     for i in range(regime.warmup):
         step(i)
-    finish()
     compute.synchronize()
     compute.busy.clear()
     on_window_start()
     start = time.perf_counter()
     for i in range(regime.warmup, regime.warmup + regime.steps):
         step(i)
-    finish()
     compute.synchronize()
     end = time.perf_counter()
+    finish()
+    compute.synchronize()
     return dict(window_s=end - start, idle_s=_idle_seconds(compute.busy, start, end), steps=regime.steps)
 
 
@@ -204,8 +216,28 @@ def simulate_adamw(regime: Regime) -> dict:
     return dict(result, bytes_device_to_host_per_step=0.0)
 
 
+@contextlib.contextmanager
+def on_training_cores(cores):
+    """The calling thread, and the simulated device's threads it starts, on the training cores (where the
+    runtime leaves the device's launches), so that the workers' real work does not delay them."""
+    if not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
 def simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dict:
     """ZenFlow's schedule with the overlap on and no reselection (see the module docstring)."""
+    with on_training_cores(host.training_cores):
+        return _simulate_zenflow(regime, host, accumulate_on)
+
+
+def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dict:
     compute, down, up = Stream("compute", busy=[]), Stream("d2h"), Stream("h2d")
     r, P, S = regime.topk_ratio, regime.params, regime.update_interval
     unselected = (1 - r) * P
@@ -237,6 +269,8 @@ def simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dict
         if accumulate_on == "device":
             compute.run(regime.seconds(add_s))
         else:
+            if len(accumulations) >= 2:  # the step's pinned gradient buffer: the add of two steps ago read it
+                accumulations[-2].result()
             down.wait_event(compute.record())
             down.run(regime.seconds(grads_down_s))
             landed = down.record()
@@ -257,9 +291,7 @@ def simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dict
             sent["bytes"] += unselected * 4
             ready = landed.wait
         else:
-            last = accumulations[-1]
-            ready = last.result
-        accumulations.clear()
+            ready = accumulations[-1].result
 
         def cpu_update(ready=ready):
             ready()

@@ -57,7 +57,8 @@ def main():
 
     torch.manual_seed(0)
     model = TinyLM().to(args.device)
-    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=3e-3, weight_decay=0.01)  # the project's defaults
+    # The project's defaults; clipping through max_grad_norm (compiled, .grad stays None: clip_grad_norm_ sees none)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=3e-3, weight_decay=0.01, max_grad_norm=1.0)
     compiled = torch.compile(model, backend="zenflow")
     data = torch.randint(0, 256, (64, 8, 32), device=args.device)  # a repeating synthetic corpus
     for step in range(args.steps):

@@ -221,7 +221,7 @@ def test_the_simulated_device_measures_the_schedule(tmp_path):
     sys.path.insert(0, str(BENCH.parent))
     import simulated_device
 
-    regime = simulated_device.Regime(params=2e8, step_ms=50.0, update_interval=2, time_scale=10.0, steps=6,
+    regime = simulated_device.Regime(params=2e8, step_ms=20.0, update_interval=2, time_scale=10.0, steps=6,
                                      warmup=2)
     host = simulated_device.HostWork(regime, update_rate_here=1e7, accumulate_rate_here=1e7)  # (~0.1M: quick)
     try:
@@ -232,7 +232,7 @@ def test_the_simulated_device_measures_the_schedule(tmp_path):
     unselected = (1 - regime.topk_ratio) * regime.params
     assert device["bytes_device_to_host_per_step"] == pytest.approx(unselected * 4 / regime.update_interval)
     assert on_host["bytes_device_to_host_per_step"] == pytest.approx(unselected * regime.param_bytes)
-    # A host this machine stands in for with a 20M-parameter CPU AdamW per 10 ms interval (5 ms steps here):
+    # A host this machine stands in for with a 20M-parameter CPU AdamW per 4 ms interval (2 ms steps here):
     # each update takes several intervals, and the device waits for it.
     host = simulated_device.HostWork(regime, update_rate_here=2.3e9, accumulate_rate_here=1e7)
     assert host.update_numel > 19_000_000
