@@ -40,10 +40,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
@@ -81,21 +80,12 @@ class Regime:
 
 
 class Stream:
-    """A simulated device stream: a thread running its queue in order, each operation's time asleep."""
+    """A simulated device stream: one thread running its operations in order, each operation's time asleep."""
 
     def __init__(self, name: str, busy: Optional[list] = None):
         self.name = name
         self.busy = busy  # (start, end) of each operation, where kept
-        self._queue: "queue.Queue" = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"sim-{name}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            operation = self._queue.get()
-            if operation is None:
-                return
-            operation()
+        self._queue = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"sim-{name}")
 
     def run(self, seconds: float) -> None:
         def operation():
@@ -103,22 +93,21 @@ class Stream:
             time.sleep(seconds)
             if self.busy is not None:
                 self.busy.append((start, time.perf_counter()))
-        self._queue.put(operation)
+        self._queue.submit(operation)
 
     def record(self) -> threading.Event:
         done = threading.Event()
-        self._queue.put(done.set)
+        self._queue.submit(done.set)
         return done
 
     def wait_event(self, event: threading.Event) -> None:
-        self._queue.put(event.wait)
+        self._queue.submit(event.wait)
 
     def synchronize(self) -> None:
         self.record().wait()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+        self._queue.shutdown(wait=True)
 
 
 def _idle_seconds(busy: list, start: float, end: float) -> float:
