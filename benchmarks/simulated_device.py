@@ -26,9 +26,9 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
 2. compute: the selected columns' AdamW, and with device accumulation the unselected gradient's gather and
    add into the fp32 sums; with host accumulation, the gather and its copy down, then a worker adds it;
 3. at a boundary: the previous boundary's CPU update is waited for (counted as stall: device idle) and its
-   columns, which the update worker queued for upload when it finished, merged once they have landed; the
-   interval's sums go down (device accumulation) and the CPU AdamW starts on the update worker once they have
-   landed.
+   columns, which the update worker queued for upload as it finished each slab, merged once they have landed;
+   the interval's sums go down slab by slab (device accumulation) and the CPU AdamW of each slab starts on the
+   update worker once its sums have landed.
 Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
 beyond fused AdamW's, measured on the simulated compute stream. The measured window is whole intervals in the
 steady state: it starts and ends with a CPU update in flight (bench_offload's GPU rows instead start with none
@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +63,8 @@ class Regime:
     link_bandwidth: float = 25e9  # bytes/s, each way
     host_update_rate: float = 2.2e9  # target host: CPU AdamW, params/s
     host_accumulate_rate: float = 1.8e9  # the H100 host's bf16 accumulation, measured (8 threads), params/s
+    slabs: int = 7  # the matrices' slabs (q, k, v, o, gate, up, down: every layer's stacked): the CPU update,
+    # its sums' copy and its upload go slab by slab, as the runtime's do
     time_scale: float = 10.0  # simulated seconds per second here
     steps: int = 24  # measured steps (whole intervals)
     warmup: int = 4  # unmeasured steps first (whole intervals)
@@ -114,9 +117,9 @@ def _idle_seconds(busy: list, start: float, end: float) -> float:
     return (end - start) - sum(min(b, end) - max(a, start) for a, b in busy if b > start and a < end)
 
 
-def measure_host_rates(numel: int = 4_000_000, repeats: int = 3) -> tuple[float, float]:
+def measure_host_rates(numel: int = 32_000_000, repeats: int = 5) -> tuple[float, float]:
     """This machine's CPU AdamW and bf16 accumulation throughput (params/s) on one thread, the runtime's
-    kernels (the best of `repeats`)."""
+    kernels, over state the size of the work it stands for (past the caches; the median of `repeats`)."""
     native_accumulate.wait_until_ready(native_accumulate.BUILD_TIMEOUT_S)  # (what the runs will use)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -124,16 +127,16 @@ def measure_host_rates(numel: int = 4_000_000, repeats: int = 3) -> tuple[float,
         state = [torch.zeros(numel) for _ in range(4)]
         step = torch.zeros(())
         grad = torch.zeros(numel, dtype=torch.bfloat16)
-        update = accumulate = float("inf")
+        update, accumulate = [], []
         for _ in range(repeats):
             started = time.perf_counter()
             kernels.cpu_adamw_([state[0]], [state[1]], [state[2]], [state[3]], [step], lr=1e-4, beta1=0.9,
                                beta2=0.999, eps=1e-8, weight_decay=0.01)
-            update = min(update, time.perf_counter() - started)
+            update.append(time.perf_counter() - started)
             started = time.perf_counter()
             kernels.accumulate_scaled_many_([state[1]], [grad], 1.0)
-            accumulate = min(accumulate, time.perf_counter() - started)
-        return numel / update, numel / accumulate
+            accumulate.append(time.perf_counter() - started)
+        return numel / statistics.median(update), numel / statistics.median(accumulate)
     finally:
         torch.set_num_threads(previous)
 
@@ -158,9 +161,12 @@ class HostWork:
         for worker in (self.update_worker, self.accumulate_worker):
             worker.submit(lambda: torch.set_num_threads(1)).result()
 
-    def cpu_adamw(self) -> None:
-        kernels.cpu_adamw_([self.state[0]], [self.state[1]], [self.state[2]], [self.state[3]], [self.step],
-                           lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
+    def cpu_adamw(self, part: int = 0, parts: int = 1) -> None:
+        """The CPU AdamW of share `part` of `parts` (a slab's rows) of the host state."""
+        size = -(-self.update_numel // parts)
+        piece = [t[part * size:(part + 1) * size] for t in self.state]
+        kernels.cpu_adamw_(*([t] for t in piece), [self.step], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=0.01)
 
     def accumulate(self) -> None:
         kernels.accumulate_scaled_many_([self.acc], [self.grad], 1.0)
@@ -242,13 +248,16 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
     sent = dict(bytes=0.0)
     accumulations: list[Future] = []
 
+    slabs = regime.slabs
+
     def apply_previous():
         update = pending["update"]
         if update is None:
             return
-        uploaded = update.result()  # the documented wait: the device idles through it, measured on its stream
-        compute.wait_event(uploaded)  # (queued by the update worker when it finished: landed by now, mostly)
-        compute.run(regime.seconds(merge_s))
+        uploads = update.result()  # the documented wait: the device idles through it, measured on its stream
+        for uploaded in uploads:  # (queued by the update worker slab by slab: landed by now, mostly)
+            compute.wait_event(uploaded)
+            compute.run(regime.seconds(merge_s / slabs))
         pending["update"] = None
 
     def step(i):
@@ -273,20 +282,24 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
         if (i + 1) % S:
             return
         apply_previous()
-        if accumulate_on == "device":
+        if accumulate_on == "device":  # each slab's sums down, in slab order
             down.wait_event(compute.record())
-            down.run(regime.seconds(sums_down_s))
-            landed = down.record()
+            ready = []
+            for _ in range(slabs):
+                down.run(regime.seconds(sums_down_s / slabs))
+                ready.append(down.record().wait)
             sent["bytes"] += unselected * 4
-            ready = landed.wait
         else:
-            ready = accumulations[-1].result
+            ready = [accumulations[-1].result] * slabs
 
         def cpu_update(ready=ready):
-            ready()
-            host.cpu_adamw()
-            up.run(regime.seconds(upload_s))  # the new columns go up at once, beside the next steps
-            return up.record()
+            uploads = []
+            for part, landed in enumerate(ready):
+                landed()
+                host.cpu_adamw(part, slabs)
+                up.run(regime.seconds(upload_s / slabs))  # the slab's new columns go up at once
+                uploads.append(up.record())
+            return uploads
 
         pending["update"] = host.update_worker.submit(cpu_update)
 
