@@ -155,11 +155,8 @@ class HostWork:
         """Time the training thread spends waiting for CPU work (here or on another rank): counted and
         measured as stall."""
         self.counters["host_waits"] += 1
-        marker, start = self.stall_clock.before_wait(), time.perf_counter()
-        try:
+        with self.stalling():
             yield
-        finally:
-            self.stall_clock.after_wait(marker, time.perf_counter() - start)
 
     @contextlib.contextmanager
     def stalling(self):

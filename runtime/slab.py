@@ -488,9 +488,9 @@ class Slab:
 
     def device_buffers(self) -> list[torch.Tensor]:
         written = [] if self.selected_written is None else [self.selected_written]
-        summing = [t for t in (self.device_acc, self.device_sq_acc, self.rest_grad) if t is not None]
+        staging = [] if self.rest_grad is None else [self.rest_grad]
         return [self.master, self.exp_avg, self.exp_avg_sq, self.counts, self.grad, self.scores, self.selected,
-                self.host_columns, *written, *summing]
+                self.host_columns, *written, *self._device_sums(), *staging]
 
     def host_buffers(self) -> list[torch.Tensor]:
         if not self.has_host_part:
@@ -700,7 +700,7 @@ class Slab:
         """On the device, at step(): device_acc += coef * rest_grad (and device_sq_acc += (coef * rest_grad)**2)
         for members `rows` (None: all)."""
         if self.acc_sent is not None:  # the first step of an interval: the sums sent at the boundary start over
-            sums = [t for t in (self.device_acc, self.device_sq_acc) if t is not None]
+            sums = self._device_sums()
             self.transfers.after_copy_down(self.acc_sent, sums)
             torch._foreach_zero_(sums)
             self.acc_sent = None
@@ -718,9 +718,8 @@ class Slab:
         to send.)"""
         if not self.accumulates_on_device or self.acc_sent is not None:
             return 0
-        sources = [t for t in (self.device_acc, self.device_sq_acc) if t is not None]
-        targets = [self.accumulators[acc_slot], *self.square_accumulators[acc_slot:acc_slot + 1]]
-        self.acc_landed[acc_slot] = self.transfers.to_host_many(sources, targets)
+        targets = self._host_sums(acc_slot)
+        self.acc_landed[acc_slot] = self.transfers.to_host_many(self._device_sums(), targets)
         self.acc_sent = self.acc_landed[acc_slot] or _SENT
         return sum(t.numel() * t.element_size() for t in targets)
 
@@ -728,8 +727,15 @@ class Slab:
         """Before a host thread reads accumulators[acc_slot]: device accumulation's copy has landed."""
         if self.accumulates_on_device:
             wait_events([self.acc_landed[acc_slot]])
-            self.transfers.host_access(writes=[self.accumulators[acc_slot],
-                                               *self.square_accumulators[acc_slot:acc_slot + 1]])
+            self.transfers.host_access(writes=self._host_sums(acc_slot))
+
+    def _device_sums(self) -> list[torch.Tensor]:
+        """Device accumulation's sums: device_acc (and device_sq_acc)."""
+        return [t for t in (self.device_acc, self.device_sq_acc) if t is not None]
+
+    def _host_sums(self, acc_slot: int) -> list[torch.Tensor]:
+        """The host accumulators of interval slot `acc_slot` (and their squares)."""
+        return [self.accumulators[acc_slot], *self.square_accumulators[acc_slot:acc_slot + 1]]
 
     def accumulate(self, rows: Optional[list[int]], grad_slot: int, acc_slot: int, coef: float) -> None:
         """Accumulate worker, once the step's copies have landed: acc += coef * g (and square_acc +=
@@ -751,7 +757,7 @@ class Slab:
         self.wait_for_accumulators(acc_slot)
         acc = self.accumulators[acc_slot]
         squares = self.square_accumulators[acc_slot] if self.accumulate_squares else None
-        sums = [acc] + ([squares] if squares is not None else [])
+        sums = self._host_sums(acc_slot)
         for scale, taking in members_by_scale.items():
             rows = [i for i, _ in taking]
             steps = [s for _, s in taking]
