@@ -13,6 +13,7 @@ checkout (it edits the runtime's files in place, and restores them even when int
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import tempfile
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,7 +60,7 @@ MUTATIONS = [
              "            self.streams.note_compute_access(reads=[target])",
              "        if self.traced:\n            self.streams.note_compute_access(reads=[target])"),
     Mutation("M07", "accumulate worker: reads the offloaded gradients without waiting for their copies",
-             "runtime/host_work.py", "                    wait_events(copies)\n", ""),
+             "runtime/host_work.py", "                        wait_events(copies)\n", ""),
     Mutation("M08", "accumulate task: submitted without this step's copy events",
              "runtime/host_work.py", "        work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]",
              "        work = [(slab, rows, []) for slab, rows in stepped]"),
@@ -138,6 +140,20 @@ DEFAULT_TESTS = ["tests/test_device_path.py", "tests/test_transfers.py", "tests/
                  "tests/test_workflows.py", "tests/test_slab_workflows.py", "tests/test_overlap_reselect.py"]
 
 
+def why_not_applicable(mutation: Mutation) -> Optional[str]:
+    """None where the mutation edits its file's line once into code that still parses (a line re-indented
+    since would otherwise match as a substring, break the module and look caught or not caught by accident);
+    else why not."""
+    source = (ROOT / mutation.path).read_text()
+    if source.count(mutation.old) != 1:
+        return f"the line is not in {mutation.path} once"
+    try:
+        ast.parse(source.replace(mutation.old, mutation.new))
+    except SyntaxError as error:
+        return f"the edited {mutation.path} does not parse ({error.msg}, line {error.lineno})"
+    return None
+
+
 def run_tests(tests: list[str], extra: list[str]) -> tuple[list[str], str]:
     """The failed test ids (errors included) and the tail of pytest's output."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -166,8 +182,9 @@ def main() -> int:
     for mutation in chosen:
         path = ROOT / mutation.path
         original = path.read_text()
-        if original.count(mutation.old) != 1:
-            print(f"| {mutation.key} | {mutation.what} | NOT APPLIED: the line is not in {mutation.path} once |")
+        why_not = why_not_applicable(mutation)
+        if why_not is not None:
+            print(f"| {mutation.key} | {mutation.what} | NOT APPLIED: {why_not} |")
             uncaught += 1
             continue
         try:

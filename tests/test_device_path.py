@@ -265,3 +265,12 @@ def test_the_host_state_stays_on_the_host_whatever_the_default_device(compiled, 
     assert all(m.device.type == "cpu" for m in masters)
     assert all(t.device.type == "cpu" for entry in state["state"].values() for t in entry.values()
                if isinstance(t, torch.Tensor))
+
+
+def test_every_device_mutation_still_applies_to_the_runtime():
+    """tests/device_mutations.py edits one line per wait; a line the runtime moved or re-indented would make
+    its mutation miss, or match a longer line and break the module, and the wait would go unguarded."""
+    import device_mutations
+
+    problems = {m.key: device_mutations.why_not_applicable(m) for m in device_mutations.MUTATIONS}
+    assert {key: why for key, why in problems.items() if why is not None} == {}
