@@ -78,6 +78,15 @@ def parse_settings(text: str) -> list[tuple[float, Any]]:
     return settings
 
 
+def _lag(text: str):
+    if text.lower() == "none":
+        return None
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--landing-lag {text}: expected an int >= 1 or none")
+    return value
+
+
 def _int_or_auto(text: str):
     return text if text == "auto" else int(text)
 
@@ -102,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accumulate-on", choices=["auto", "device", "host", "both"], default="auto",
                    help="compiled ZenFlow: where the unselected columns' gradients are summed, the accumulate_on key "
                         "(default auto; both: a device row and a host row per setting)")
+    p.add_argument("--landing-lag", type=_lag, default=None,
+                   help="compiled ZenFlow with the overlap on (and --simulated-device): the landing_lag key, the "
+                        "steps after its boundary at whose end a CPU update lands (default none: the next boundary)")
     p.add_argument("--trace-dir", help="save a torch.profiler trace (Chrome JSON) of one update interval per "
                                        "compiled ZenFlow row here, after its measured steps")
     p.add_argument("--ds-zenflow-overlap", choices=["on", "off", "both"], default="on",
@@ -217,7 +229,7 @@ def plan_systems(args) -> list[dict]:
         return dict(topk_ratio=ratio, update_interval=interval, overlap_step=overlap,
                     select_strategy=args.select_strategy, select_interval=args.select_interval,
                     full_warm_up_rounds=args.full_warm_up_rounds, overlap_reselect=reselect,
-                    accumulate_on=accumulate_on)
+                    accumulate_on=accumulate_on, landing_lag=args.landing_lag if overlap else None)
 
     reselects = ["wait", "incoming"] if args.overlap_reselect == "both" else [args.overlap_reselect]
     placements = ["device", "host"] if args.accumulate_on == "both" else [args.accumulate_on]
@@ -233,6 +245,7 @@ def plan_systems(args) -> list[dict]:
                         specs.append(dict(common, kind="zenflow", lane="compile",
                                           name=f"zenflow r={ratio:g} S={_fmt_interval(interval)} "
                                                f"{'overlap' if overlap else 'sync'}"
+                                               f"{f' lag {args.landing_lag}' if overlap and args.landing_lag else ''}"
                                                f"{' reselect in flight' if reselect == 'incoming' else ''}"
                                                f"{'' if placement == 'auto' else f' sum on {placement}'}",
                                           zenflow=zenflow_block(ratio, interval, overlap, reselect, placement)))
@@ -621,7 +634,8 @@ def run_simulated(args) -> int:
     sys.path.insert(0, str(HERE))
     import simulated_device
 
-    regime = simulated_device.Regime(time_scale=args.sim_time_scale, steps=args.sim_steps)
+    regime = simulated_device.Regime(time_scale=args.sim_time_scale, steps=args.sim_steps,
+                                     landing_lag=args.landing_lag)
     placements = ("device", "host") if args.accumulate_on in ("both", "auto") else (args.accumulate_on,)
     print(f"bench_offload --simulated-device: the H100 regime (1.1B bf16, fused AdamW step {regime.step_ms:g} ms) "
           f"at 1/{regime.time_scale:g} time, --zenflow-settings {args.zenflow_settings}; host work real")
@@ -711,7 +725,7 @@ def main(argv=None) -> int:
         config=dict(model=args.model, model_num_params=num_params, batch=args.batch, seq=args.seq,
                     steps=args.steps, warmup=args.warmup,
                     zenflow_settings=[dict(topk_ratio=r, update_interval=s) for r, s in args.settings],
-                    overlap=args.overlap, overlap_reselect=args.overlap_reselect,
+                    overlap=args.overlap, overlap_reselect=args.overlap_reselect, landing_lag=args.landing_lag,
                     ds_zenflow_overlap=args.ds_zenflow_overlap,
                     select_strategy=args.select_strategy, select_interval=args.select_interval,
                     full_warm_up_rounds=args.full_warm_up_rounds, lr=args.lr, weight_decay=args.weight_decay,

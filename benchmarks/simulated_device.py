@@ -25,8 +25,9 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
 1. compute: forward + backward; the training thread waits for it (the step's one host read: the norm);
 2. compute: the selected columns' AdamW, and with device accumulation the unselected gradient's gather and
    add into the fp32 sums; with host accumulation, the gather and its copy down, then a worker adds it;
-3. at a boundary: the previous boundary's CPU update is waited for (counted as stall: device idle) and its
-   columns, which the update worker queued for upload as it finished each slab, merged once they have landed;
+3. at a boundary (or, with a landing lag L, at the end of step b + L): the previous boundary's CPU update is
+   waited for (counted as stall: device idle) and its columns, which the update worker queued for upload as
+   it finished each slab, merged once they have landed;
    the interval's sums go down slab by slab (device accumulation) and the CPU AdamW of each slab starts on the
    update worker once its sums have landed.
 Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
@@ -59,6 +60,7 @@ class Regime:
     step_ms: float = 124.0  # fused AdamW's whole step, measured (the H100 run)
     topk_ratio: float = 0.05
     update_interval: int = 4
+    landing_lag: Optional[int] = None  # a boundary's update lands at the end of step b + L (None: the next boundary)
     device_bandwidth: float = 3.35e12  # bytes/s
     link_bandwidth: float = 25e9  # bytes/s, each way
     host_update_rate: float = 2.2e9  # target host: CPU AdamW, params/s
@@ -244,21 +246,24 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
     sums_down_s = unselected * 4 / regime.link_bandwidth
     grads_down_s = unselected * regime.param_bytes / regime.link_bandwidth
     upload_s = unselected * regime.param_bytes / regime.link_bandwidth
-    pending: dict = dict(update=None)
+    pending: dict = dict(update=None, land_at=None)
+    landing_steps: list[int] = []  # the steps at whose end an update landed
     sent = dict(bytes=0.0)
     accumulations: list[Future] = []
 
     slabs = regime.slabs
 
-    def apply_previous():
+    def apply_previous(i: Optional[int] = None):
         update = pending["update"]
         if update is None:
             return
+        if i is not None:
+            landing_steps.append(i)
         uploads = update.result()  # the documented wait: the device idles through it, measured on its stream
         for uploaded in uploads:  # (queued by the update worker slab by slab: landed by now, mostly)
             compute.wait_event(uploaded)
             compute.run(regime.seconds(merge_s / slabs))
-        pending["update"] = None
+        pending["update"] = pending["land_at"] = None
 
     def step(i):
         compute.run(regime.seconds(regime.forward_backward_s))
@@ -280,8 +285,10 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
 
             accumulations.append(host.accumulate_worker.submit(add))
         if (i + 1) % S:
+            if i == pending["land_at"]:
+                apply_previous(i)
             return
-        apply_previous()
+        apply_previous(i)
         if accumulate_on == "device":  # each slab's sums down, in slab order
             down.wait_event(compute.record())
             ready = []
@@ -302,6 +309,7 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
             return uploads
 
         pending["update"] = host.update_worker.submit(cpu_update)
+        pending["land_at"] = None if regime.landing_lag is None else i + regime.landing_lag
 
     try:
         result = _run_loop(regime, step, compute, finish=apply_previous,
@@ -309,7 +317,7 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
     finally:
         for stream in (compute, down, up):
             stream.close()
-    return dict(result, bytes_device_to_host_per_step=sent["bytes"] / regime.steps)
+    return dict(result, bytes_device_to_host_per_step=sent["bytes"] / regime.steps, landing_steps=landing_steps)
 
 
 def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host"),
@@ -325,7 +333,8 @@ def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host"),
         host = HostWork(setting, update_rate, accumulate_rate)
         try:
             for placement in accumulate_on:
-                name = f"zenflow r={ratio:g} S={interval} overlap sum on {placement} (simulated device)"
+                lag = "" if regime.landing_lag is None else f" lag {regime.landing_lag}"
+                name = f"zenflow r={ratio:g} S={interval} overlap{lag} sum on {placement} (simulated device)"
                 results[name] = simulate_zenflow(setting, host, placement)
                 sizes[name] = dict(update_numel=host.update_numel, accumulate_numel=host.accumulate_numel)
         finally:

@@ -19,9 +19,10 @@ keyed by their members' owner, so every rank builds the same slabs in the same o
 partitioned by matrix (`DataParallel.assign_owner`): only a matrix's owner accumulates and runs its CPU AdamW;
 at the apply the owner broadcasts the updated columns.
 
-Determinism: the device only ever receives a CPU update at a fixed point of the schedule (the boundary
-after its launch, or its own boundary without overlap), so results never depend on thread timing; if the
-CPU is late the training thread waits, and the wait is counted as stall time.
+Determinism: the device only ever receives a CPU update at a fixed point of the schedule (with overlap, the
+end of step b + landing_lag or the next boundary, whichever comes first; without, its own boundary), so
+results never depend on thread timing; if the CPU is late the training thread waits, and the wait is counted
+as stall time.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class ZenFlowRuntime:
         self.selection_epoch = 0  # select_strategy="epoch": epoch-grid points passed at the last selection
         self.steps_accumulated = 0  # steps since the last update boundary
         self.update_pending = False  # overlap: a launched CPU update not yet applied to the device
+        self.land_at: Optional[int] = None  # landing_lag: the step at whose end the pending update lands
         self.grad_slot = 0  # which host-gradient buffer this step's backward fills
         self.acc_slot = 0  # which accumulator this interval fills
         self._step_open = False
@@ -393,11 +395,13 @@ class ZenFlowRuntime:
             in_flight = reselect and cfg.overlap_step and cfg.overlap_reselect == "incoming"
             arriving = [(slab, selected) for (slab, _), selected in zip(reselecting, chosen)] if in_flight else []
             overlap = cfg.overlap_step and warmed_up and (in_flight or not reselect)
-            arrived = self._update_boundary(hyperparameters, overlap=overlap, arriving=arriving)
+            arrived = self._update_boundary(t, hyperparameters, overlap=overlap, arriving=arriving)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
                 with self._selection_moves():
                     self._reselect(t, reselecting, chosen, arrived if in_flight else None)
+        elif self.update_pending and t == self.land_at:  # landing_lag: the update lands at the end of b + L
+            self._apply_host_columns()
 
         self.step_count += 1
         self.counters["steps"] += 1
@@ -660,9 +664,10 @@ class ZenFlowRuntime:
             return 0
         return (t - cfg.full_warm_up_rounds + 1) // cfg.reselect_every
 
-    def _update_boundary(self, hyperparameters: list[dict], overlap: bool, arriving: list[tuple[Slab, torch.Tensor]]
-                         ) -> list:
-        """Apply the previous boundary's update if it is still pending, launch this boundary's. `arriving`: the
+    def _update_boundary(self, t: int, hyperparameters: list[dict], overlap: bool,
+                         arriving: list[tuple[Slab, torch.Tensor]]) -> list:
+        """Apply the previous boundary's update if it is still pending, launch this boundary's (with overlap it
+        lands at the end of step t + landing_lag, or at the next boundary if that comes first). `arriving`: the
         slabs reselecting while it runs on, with their new selections: their arriving columns are updated
         first, from this step's accumulators; returns that state, slab by slab (`Slab.take_arriving`)."""
         if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
@@ -685,6 +690,7 @@ class ZenFlowRuntime:
             m.sum_selected_score = m.sum_unselected_score = 0.0
             m.steps_accumulated = 0
         self.update_pending = overlap
+        self.land_at = t + self.config.landing_lag if overlap and self.config.landing_lag is not None else None
         self.counters["overlapped_boundaries"] += overlap
         if not overlap:
             self._apply_host_columns()
@@ -696,6 +702,7 @@ class ZenFlowRuntime:
         with record_function("zenflow::apply_update"):
             self.counters["bytes_host_to_device"] += self.host_work.apply_update(self.slabs, self.data_parallel)
         self.update_pending = False
+        self.land_at = None
 
     def _chosen_selections(self, slabs: list, host_scores: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each slab's new selection ([n, k]): the top-k of this step's scores; a member without a gradient this
@@ -852,8 +859,8 @@ class ZenFlowRuntime:
     def export_globals(self) -> dict:
         return dict(step_count=self.step_count, selection_start=self.selection_start,
                     selection_epoch=self.selection_epoch, steps_accumulated=self.steps_accumulated,
-                    update_pending=self.update_pending, counters=dict(self.counters), config=self.config.to_dict(),
-                    max_grad_norm=self.max_grad_norm)
+                    update_pending=self.update_pending, land_at=self.land_at, counters=dict(self.counters),
+                    config=self.config.to_dict(), max_grad_norm=self.max_grad_norm)
 
     def import_globals(self, saved: dict) -> None:
         """The schedule of a checkpoint (`export_globals`); the states follow (`import_states`)."""
@@ -869,6 +876,7 @@ class ZenFlowRuntime:
         self.selection_epoch = saved.get("selection_epoch", 0)
         self.steps_accumulated = saved["steps_accumulated"]
         self.update_pending = saved["update_pending"]
+        self.land_at = saved.get("land_at")
         self.counters.update(saved["counters"])
         # States are re-created from the checkpoint (owners stay this optimizer's: see collectives.py).
         self.members, self.slabs = {}, []

@@ -137,7 +137,8 @@ MUTATIONS = [
 ]
 
 DEFAULT_TESTS = ["tests/test_device_path.py", "tests/test_transfers.py", "tests/test_optimizer.py",
-                 "tests/test_workflows.py", "tests/test_slab_workflows.py", "tests/test_overlap_reselect.py"]
+                 "tests/test_workflows.py", "tests/test_slab_workflows.py", "tests/test_overlap_reselect.py",
+                 "tests/test_landing_lag.py"]
 
 
 def why_not_applicable(mutation: Mutation) -> Optional[str]:

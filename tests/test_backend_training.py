@@ -76,6 +76,8 @@ REFERENCE_CONFIGS = {
     "auto-interval-auto-select": dict(topk_ratio=0.25, update_interval="auto", select_strategy="auto",
                                       max_update_interval=3),
     "auto-interval-overlap": dict(topk_ratio=0.5, update_interval="auto", overlap_step=True, auto_ratio=0.5),
+    "interval4-lag1-incoming": dict(topk_ratio=0.25, update_interval=4, overlap_step=True, landing_lag=1,
+                                    select_strategy="step", select_interval=4, overlap_reselect="incoming"),
 }
 
 

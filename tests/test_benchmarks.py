@@ -242,3 +242,19 @@ def test_the_simulated_device_measures_the_schedule(tmp_path):
     finally:
         host.close()
     assert stalled["idle_s"] - baseline["idle_s"] > 0.5 * stalled["window_s"]
+
+
+@pytest.mark.parametrize("lag,landings", [(None, [7, 11]), (1, [4, 8]), (3, [6, 10])])
+def test_the_simulated_device_lands_each_update_at_its_lag(lag, landings):
+    """Boundaries at steps 3, 7, 11 (S 4): an update lands at the next boundary, or at the end of step b + L."""
+    sys.path.insert(0, str(BENCH.parent))
+    import simulated_device
+
+    regime = simulated_device.Regime(params=2e8, step_ms=20.0, update_interval=4, landing_lag=lag,
+                                     time_scale=10.0, steps=8, warmup=4)
+    host = simulated_device.HostWork(regime, update_rate_here=1e7, accumulate_rate_here=1e7)
+    try:
+        result = simulated_device.simulate_zenflow(regime, host, "device")
+    finally:
+        host.close()
+    assert result["landing_steps"] == landings

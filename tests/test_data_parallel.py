@@ -51,6 +51,9 @@ PARITY = {
     # A tensor hook freezing embedding rows: what it returns is what gets averaged (compiled: the hooked
     # parameter's gradient goes through autograd and .grad, the others through the graph).
     "row_mask_hook": dict(steps=6, row_mask=True, keys=dict(BASE, overlap_step=True)),
+    # The CPU update lands one step after its boundary: the owners' broadcast at that step on every rank.
+    "landing_lag": dict(steps=8, keys=dict(BASE, update_interval=3, select_interval=6, overlap_step=True,
+                                           landing_lag=1)),
 }
 MODES = ("eager", "compiled")
 CHECKPOINT = dict(name="checkpoint", compiled=True, steps=5, resume_steps=4, keys=dict(BASE, overlap_step=True))

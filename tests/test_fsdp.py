@@ -53,8 +53,11 @@ PARITY = {
     # overlap_reselect="incoming": every boundary reselects with its CPU update in flight (a rank with no rows
     # of the gate moves none)
     "incoming": dict(steps=8, clip=0.05, keys=dict(BASE, select_interval=2, overlap_reselect="incoming")),
+    # The CPU update lands one step after its boundary, reselecting ones included ("incoming").
+    "landing_lag": dict(steps=8, clip=0.05, keys=dict(BASE, update_interval=3, select_interval=3,
+                                                      overlap_reselect="incoming", landing_lag=1)),
 }
-COMPILED = ("overlap_reselect_clip_nan", "zen_auto", "bf16_compute", "load_weights", "incoming")
+COMPILED = ("overlap_reselect_clip_nan", "zen_auto", "bf16_compute", "load_weights", "incoming", "landing_lag")
 BF16_ATOL = 1e-3  # bf16 compute: a 1-ulp fp32 difference in a parameter can change its bf16 cast
 # bf16 compiled: Inductor keeps a bf16 graph's pointwise intermediates in fp32 and rounds to bf16 where a kernel
 # (or a graph: FSDP2's hooks cut one per sharded module) ends, so the reference is compiled too, cut at the same

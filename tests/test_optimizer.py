@@ -179,6 +179,18 @@ REFERENCE_CASES = {
     "incoming-zen-auto-warm-up2": dict(keys=dict(topk_ratio=0.25, update_interval="auto", full_warm_up_rounds=2,
                                                  select_strategy="step", select_interval=2, overlap_step=True,
                                                  overlap_reselect="incoming")),
+    # landing_lag: an overlapped update lands L steps after its boundary (or at the next boundary).
+    "lag1-int4-reselect8": dict(keys=dict(topk_ratio=0.25, update_interval=4, select_strategy="step",
+                                          select_interval=8, overlap_step=True, interval_aware_update=True,
+                                          landing_lag=1)),
+    "lag2-incoming-accumulation-groups-clip": dict(keys=dict(topk_ratio=0.25, update_interval=3,
+                                                             select_strategy="step", select_interval=3,
+                                                             overlap_step=True, overlap_reselect="incoming",
+                                                             landing_lag=2),
+                                                   backwards=[1, 2, 1, 2, 2, 1, 1, 2, 1, 1, 2, 1], groups=True,
+                                                   clip=0.05),
+    "lag1-zen-auto": dict(keys=dict(topk_ratio=0.25, update_interval="auto", max_update_interval=4, auto_ratio=0.9,
+                                    overlap_step=True, landing_lag=1)),
 }
 
 

@@ -663,22 +663,6 @@ def test_zen_auto_lands_at_the_lag_or_at_an_earlier_boundary():
         previous = opt.master(p)
 
 
-def test_zenflow_adamw_refuses_a_landing_lag_it_does_not_run_yet():
-    from zenflow_compile import ZenFlowAdamW
-
-    model = make_model()
-    for keys in (dict(update_interval=4, landing_lag=1), dict(update_interval=4, landing_lag=3),
-                 dict(update_interval="auto", landing_lag=4)):
-        with pytest.raises(NotImplementedError, match=rf"ZenFlowConfig.landing_lag={keys['landing_lag']} with "
-                                                      rf"update_interval={keys['update_interval']!r} is not "
-                                                      r"implemented by ZenFlowAdamW yet .*ZenFlowReference"):
-            ZenFlowAdamW(model.parameters(), overlap_step=True, **keys)
-    with pytest.raises(NotImplementedError, match="landing_lag=2"):
-        ZenFlowAdamW(model.parameters(), config=ZenFlowConfig(overlap_step=True, update_interval=4, landing_lag=2))
-    for lag in (None, 4):                                    # the default's schedule: runs
-        ZenFlowAdamW(model.parameters(), overlap_step=True, update_interval=4, landing_lag=lag)
-
-
 def test_a_state_dict_saved_before_per_column_counts_resumes():
     """Saved mid-interval by a reference without acc_n and land_at: one count per matrix, no lag."""
     keys = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, interval_aware_update=True,

@@ -137,8 +137,7 @@ class ZenFlowConfig:
         first (which with an int update_interval S it never does: L must be <= S, and L = S is the default's
         schedule). With update_interval="auto" the next boundary is not known in advance, so L is a cap on
         the staleness (L <= max_update_interval). With overlap_reselect="deferred" a reselection takes effect
-        at that landing. ZenFlowAdamW runs only the default's schedule (None, or L = update_interval) for now;
-        ZenFlowReference runs every L.
+        at that landing. A CPU update not finished by its landing step is waited for there (counted stall).
     accumulate_on: where the unselected columns' gradients are summed between CPU updates (this project's key;
         the result is the same): "device" (an fp32 accumulator on the device, copied to the host once per update
         interval), "host" (every step's gradient copied to the host and added there by a worker thread: for a

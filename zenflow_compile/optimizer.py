@@ -143,11 +143,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "ZenFlowConfig.overlap_reselect='deferred' is not implemented by ZenFlowAdamW yet "
                 "(zenflow_compile.reference.ZenFlowReference specifies it); use overlap_reselect='incoming' "
                 "or 'wait'")
-        if config.landing_lag is not None and (config.auto_update or config.landing_lag < config.update_interval):
-            raise NotImplementedError(
-                f"ZenFlowConfig.landing_lag={config.landing_lag!r} with update_interval={config.update_interval!r} "
-                "is not implemented by ZenFlowAdamW yet (zenflow_compile.reference.ZenFlowReference specifies "
-                "it and runs it for now); use landing_lag=None: an overlapped CPU update lands at the next boundary")
         params = _param_list(params)
         # FSDP2-sharded (DTensor) parameters: the mesh comes from them, and FSDP2 reduces the gradients.
         sharding = sharded.sharding_of(_tensors_in(params), process_group)
