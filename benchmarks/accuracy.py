@@ -49,9 +49,8 @@ Run names (--runs):
                                          four named only when set); reselect is the opt-in overlap_reselect
                                          key ("deferred": ZenFlowReference runs only), lag the opt-in
                                          landing_lag key: a boundary's CPU update lands L steps after it (1 <=
-                                         L <= interval; omitted: at the next boundary; L < interval or with
-                                         interval=auto: ZenFlowReference runs only; needs overlap=1). With
-                                         reselect=deferred a reselection takes effect at that landing
+                                         L <= interval; omitted: at the next boundary; needs overlap=1).
+                                         With reselect=deferred a reselection takes effect at that landing
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
                                          plain synchronous implementation of docs/semantics.md (an algorithm check)
 

@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "(benchmarks/simulated_device.py: the scaled H100 regime)")
     p.add_argument("--sim-time-scale", type=float, default=10.0,
                    help="--simulated-device: simulated seconds per second here (default 10)")
+    p.add_argument("--sim-reselect", nargs="+", choices=["none", "wait", "incoming"], default=["none"],
+                   help="--simulated-device: rows with a reselection at every boundary, made as overlap_reselect "
+                        "'wait' or 'incoming' does it (the project's defaults select every update_interval "
+                        "steps; default none: no reselection)")
+    p.add_argument("--sim-churn", type=float, default=0.25,
+                   help="--simulated-device: share of the selected columns a reselection moves (default 0.25)")
     p.add_argument("--sim-steps", type=int, default=24, help="--simulated-device: measured steps (default 24)")
     p.add_argument("--chart", help="PNG chart path (default: --out with .png)")
     p.add_argument("--log-dir", help="per-system stdout/stderr logs (default: a temporary directory)")
@@ -635,12 +641,14 @@ def run_simulated(args) -> int:
     import simulated_device
 
     regime = simulated_device.Regime(time_scale=args.sim_time_scale, steps=args.sim_steps,
-                                     landing_lag=args.landing_lag)
+                                     landing_lag=args.landing_lag, selection_churn=args.sim_churn)
     placements = ("device", "host") if args.accumulate_on in ("both", "auto") else (args.accumulate_on,)
     print(f"bench_offload --simulated-device: the H100 regime (1.1B bf16, fused AdamW step {regime.step_ms:g} ms) "
           f"at 1/{regime.time_scale:g} time, --zenflow-settings {args.zenflow_settings}; host work real")
     sys.stdout.flush()
-    report = simulated_device.run(regime, placements, [(r, S) for r, S in args.settings if isinstance(S, int)])
+    reselects = tuple(None if mode == "none" else mode for mode in args.sim_reselect)
+    report = simulated_device.run(regime, placements, [(r, S) for r, S in args.settings if isinstance(S, int)],
+                                  reselects)
     report.update(environment=environment(), simulated_device=True)
     print(simulated_device.format_rows(report))
     Path(args.out).write_text(json.dumps(report, indent=1))

@@ -30,6 +30,12 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
    it finished each slab, merged once they have landed;
    the interval's sums go down slab by slab (device accumulation) and the CPU AdamW of each slab starts on the
    update worker once its sums have landed.
+4. a reselecting boundary (`Regime.overlap_reselect`, every boundary; churn c of the k selected columns change
+   sides), as `ZenFlowRuntime._reselect` makes it on the training thread: "wait" waits for the boundary's own
+   update and merges it first; "incoming" waits for the interval's sums to land on the host and runs the
+   arriving columns' CPU AdamW (real work, c x r of the parameters) before it launches the update. Then the
+   moves: the arriving columns' state (fp32 master and moments, and the parameter) up, the departing columns'
+   down, the training thread waiting for them (host rows are rewritten on it).
 Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
 beyond fused AdamW's, measured on the simulated compute stream. The measured window is whole intervals in the
 steady state: it starts and ends with a CPU update in flight (bench_offload's GPU rows instead start with none
@@ -61,6 +67,10 @@ class Regime:
     topk_ratio: float = 0.05
     update_interval: int = 4
     landing_lag: Optional[int] = None  # a boundary's update lands at the end of step b + L (None: the next boundary)
+    # A reselection at every boundary (the project's defaults select every S steps), "wait" or "incoming" as
+    # the runtime makes it (None: no reselection), moving `selection_churn` of each matrix's selected columns.
+    overlap_reselect: Optional[str] = None
+    selection_churn: float = 0.25
     device_bandwidth: float = 3.35e12  # bytes/s
     link_bandwidth: float = 25e9  # bytes/s, each way
     host_update_rate: float = 2.2e9  # target host: CPU AdamW, params/s
@@ -170,6 +180,12 @@ class HostWork:
         kernels.cpu_adamw_(*([t] for t in piece), [self.step], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
                            weight_decay=0.01)
 
+    def cpu_adamw_share(self, share: float) -> None:
+        """The CPU AdamW of `share` of the unselected columns' parameters (a reselection's arriving columns)."""
+        piece = [t[:max(1, int(share * self.update_numel))] for t in self.state]
+        kernels.cpu_adamw_(*([t] for t in piece), [self.step], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
+                           weight_decay=0.01)
+
     def accumulate(self) -> None:
         kernels.accumulate_scaled_many_([self.acc], [self.grad], 1.0)
 
@@ -229,7 +245,7 @@ def on_training_cores(cores):
 
 
 def simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dict:
-    """ZenFlow's schedule with the overlap on and no reselection (see the module docstring)."""
+    """ZenFlow's schedule with the overlap on (see the module docstring)."""
     with on_training_cores(host.training_cores):
         return _simulate_zenflow(regime, host, accumulate_on)
 
@@ -246,6 +262,8 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
     sums_down_s = unselected * 4 / regime.link_bandwidth
     grads_down_s = unselected * regime.param_bytes / regime.link_bandwidth
     upload_s = unselected * regime.param_bytes / regime.link_bandwidth
+    moved = regime.selection_churn * r * P  # parameters in the columns a reselection moves, each way
+    move_s = moved * (3 * 4 + regime.param_bytes) / regime.link_bandwidth  # fp32 master, moments; the param
     pending: dict = dict(update=None, land_at=None)
     landing_steps: list[int] = []  # the steps at whose end an update landed
     sent = dict(bytes=0.0)
@@ -308,8 +326,20 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
                 uploads.append(up.record())
             return uploads
 
+        if regime.overlap_reselect == "incoming":  # the arriving columns' share of the update, first
+            for landed in ready:
+                landed()
+            host.cpu_adamw_share(regime.selection_churn * r / (1 - r))
         pending["update"] = host.update_worker.submit(cpu_update)
         pending["land_at"] = None if regime.landing_lag is None else i + regime.landing_lag
+        if regime.overlap_reselect == "wait":  # the boundary's own update, waited for and merged first
+            apply_previous(i)
+        if regime.overlap_reselect:  # the moves, the training thread waiting for them
+            for stream in (up, down):
+                stream.wait_event(compute.record())
+                stream.run(regime.seconds(move_s))
+                compute.wait_event(stream.record())
+            compute.synchronize()
 
     try:
         result = _run_loop(regime, step, compute, finish=apply_previous,
@@ -321,9 +351,10 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
 
 
 def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host"),
-        settings: Optional[list[tuple[float, int]]] = None) -> dict:
+        settings: Optional[list[tuple[float, int]]] = None, reselects: tuple = (None,)) -> dict:
     """Rows for fused AdamW and ZenFlow (each (topk_ratio, update_interval) of `settings`, default the regime's,
-    each placement), side by side in one run, with the method."""
+    each reselection mode of `reselects` (None: none), each placement), side by side in one run, with the
+    method."""
     update_rate, accumulate_rate = measure_host_rates()
     results, sizes = {"fused AdamW (simulated device)": simulate_adamw(regime)}, {}
     for ratio, interval in settings or [(regime.topk_ratio, regime.update_interval)]:
@@ -332,10 +363,13 @@ def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host"),
                                       steps=interval * max(1, round(regime.steps / interval)))
         host = HostWork(setting, update_rate, accumulate_rate)
         try:
-            for placement in accumulate_on:
+            for reselect, placement in ((m, p) for m in reselects for p in accumulate_on):
                 lag = "" if regime.landing_lag is None else f" lag {regime.landing_lag}"
-                name = f"zenflow r={ratio:g} S={interval} overlap{lag} sum on {placement} (simulated device)"
-                results[name] = simulate_zenflow(setting, host, placement)
+                moves = f" reselect {reselect}" if reselect else ""
+                name = (f"zenflow r={ratio:g} S={interval} overlap{lag}{moves} sum on {placement} "
+                        "(simulated device)")
+                results[name] = simulate_zenflow(dataclasses.replace(setting, overlap_reselect=reselect), host,
+                                                 placement)
                 sizes[name] = dict(update_numel=host.update_numel, accumulate_numel=host.accumulate_numel)
         finally:
             host.close()

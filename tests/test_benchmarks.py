@@ -258,3 +258,25 @@ def test_the_simulated_device_lands_each_update_at_its_lag(lag, landings):
     finally:
         host.close()
     assert result["landing_steps"] == landings
+
+
+@pytest.mark.parametrize("reselect,landings", [("wait", [3, 7, 11]), ("incoming", [7, 11])])
+def test_the_simulated_device_makes_reselections_as_the_runtime(reselect, landings):
+    """A reselection at every boundary: "wait" lands the boundary's own update at once, "incoming" keeps it in
+    flight; either way the device idles while the moved columns' state crosses (a slow link here: each
+    boundary's moves take at least 2 x 50 ms of sleep, both ways, against 2 ms steps)."""
+    sys.path.insert(0, str(BENCH.parent))
+    import simulated_device
+
+    regime = simulated_device.Regime(params=2e8, step_ms=20.0, topk_ratio=0.2, update_interval=4,
+                                     overlap_reselect=reselect, selection_churn=1.0, link_bandwidth=7e8,
+                                     time_scale=10.0, steps=8, warmup=4)
+    moves_s = regime.seconds(regime.topk_ratio * regime.params * (3 * 4 + 2) / regime.link_bandwidth)
+    assert moves_s > 0.05
+    host = simulated_device.HostWork(regime, update_rate_here=1e7, accumulate_rate_here=1e7)
+    try:
+        result = simulated_device.simulate_zenflow(regime, host, "device")
+    finally:
+        host.close()
+    assert result["landing_steps"] == landings
+    assert result["idle_s"] >= 2 * 2 * moves_s  # two boundaries in the window, each moving both ways
