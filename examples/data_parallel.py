@@ -6,13 +6,18 @@
 Each rank trains on its own share of every batch; ZenFlowAdamW averages the gradients across ranks inside
 the compiled backward, every rank makes the same column selection, and each rank keeps the host optimizer
 state of a share of the matrices. At the end the ranks check that they hold identical parameters and rank 0
-writes a consolidated (world-size-free) checkpoint.
+writes a consolidated (world-size-free) checkpoint where --checkpoint says (none without it). Base install
+only (torch and this package).
+
+How long: about 20 s with 2 ranks on a 2-core x86_64 VM (OMP_NUM_THREADS=1, 2026-11-28): the first step
+~10 s (compiling), then ~15 ms a step; --eager skips the compilation.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -58,7 +63,12 @@ def main() -> None:
 
     data = torch.Generator().manual_seed(0)  # the same global batches on every rank
     share = args.batch // world_size
+    if rank == 0 and not args.eager:
+        print("compiling forward and backward with backend='zenflow' during the first step (about a minute on 2 "
+              "CPU cores; Inductor caches it for the next run) ...", flush=True)
+    step_seconds = []
     for step in range(args.steps):
+        start = time.perf_counter()
         # A learnable rule (next token = 5 * token + 3 mod 128), so the loss visibly falls.
         columns = [torch.randint(0, 128, (args.batch, 1), generator=data)]
         for _ in range(32):
@@ -70,6 +80,9 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad()
+        if use_cuda:
+            torch.cuda.synchronize()  # (time the step's device work, not only its launch)
+        step_seconds.append(time.perf_counter() - start)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step:3d}  loss (rank 0's share) {loss.item():.4f}", flush=True)
 
@@ -81,11 +94,18 @@ def main() -> None:
     full = opt.consolidated_state_dict()
     stats = opt.stats()
     if rank == 0:
+        later = sorted(step_seconds[1:]) or step_seconds
+        print(f"first step {step_seconds[0]:.1f} s" + (" (compiling)" if not args.eager else "")
+              + f", then {later[len(later) // 2]:.3f} s per step (median)")
         print(f"ranks agree: {agree}  (world size {world_size})")
-        print(f"host state bytes on rank 0: {stats['host_state_bytes']}  comm bytes sent: {stats['comm_bytes_sent']}")
+        print(f"CPU updates: {stats['cpu_updates']}, of which {stats['overlapped_boundaries']} overlapped the next "
+              "steps")
+        print(f"stall (rank 0's training loop waiting for ZenFlow): {stats['stall_seconds']:.2f} s")
+        print(f"optimizer state on rank 0's {device.type}: {stats['device_state_bytes'] / 1e6:.2f} MB (host: "
+              f"{stats['host_state_bytes'] / 1e6:.2f} MB, its share of the matrices)")
         if args.checkpoint:
             torch.save(full, args.checkpoint)
-            print(f"consolidated optimizer state saved to {args.checkpoint}")
+            print(f"consolidated optimizer state saved to {os.path.abspath(args.checkpoint)}")
     dist.destroy_process_group()
     if not agree:
         raise SystemExit("ranks hold different parameters")

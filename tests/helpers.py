@@ -140,7 +140,8 @@ def assert_fp32_decides_the_comparison(fp32_model: nn.Module, float64_model: nn.
 def skip_where_dynamo_misses_parameter_changes() -> None:
     """torch 2.11's Dynamo keeps running a compiled graph after a parameter starts or stops requiring grad or
     changes memory format (plain `torch.compile` too), and, with two backends compiled over one module class,
-    after a cast; torch 2.13 recompiles (README "Which torch"). A compiled test of such a change skips there."""
+    after a cast; torch 2.13 recompiles (docs/compiling.md, "Which torch"). A compiled test of such a change
+    skips there."""
     if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
         pytest.skip(f"torch {torch.__version__}: Dynamo does not recompile after this parameter change")
 

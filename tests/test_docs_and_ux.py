@@ -93,17 +93,26 @@ print(json.dumps(dict(
     assert result["moved"] > 1e-5  # every parameter trained
     assert result["diff"] < 1e-6, result  # and exactly as the oracle of docs/semantics.md says
 
-    # README's stats bullet names keys that exist
-    bullet = re.search(r"- `opt\.stats\(\)`:(.*?)\n- ", README, flags=re.S).group(1)
+    # docs/stats.md's list of counters names keys that exist, and every key
+    stats_page = (ROOT / "docs" / "stats.md").read_text(encoding="utf-8")
+    bullet = re.search(r"- `opt\.stats\(\)`:(.*?)\n\n", stats_page, flags=re.S).group(1)
     documented = {k for k in re.findall(r"`([a-z_]+)`", bullet) if not k.startswith("_")}
     assert documented and documented <= set(result["stats"]), documented - set(result["stats"])
+    undocumented = {k for k in result["stats"] if f"`{k}`" not in stats_page and not k.endswith("_per_step")}
+    assert not undocumented, f"docs/stats.md does not name these opt.stats() keys: {sorted(undocumented)}"
 
 
 def test_readme_first_command_pins_and_extras_exist():
-    """Line 2 is the base-install quick start CI runs; line 3 installs extras that pyproject.toml defines."""
+    """The title comes first (no code block before it); lines 2 and 3 (an indented code block under it) are the
+    base-install quick start and the test command that CI (.ci/run) runs; line 3 installs extras that
+    pyproject.toml defines, and so does every other `pip install -e ".[...]"` of the README."""
     lines = README.splitlines()
-    assert lines[1].startswith("pip install torch==2.13.0 -e . && python examples/quickstart.py")
+    assert lines[0].startswith("# "), lines[0]
+    assert lines[1].startswith("    ") and lines[2].startswith("    "), "lines 2-3: an indented code block"
+    assert lines[1].strip().startswith("pip install torch==2.13.0 -e . && python examples/quickstart.py")
+    assert "pytest" in lines[2]
     extras = re.search(r'-e "\.\[([\w,]+)\]"', lines[2]).group(1).split(",")
+    extras += [e for group in re.findall(r'-e "\.\[([\w,]+)\]"', README) for e in group.split(",")]
     pyproject = (ROOT / "pyproject.toml").read_text()
     for extra in extras:
         assert re.search(rf"^{extra} = \[", pyproject, flags=re.M), f"README installs unknown extra {extra!r}"
@@ -112,7 +121,7 @@ def test_readme_first_command_pins_and_extras_exist():
     assert any(line.strip().startswith('"numpy') for line in base.splitlines()), base
     # the quick start imports nothing beyond the base install
     imports = re.findall(r"^(?:import|from) (\w+)", (ROOT / "examples/quickstart.py").read_text(), flags=re.M)
-    assert set(imports) <= {"argparse", "torch", "zenflow_compile"}, imports
+    assert set(imports) <= {"argparse", "time", "torch", "zenflow_compile"}, imports
 
 
 def test_every_base_dependency_is_imported_by_the_package():
@@ -127,11 +136,24 @@ def test_every_base_dependency_is_imported_by_the_package():
 
 
 def test_paths_named_in_the_docs_exist():
+    docs = "".join(p.read_text(encoding="utf-8") for p in sorted((ROOT / "docs").glob("*.md")))
     named = set(re.findall(r"(?<![\w/])((?:examples|benchmarks|tests|zenflow_compile|runtime|passes|triton_kernels)"
-                           r"/[\w/.-]+\.(?:py|json|png))", README + ARCHITECTURE))
+                           r"/[\w/.-]+\.(?:py|json|png))", README + ARCHITECTURE + docs))
     assert len(named) > 20
     missing = sorted(p for p in named if not (ROOT / p).exists() and "*" not in p)
-    assert not missing, f"README/ARCHITECTURE name files that do not exist: {missing}"
+    assert not missing, f"README/ARCHITECTURE/docs name files that do not exist: {missing}"
+
+
+def test_readme_stays_short_and_links_every_docs_page():
+    """The README is a first hour's reading (at most 250 lines); the reference lives in docs/, and the README
+    links every page there, each of which exists."""
+    lines = README.splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines: move reference into docs/"
+    linked = set(re.findall(r"\]\((docs/[\w.-]+\.md)\)", README))
+    missing = sorted(p for p in linked if not (ROOT / p).is_file())
+    assert not missing, f"README links docs pages that do not exist: {missing}"
+    pages = {f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")}
+    assert pages <= linked, f"docs pages the README does not link: {sorted(pages - linked)}"
 
 
 def test_pytest_m_cuda_selects_the_cuda_tests():

@@ -77,8 +77,8 @@ PROJECT_DEFAULTS = dict(update_interval=4, overlap_step=True, interval_aware_upd
 
 @pytest.mark.project_defaults
 def test_the_project_defaults_are_the_measured_settings():
-    """What README "Recommended settings" and "Results" measured: a CPU update every 4 steps, sized for the
-    4 steps it stands for, and the selection renewed at each of them."""
+    """What README "Which settings" (benchmarks/README.md, "accuracy") measured: a CPU update every 4 steps,
+    sized for the 4 steps it stands for, and the selection renewed at each of them."""
     config = ZenFlowConfig()
     assert {k: getattr(config, k) for k in PROJECT_DEFAULTS} == PROJECT_DEFAULTS
     others = {k: v for k, v in ZenFlowConfig(preset="deepspeed").to_dict().items() if k not in PROJECT_DEFAULTS}
