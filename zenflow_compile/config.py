@@ -21,7 +21,7 @@ __all__ = ["ZenFlowConfig", "ZENFLOW_KEYS", "PRESETS"]
 _STRATEGIES = ("auto", "step", "epoch")
 # Named sets of defaults: `preset="deepspeed"` gives DeepSpeed's (the dataclass defaults below), "project" (what
 # `preset=None` means) this project's: the most accurate settings across the fine-tunes of
-# benchmarks/accuracy.py (README "Results"). Keys set explicitly always win over the preset.
+# benchmarks/accuracy.py (README "Which settings"). Keys set explicitly always win over the preset.
 PRESETS = {
     "project": dict(update_interval=4, overlap_step=True, interval_aware_update=True, select_strategy="step",
                     select_interval=4),

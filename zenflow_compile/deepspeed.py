@@ -178,7 +178,7 @@ def _check_zero(zero) -> None:
                             "parameters); use stage 1 or 2 (what DeepSpeed ZenFlow requires) or 0. To shard the "
                             "parameters too, use PyTorch's FSDP2 without DeepSpeed: fully_shard the model (per "
                             "block and the root), then zenflow_compile.ZenFlowAdamW(model.parameters(), ...) "
-                            "(README, 'Sharded parameters (FSDP2)')")
+                            "(docs/distributed.md, 'Sharded parameters (FSDP2)')")
     offload = zero.offload_optimizer
     if offload is not None:
         device = getattr(offload.device, "value", offload.device)

@@ -427,8 +427,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         """torch.optim layout: per-parameter state in its natural shape (fp32 master, moments, per-column
         counts, selection, accumulator) keyed by index, param_groups, plus a "zenflow" entry.
 
-        Data parallel (several ranks) and FSDP2: the form torch.distributed.checkpoint saves and fills (README
-        "Data parallel", "Sharded parameters"). Data parallel: this rank's entries are those of the parameters
+        Data parallel (several ranks) and FSDP2: the form torch.distributed.checkpoint saves and fills
+        (docs/distributed.md, "Data parallel", "Sharded parameters (FSDP2)"). Data parallel: this rank's entries are those of the parameters
         whose host state it holds (the others' are empty), so every rank's state_dict together is the whole
         state; FSDP2: this rank's rows. A trainable parameter without state yet has a template entry
         (`has_state` False), so a fresh optimizer's state_dict is what `dcp.load` fills in.

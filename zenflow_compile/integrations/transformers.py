@@ -114,7 +114,7 @@ class ZenFlowCallback(TrainerCallback):
                 "initialized, a launcher such as torchrun, or several GPUs): Trainer would wrap the model in "
                 "DistributedDataParallel / DataParallel, which refills the `.grad` that ZenFlow consumes. Run "
                 "Trainer in one process on one device, or train data-parallel without Trainer: "
-                "ZenFlowAdamW(..., process_group=...) reduces the gradients itself (README, \"Data parallel\")")
+                "ZenFlowAdamW(..., process_group=...) reduces the gradients itself (docs/distributed.md, \"Data parallel\")")
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         opt = find_zenflow_optimizer(optimizer)
