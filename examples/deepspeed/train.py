@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -94,7 +93,6 @@ def synthetic_corpus(n: int, seq: int, vocab: int = 96, seed: int = 0) -> torch.
 def main() -> None:
     args = parse_args()
     single_process_defaults()
-    import zenflow_compile
     import zenflow_compile.deepspeed
 
     config = json.loads(Path(args.deepspeed_config).read_text())
@@ -116,11 +114,6 @@ def main() -> None:
               f"device={engine.device} compiled={engine.is_compiled} data-parallel ranks={engine.dp_world_size}\n"
               f"{optimizer.config}", flush=True)
 
-    if optimizer.max_grad_norm is None:
-        # DeepSpeed clips through the JSON's gradient_clipping (ZenFlowAdamW's max_grad_norm), never through
-        # clip_grad_norm_, and this JSON does not clip: the warning that clip_grad_norm_ sees no .grad has
-        # nothing to say here.
-        warnings.filterwarnings("ignore", category=zenflow_compile.GradHandOffWarning)
     if rank0 and engine.is_compiled:
         print("compiling forward and backward with backend='zenflow' during the first step (about a minute on "
               "2 CPU cores; Inductor caches it for the next run) ...", flush=True)
