@@ -8,10 +8,10 @@ What is measured (on the host, no GPU needed; the GPU's part of the offload is D
   accumulate   the runtime's per-step host work: `AccumulateBatch.run` (acc += coef * offloaded grad) over
                every matrix, once per step of the interval (bf16/fp16 gradients: the native kernel, whose
                build the script waits for first; --no-native: the chunked torch path)
-  adamw        the CPU AdamW kernel alone on the host columns: `Slab.host_adamw_` (the fused CPU AdamW over
+  adamw        the CPU AdamW kernel alone on the host columns: `update.host_adamw_` (the fused CPU AdamW over
                the host rows, as the runtime's update task calls it)
   update       the runtime's whole boundary update, the calls of its update task in order: the mean gradient
-               + Slab.host_adamw_ + zeroing the accumulator + publish_host_weights (cast for upload)
+               + update.host_adamw_ + zeroing the accumulator + publish_host_weights (cast for upload)
   ds_cpu_adam  DeepSpeed's DeepSpeedCPUAdam.step() on the same master and gradient tensors (its own moments);
                the op is built once, outside any timing (a --smoke run never builds it)
   torch_fused  torch.optim.AdamW(fused=True).step() on the same tensors (its own moments), called directly
@@ -48,7 +48,9 @@ from typing import Callable, Optional
 import torch
 
 from zenflow_compile.runtime import cpu_affinity, native_accumulate
-from zenflow_compile.runtime.slab import Member, MemberState, Slab, slab_key
+from zenflow_compile.runtime.state import intake, update as slab_update
+from zenflow_compile.runtime.state.members import Member, MemberState, slab_key
+from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
 from zenflow_compile.runtime.worker import CpuWorker
 
@@ -143,19 +145,19 @@ class HostWork:
     def accumulate(self) -> None:
         """One step's host accumulation (the accumulate worker's task)."""
         for s in self.states:  # (the device is the host: no copies to wait for)
-            s.accumulate(None, self.step % 2, 0, 1.0)
+            intake.accumulate(s, None, self.step % 2, 0, 1.0)
         self.step += 1
 
     def adamw(self) -> None:
-        """The CPU AdamW of the host rows, `Slab.host_adamw_` (accumulator as the gradient, no division)."""
+        """The CPU AdamW of the host rows, `update.host_adamw_` (accumulator as the gradient, no division)."""
         for s in self.states:
-            s.host_adamw_(list(range(s.n)), True, s.accumulators[0], None, HYPER)
+            slab_update.host_adamw_(s, list(range(s.n)), True, s.accumulators[0], None, HYPER)
 
     def update(self) -> None:
-        """The runtime's boundary update task, call for call (Slab.update_host_columns, as runtime/engine.py's
-        HostWork.launch_update calls it)."""
+        """The runtime's boundary update task, call for call (`update.update_host_columns`, as
+        `HostWork.launch_update` in runtime/host_work.py calls it)."""
         for s in self.states:
-            s.update_host_columns({1: [(i, self.interval) for i in range(s.n)]}, 0, HYPER)
+            slab_update.update_host_columns(s, {1: [(i, self.interval) for i in range(s.n)]}, 0, HYPER)
 
     def ds_cpu_adam(self) -> None:
         self.ds.step()
