@@ -1,9 +1,11 @@
 """Columns changing sides: a reselection moves each arriving column's state (master, moments, update count)
 from its host row onto the device and each departing column's back into a host row, in place, in a fixed
-number of calls per slab (k and u stay). Three ways, by when and where it happens: `reselect` at a boundary
-whose CPU update was applied (one rank: `_swap_columns`; data parallel, the arriving columns' state from
-their owner: `_reselect_through_canonical`), and while that update runs on (`take_arriving`,
-`reselect_in_flight`, then `settle_departing` once it has finished)."""
+number of calls per slab (k and u stay). One primitive moves the device side (`_move_device_columns`); the
+host side depends on when the move is made: `reselect`, at a boundary whose CPU update was applied (the host
+rows re-sorted by update count; data parallel, the arriving columns' rows broadcast by their owner), or
+`reselect_in_flight`, while that update runs on (the arriving columns' share of it made first by
+`take_arriving`, each departing column parked until `settle_departing` puts it into the host row its
+member's arriving column left)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ import torch
 
 from zenflow_compile.runtime import kernels
 from zenflow_compile.runtime.state.intake import wait_for_accumulators
-from zenflow_compile.runtime.state.layout import (columns_as_rows, columns_index, columns_not_in, device_columns,
-                                                  host_order)
-from zenflow_compile.runtime.state.members import Member
+from zenflow_compile.runtime.state.layout import columns_index, columns_not_in, host_order
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import wait_events
+
+_STATE = ("master", "exp_avg", "exp_avg_sq")
 
 
 class RowScratch:
@@ -64,8 +66,11 @@ class MovingColumns(NamedTuple):
 def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_parallel=None) -> int:
     """Make `selected` ([n, k], ascending rows) the device-resident columns, moving state with its columns,
     in place (k and u stay). Called at a boundary whose CPU update was applied: accumulators are empty and
-    no worker reads these buffers. `scratch`: the host buffer the host rows are reordered through.
-    Returns how many columns changed sides."""
+    no worker reads these buffers. Only the columns that change sides cross; the staying host rows are
+    copied whole into the new host order (a row is a column: a contiguous copy) through `scratch`, the host
+    buffer they are reordered through. No [n, R, C] copy of the state is made. Data parallel: the owner of
+    the slab's host part broadcasts the arriving columns' rows and the new host order (only it knows the
+    update counts that order them). Returns how many columns changed sides."""
     arriving = columns_not_in(selected, slab.selected_cpu)
     moved = 2 * int(arriving.sum())
     if moved == 0:
@@ -74,65 +79,43 @@ def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_paral
         wait_events(slab.upload_done)  # an upload may still read the host weights rewritten below
         slab.upload_done = [None, None]
         slab.transfers.host_access(writes=[*slab.host_grads, *slab.host_weights])
-    if data_parallel is not None:  # the state of arriving columns comes from their owner's host
-        _reselect_through_canonical(slab, selected, arriving, data_parallel)
-    else:
-        _swap_columns(slab, selected, scratch)
-    if slab.selected_written is not None:  # a member whose columns changed took this step's device update
-        changed = arriving.any(1).to(slab.device).view(-1, 1, 1)
-        slab.selected_written = torch.where(changed, slab.master.to(slab.dtype), slab.selected_written)
-    slab.grad.zero_()
-    slab.offload_done = [[], []]
-    for slot_extras in slab.extra_grads:
-        slot_extras.clear()
+    n, C, k, u, R = slab.n, slab.C, slab.k, slab.u, slab.R
+    position = _host_position(slab)  # column -> its host row / device slot
+    position.scatter_(1, slab.selected_cpu, torch.arange(k, device="cpu").expand(n, k))
+    on_device = torch.zeros(n, C, dtype=torch.bool, device="cpu").scatter_(1, slab.selected_cpu, True)
+    # (member, new slot) of each arriving column with its host row
+    arriving_member, arriving_slot = (~on_device.gather(1, selected)).nonzero(as_tuple=True)
+    arriving_row = position[arriving_member, selected[arriving_member, arriving_slot]]
+    staying_slot = position.gather(1, selected).masked_fill(~on_device.gather(1, selected), 0)
+    incoming = host_columns = None
+    if slab.has_host_part:
+        step = torch.empty(n, C, device="cpu")
+        step.scatter_(1, slab.selected_cpu, slab.counts.cpu())
+        step.scatter_(1, slab.host_columns_cpu, slab.host_counts)
+        host_columns = host_order(step, selected)
+        incoming = MovingColumns(arriving_member, arriving_slot,
+                                 *(getattr(slab, "host_" + name)[arriving_member, arriving_row] for name in _STATE),
+                                 slab.host_counts[arriving_member, arriving_row])
+    if data_parallel is not None:
+        incoming, host_columns = _from_owner(slab, data_parallel, arriving_member, arriving_slot, incoming,
+                                             host_columns)
+    # (member, new host row) of each departing column with its device slot
+    departing_member, departing_row = on_device.gather(1, host_columns).nonzero(as_tuple=True)
+    departing_slot = position[departing_member, host_columns[departing_member, departing_row]]
+    outgoing = _move_device_columns(slab, staying_slot, departing_member, departing_slot, incoming)
+    if slab.has_host_part:
+        keep = position.gather(1, host_columns).masked_fill(on_device.gather(1, host_columns), 0)  # [n, u]
+        for name in _STATE:
+            host_state = getattr(slab, "host_" + name)
+            scratch.reorder_rows_(host_state, keep)
+            host_state.view(n * u, R).index_copy_(0, departing_member * u + departing_row, getattr(outgoing, name))
+        slab.host_counts.copy_(step.gather(1, host_columns))
+    _take_selection(slab, selected, host_columns, arriving.any(1))
     if slab.has_host_part:  # (the accumulators are empty: the boundary's update took them)
-        for buffer in slab.host_grads:
-            buffer.zero_()
         for weights in slab.host_weights:
             weights.copy_(slab.host_master)
         slab.weights_slot = 0
     return moved
-
-
-def _swap_columns(slab: Slab, selected: torch.Tensor, scratch: RowScratch) -> None:
-    """Reselection on one rank: only the columns that change sides cross between device and host. The
-    staying device columns are gathered on the device, the staying host rows copied whole into the new
-    host order (a row is a column: a contiguous copy) through `scratch`, then the arriving and departing
-    columns written in, every tensor in place, in a fixed number of calls per slab and per scratch's
-    worth of host rows. No [n, R, C] copy of the state is made."""
-    old_selected, old_host = slab.selected_cpu, slab.host_columns_cpu
-    n, C, k, u = slab.n, slab.C, slab.k, slab.u
-    position = _host_position(slab)  # column -> its host row / device slot
-    position.scatter_(1, old_selected, torch.arange(k, device="cpu").expand(n, k))
-    on_device = torch.zeros(n, C, dtype=torch.bool, device="cpu").scatter_(1, old_selected, True)
-    step = torch.empty(n, C, device="cpu")
-    step.scatter_(1, old_selected, slab.counts.cpu())
-    step.scatter_(1, old_host, slab.host_counts)
-    host_columns = host_order(step, selected)
-    # (member, new slot) of each arriving column with its host row; (member, new host row) of each
-    # departing column with its device slot.
-    arriving_member, arriving_slot = (~on_device.gather(1, selected)).nonzero(as_tuple=True)
-    arriving_row = position[arriving_member, selected[arriving_member, arriving_slot]]
-    departing_member, departing_row = on_device.gather(1, host_columns).nonzero(as_tuple=True)
-    departing_slot = position[departing_member, host_columns[departing_member, departing_row]]
-    staying_slot = position.gather(1, selected).masked_fill(~on_device.gather(1, selected), 0)
-    stay = columns_index(staying_slot.to(slab.device), slab.R)
-    keep = position.gather(1, host_columns).masked_fill(on_device.gather(1, host_columns), 0)  # [n, u]
-    on_device_index = lambda *index: tuple(i.to(slab.device) for i in index)
-    for name in ("master", "exp_avg", "exp_avg_sq"):
-        device_state, host_state = getattr(slab, name), getattr(slab, "host_" + name)
-        by_column = device_state.transpose(1, 2)  # [n, k, R]: a column per row, like the host
-        outgoing = by_column[on_device_index(departing_member, departing_slot)].cpu()
-        incoming = host_state[arriving_member, arriving_row].to(slab.device)
-        device_state.copy_(device_state.gather(2, stay))
-        by_column.index_put_(on_device_index(arriving_member, arriving_slot), incoming)
-        scratch.reorder_rows_(host_state, keep)
-        host_state.view(n * u, slab.R).index_copy_(0, departing_member * u + departing_row, outgoing)
-    slab.counts.copy_(step.gather(1, selected))
-    slab.host_counts.copy_(step.gather(1, host_columns))
-    slab.selected_cpu, slab.host_columns_cpu = selected, host_columns
-    slab.selected.copy_(selected)
-    slab.host_columns.copy_(host_columns)
 
 
 def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
@@ -188,39 +171,15 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
     host_columns[arriving.member, row] = old_selected[departing_member, departing_slot]
     old_slot = torch.zeros(n, C, dtype=torch.long, device="cpu")
     old_slot.scatter_(1, old_selected, torch.arange(k, device="cpu").expand(n, k))
-    stay = old_slot.gather(1, selected).to(slab.device)  # (an arriving column's entry is overwritten below)
-    on_device = lambda *index: tuple(i.to(slab.device) for i in index)
-    departing_at, arriving_at = on_device(departing_member, departing_slot), on_device(arriving.member,
-                                                                                      arriving.place)
+    stay = old_slot.gather(1, selected)  # (an arriving column's entry is overwritten)
     in_param = slab.master.to(slab.dtype) if slab.selected_written is None else slab.selected_written
-    parked = dict(weights=in_param.transpose(1, 2)[departing_at].cpu(), counts=slab.counts[departing_at].cpu())
-    for name in ("master", "exp_avg", "exp_avg_sq"):
-        device_state = getattr(slab, name)
-        by_column = device_state.transpose(1, 2)  # [n, k, R]
-        parked[name] = by_column[departing_at].cpu()
-        device_state.copy_(device_state.gather(2, columns_index(stay, slab.R)))
-        by_column.index_put_(arriving_at, getattr(arriving, name).to(slab.device))
-    counts = slab.counts.gather(1, stay)
-    counts[arriving_at] = arriving.counts.to(slab.device)
-    slab.counts.copy_(counts)
-    slab.departing = MovingColumns(departing_member, row, **parked)
-    slab.selected_cpu, slab.host_columns_cpu = selected, host_columns
-    slab.selected.copy_(selected)
-    slab.host_columns.copy_(host_columns)
+    weights = in_param.transpose(1, 2)[departing_member.to(slab.device), departing_slot.to(slab.device)].cpu()
+    departing = _move_device_columns(slab, stay, departing_member, departing_slot, arriving)
+    slab.departing = departing._replace(place=row, weights=weights)
+    _take_selection(slab, selected, host_columns, leaving.any(1))
     # The members whose columns changed hold their masters in every selected column from now on.
-    cast = slab.master.to(slab.dtype)
-    if slab.selected_written is not None:
-        changed = leaving.any(1).to(slab.device).view(-1, 1, 1)
-        slab.selected_written = torch.where(changed, cast, slab.selected_written)
-    kernels.write_columns_(slab.params, slab.selected, cast if slab.selected_written is None
+    kernels.write_columns_(slab.params, slab.selected, slab.master.to(slab.dtype) if slab.selected_written is None
                            else slab.selected_written)
-    slab.grad.zero_()
-    slab.offload_done = [[], []]
-    for slot_extras in slab.extra_grads:
-        slot_extras.clear()
-    slab.transfers.host_access(writes=slab.host_grads)
-    for buffer in slab.host_grads:
-        buffer.zero_()
     return 2 * int(departing_member.numel())
 
 
@@ -240,50 +199,74 @@ def settle_departing(slab: Slab) -> None:
     slab.uploaded = None  # (an upload made before these rows changed: the apply uploads them again)
 
 
+def _move_device_columns(slab: Slab, stay: torch.Tensor, departing_member: torch.Tensor,
+                         departing_slot: torch.Tensor, arriving: MovingColumns) -> MovingColumns:
+    """The device side of a move, the same for every reselection: each new slot i of member j takes old slot
+    stay[j, i] (an arriving column's entry is any), then the arriving columns' state (`arriving`, place = new
+    slot) is written in. Returns the departing columns' state (place = old slot), read before any write.
+    Device tensors change in place, in a fixed number of calls."""
+    on_device = lambda *index: tuple(i.to(slab.device) for i in index)
+    departing_at, arriving_at = on_device(departing_member, departing_slot), on_device(arriving.member,
+                                                                                      arriving.place)
+    stay = stay.to(slab.device)
+    outgoing = {}
+    for name in _STATE:
+        device_state = getattr(slab, name)
+        by_column = device_state.transpose(1, 2)  # [n, k, R]: a column per row, like the host
+        outgoing[name] = by_column[departing_at].cpu()
+        device_state.copy_(device_state.gather(2, columns_index(stay, slab.R)))
+        by_column.index_put_(arriving_at, getattr(arriving, name).to(slab.device))
+    outgoing["counts"] = slab.counts[departing_at].cpu()
+    counts = slab.counts.gather(1, stay)
+    counts[arriving_at] = arriving.counts.to(slab.device)
+    slab.counts.copy_(counts)
+    return MovingColumns(departing_member, departing_slot, **outgoing)
+
+
+def _from_owner(slab: Slab, data_parallel, arriving_member: torch.Tensor, arriving_slot: torch.Tensor,
+                incoming: Optional[MovingColumns], host_columns: Optional[torch.Tensor]
+                ) -> tuple[MovingColumns, torch.Tensor]:
+    """Data parallel: the arriving columns' state and the new host order, which only the owner of the slab's
+    host part holds (`incoming`, `host_columns`; None elsewhere), on every rank: two broadcasts."""
+    n, u, R, owner = slab.n, slab.u, slab.R, slab.key.owner
+    if slab.has_host_part:
+        rows = torch.cat([incoming.master, incoming.exp_avg, incoming.exp_avg_sq, incoming.counts.unsqueeze(1)], 1)
+        data_parallel.broadcast(rows.to(slab.device), owner)
+        data_parallel.broadcast(host_columns.to(slab.device), owner)
+        return incoming, host_columns
+    rows = torch.empty(len(arriving_member), 3 * R + 1, device=slab.device)
+    data_parallel.broadcast(rows, owner)
+    order = torch.empty(n, u, dtype=torch.long, device=slab.device)
+    data_parallel.broadcast(order, owner)
+    rows = rows.cpu()
+    incoming = MovingColumns(arriving_member, arriving_slot, rows[:, :R], rows[:, R:2 * R], rows[:, 2 * R:3 * R],
+                             rows[:, 3 * R])
+    return incoming, order.cpu()
+
+
+def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, changed: torch.Tensor) -> None:
+    """The slab's new column sets after a move; members `changed` ([n] bool) hold their masters in their
+    selected columns from now on; the step's gradients, gathered by the old columns, are dropped (the
+    boundary's update took them)."""
+    slab.selected_cpu, slab.host_columns_cpu = selected, host_columns
+    slab.selected.copy_(selected)
+    slab.host_columns.copy_(host_columns)
+    if slab.selected_written is not None:
+        changed = changed.to(slab.device).view(-1, 1, 1)
+        slab.selected_written = torch.where(changed, slab.master.to(slab.dtype), slab.selected_written)
+    slab.grad.zero_()
+    slab.offload_done = [[], []]
+    for slot_extras in slab.extra_grads:
+        slot_extras.clear()
+    slab.transfers.host_access(writes=slab.host_grads)
+    for buffer in slab.host_grads:
+        buffer.zero_()
+
+
 def _host_position(slab: Slab) -> torch.Tensor:
     """[n, C]: the host row of each host column (-1 for the selected ones)."""
     position = torch.full((slab.n, slab.C), -1, dtype=torch.long, device="cpu")
     return position.scatter_(1, slab.host_columns_cpu, torch.arange(slab.u, device="cpu").expand(slab.n, slab.u))
-
-
-def _reselect_through_canonical(slab: Slab, selected: torch.Tensor, arriving: torch.Tensor, data_parallel) -> None:
-    """Data parallel: every rank rebuilds its device columns from the whole state, the arriving columns'
-    state broadcast by their owner; the owner rebuilds its host rows."""
-    master, exp_avg, exp_avg_sq, step = slab.canonical()
-    for i, member in enumerate(slab.members):
-        columns = selected[i][arriving[i]]
-        if columns.numel():
-            _broadcast_columns(slab, data_parallel, member, columns, master[i], exp_avg[i], exp_avg_sq[i],
-                                    step[i])
-    # Only the owner knows the host columns' update counts, which order them: everyone takes its order.
-    order = host_order(step, selected).to(slab.device)
-    data_parallel.broadcast(order, slab.key.owner)
-    host_columns = order.cpu()
-    slab.selected_cpu, slab.host_columns_cpu = selected, host_columns
-    slab.selected.copy_(selected)
-    slab.host_columns.copy_(host_columns)
-    for name, full in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        getattr(slab, name).copy_(device_columns(list(full), torch.float32, selected, slab.device))
-        if slab.has_host_part:
-            columns_as_rows(list(full), torch.float32, host_columns, out=getattr(slab, "host_" + name))
-    slab.counts.copy_(step.gather(1, selected))
-    if slab.has_host_part:
-        slab.host_counts.copy_(step.gather(1, host_columns))
-
-
-def _broadcast_columns(slab: Slab, data_parallel, member: Member, columns, master, exp_avg, exp_avg_sq, step) -> None:
-    """The owner's state of `columns` into every rank's canonical rows."""
-    parts = [master[:, columns], exp_avg[:, columns], exp_avg_sq[:, columns], step[columns].reshape(1, -1)]
-    packed = torch.cat(parts).to(slab.device)
-    data_parallel.broadcast(packed, member.owner)
-    if member.owns_host:
-        return
-    packed = packed.cpu()
-    R = slab.R
-    master[:, columns] = packed[:R]
-    exp_avg[:, columns] = packed[R:2 * R]
-    exp_avg_sq[:, columns] = packed[2 * R:3 * R]
-    step[columns] = packed[3 * R]
 
 
 __all__ = ["MovingColumns", "RowScratch", "reselect", "reselect_in_flight", "settle_departing", "take_arriving"]

@@ -248,12 +248,6 @@ class Slab:
             buffers.clear()
 
     # -- export: the members' state in transit form -----------------------------------------------------------
-    def canonical(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(master, exp_avg, exp_avg_sq [n, R, C], step [n, C]) on the host; NaN where this rank does not hold
-        the host part."""
-        members = [self.member_state(i) for i in range(self.n)]
-        return tuple(torch.stack(parts) for parts in zip(*members))
-
     def member_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Member i's (master, exp_avg, exp_avg_sq [R, C], step [C]) on the host; NaN where this rank does not
         hold the host part."""
