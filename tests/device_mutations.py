@@ -136,6 +136,10 @@ MUTATIONS = [
              ""),
 ]
 
+# A mutated line is no longer in its file, so this check fails under every mutation: it would report each one as
+# caught before the tests that guard the wait ran.
+APPLICABILITY_TEST = "tests/test_device_path.py::test_every_device_mutation_still_applies_to_the_runtime"
+
 DEFAULT_TESTS = ["tests/test_device_path.py", "tests/test_transfers.py", "tests/test_optimizer.py",
                  "tests/test_workflows.py", "tests/test_slab_workflows.py", "tests/test_overlap_reselect.py"]
 
@@ -160,7 +164,7 @@ def run_tests(tests: list[str], extra: list[str]) -> tuple[list[str], str]:
         report = Path(scratch) / "junit.xml"
         env = dict(os.environ, ZENFLOW_TEST_DEVICE="emulated")
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                                 f"--junitxml={report}", *extra, *tests],
+                                 f"--junitxml={report}", f"--deselect={APPLICABILITY_TEST}", *extra, *tests],
                                 cwd=ROOT, env=env, capture_output=True, text=True)
         failed = []
         if report.exists():
