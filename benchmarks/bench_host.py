@@ -6,12 +6,11 @@
 
 What is measured (on the host, no GPU needed; the GPU's part of the offload is DMA into pinned memory):
   accumulate   the runtime's per-step host work: `AccumulateBatch.run` (acc += coef * offloaded grad) over
-               every matrix, once per step of the interval (bf16/fp16 gradients: the native kernel, whose
-               build the script waits for first; --no-native: the chunked torch path)
-  adamw        the CPU AdamW kernel alone on the host columns: `Slab.host_adamw_` (the fused CPU AdamW over
+               every matrix, once per step of the interval (bf16/fp16 gradients converted chunk by chunk)
+  adamw        the CPU AdamW kernel alone on the host columns: `update.host_adamw_` (the fused CPU AdamW over
                the host rows, as the runtime's update task calls it)
   update       the runtime's whole boundary update, the calls of its update task in order: the mean gradient
-               + Slab.host_adamw_ + zeroing the accumulator + publish_host_weights (cast for upload)
+               + update.host_adamw_ + zeroing the accumulator + publish_host_weights (cast for upload)
   ds_cpu_adam  DeepSpeed's DeepSpeedCPUAdam.step() on the same master and gradient tensors (its own moments);
                the op is built once, outside any timing (a --smoke run never builds it)
   torch_fused  torch.optim.AdamW(fused=True).step() on the same tensors (its own moments), called directly
@@ -47,8 +46,10 @@ from typing import Callable, Optional
 
 import torch
 
-from zenflow_compile.runtime import cpu_affinity, native_accumulate
-from zenflow_compile.runtime.slab import Member, MemberState, Slab, slab_key
+from zenflow_compile.runtime import cpu_affinity
+from zenflow_compile.runtime.state import intake, update as slab_update
+from zenflow_compile.runtime.state.members import Member, MemberState, slab_key
+from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
 from zenflow_compile.runtime.worker import CpuWorker
 
@@ -143,19 +144,19 @@ class HostWork:
     def accumulate(self) -> None:
         """One step's host accumulation (the accumulate worker's task)."""
         for s in self.states:  # (the device is the host: no copies to wait for)
-            s.accumulate(None, self.step % 2, 0, 1.0)
+            intake.accumulate(s, None, self.step % 2, 0, 1.0)
         self.step += 1
 
     def adamw(self) -> None:
-        """The CPU AdamW of the host rows, `Slab.host_adamw_` (accumulator as the gradient, no division)."""
+        """The CPU AdamW of the host rows, `update.host_adamw_` (accumulator as the gradient, no division)."""
         for s in self.states:
-            s.host_adamw_(list(range(s.n)), True, s.accumulators[0], None, HYPER)
+            slab_update.host_adamw_(s, list(range(s.n)), True, s.accumulators[0], None, HYPER)
 
     def update(self) -> None:
-        """The runtime's boundary update task, call for call (Slab.update_host_columns, as runtime/engine.py's
-        HostWork.launch_update calls it)."""
+        """The runtime's boundary update task, call for call (`update.update_host_columns`, as
+        `HostWork.launch_update` in runtime/host_work.py calls it)."""
         for s in self.states:
-            s.update_host_columns({1: [(i, self.interval) for i in range(s.n)]}, 0, HYPER)
+            slab_update.update_host_columns(s, {1: [(i, self.interval) for i in range(s.n)]}, 0, HYPER)
 
     def ds_cpu_adam(self) -> None:
         self.ds.step()
@@ -333,9 +334,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pt_reserved_cores_perc for the worker-share placement (default 0.5, ZenFlow's default)")
     p.add_argument("--topk-ratio", type=float, default=0.05, help="for the sizing table (default 0.05)")
     p.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeedCPUAdam")
-    p.add_argument("--no-native", action="store_true",
-                   help="bf16/fp16 accumulation on the chunked torch path, not the native kernel (sets "
-                        f"{native_accumulate.ENV_SWITCH}=0)")
     p.add_argument("--smoke", action="store_true", help="1M params, 2 rounds, no DeepSpeed")
     p.add_argument("--out", default="bench_host.json")
     return p
@@ -359,13 +357,6 @@ def main(argv=None) -> int:
         ds_class, ds_reason = None, "--smoke never loads DeepSpeed's cpu_adam op (loading may JIT-(re)build it)"
     else:
         ds_class, ds_reason = ds_cpu_adam_class()
-    if args.no_native:
-        os.environ[native_accumulate.ENV_SWITCH] = "0"
-    # The runtime starts the native kernel's build at its first bf16/fp16 accumulation and uses the chunked
-    # path meanwhile; the benchmark waits for it, so every round measures one kernel.
-    native = native_accumulate.wait_until_ready(native_accumulate.BUILD_TIMEOUT_S) is not None
-    accumulate_kernel = dict(native=native, detail=str(native_accumulate.library_path()) if native
-                             else native_accumulate.unavailable_reason())
     places = make_places(args.threads, args.reserve)
     bandwidth = Bandwidth((1 << 20) if args.smoke else (64 << 20))
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} logical cores"
@@ -373,8 +364,6 @@ def main(argv=None) -> int:
           + "; ".join(f"{p.name}: {p.threads} threads on cores {p.cores}" for p in places))
     if ds_reason:
         print(f"  DeepSpeedCPUAdam: skipped ({ds_reason})")
-    print(f"  bf16/fp16 accumulation: {'native kernel' if native else 'chunked torch path'} "
-          f"({accumulate_kernel['detail']})")
 
     results = []
     for dtype_name in dtypes:
@@ -424,7 +413,7 @@ def main(argv=None) -> int:
     report = dict(benchmark="bench_host", smoke=args.smoke, machine=machine, cpu_count=os.cpu_count(),
                   torch=torch.__version__, interval=args.interval, repeats=args.repeats,
                   places=[dict(name=p.name, threads=p.threads, cores=p.cores) for p in places],
-                  deepspeed=dict(used=ds_class is not None, reason=ds_reason), accumulate_kernel=accumulate_kernel,
+                  deepspeed=dict(used=ds_class is not None, reason=ds_reason),
                   targets=dict(adamw_vs_ds_cpu_adam_min=1.0, fraction_of_bound_min=TARGET_FRACTION_OF_BOUND),
                   results=results, sizing=sizing, total_wall_s=time.perf_counter() - started)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -55,7 +55,7 @@ from typing import Callable, Optional
 
 import torch
 
-from zenflow_compile.runtime import cpu_affinity, kernels, native_accumulate
+from zenflow_compile.runtime import cpu_affinity, kernels
 from zenflow_compile.runtime.worker import CpuWorker
 
 
@@ -132,7 +132,6 @@ def _idle_seconds(busy: list, start: float, end: float) -> float:
 def measure_host_rates(numel: int = 32_000_000, repeats: int = 5) -> tuple[float, float]:
     """This machine's CPU AdamW and bf16 accumulation throughput (params/s) on one thread, the runtime's
     kernels, over state the size of the work it stands for (past the caches; the median of `repeats`)."""
-    native_accumulate.wait_until_ready(native_accumulate.BUILD_TIMEOUT_S)  # (what the runs will use)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

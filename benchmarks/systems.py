@@ -242,7 +242,6 @@ def run_zenflow(spec: dict) -> dict:
     import torch
 
     import zenflow_compile
-    from zenflow_compile.runtime import native_accumulate
 
     model, batches, device, facts = _setup(spec)
     zf = spec["zenflow"]
@@ -273,8 +272,6 @@ def run_zenflow(spec: dict) -> dict:
 
     def start_measuring():
         _quiet_compile_workers()
-        # The native host accumulation builds in the background at first use: measure with it in place.
-        marks["native_accumulate"] = native_accumulate.wait_until_ready(native_accumulate.BUILD_TIMEOUT_S) is not None
         opt.synchronize()  # the warm-up's in-flight update lands outside the window
         _sync(device)
         marks["start"] = opt.stats()
@@ -320,7 +317,6 @@ def run_zenflow(spec: dict) -> dict:
         accumulate_copy_wait_s_per_step=delta["accumulate_copy_wait_seconds"] / steps,
         cpu_updates=delta["cpu_updates"], reselections=delta["reselections"], accumulate_on=end["accumulate_on"],
         selection_s_per_step=delta["selection_seconds"] / steps,
-        native_accumulate=marks["native_accumulate"] or native_accumulate.unavailable_reason(),
         skipped_steps=delta["skipped_steps"],
         effective_update_interval=(steps / delta["cpu_updates"]) if delta["cpu_updates"] else None,
         zenflow_stats=end, compiles_during_measurement=compiles, trace=spec.get("trace"),

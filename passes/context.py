@@ -35,7 +35,7 @@ class ZenFlowPassContext:
     runtime_scored_numel: gradients of at most this many elements get no norm proxy in the graph (None in
         the op's score list): the runtime scores them together with their like parameters, one stacked
         reduction per group instead of one kernel (and one live buffer) per parameter. 0: every gradient is
-        scored in the graph. The backend sets it from the parameters' device (`slab.SHARED_SLAB_MAX_NUMEL`).
+        scored in the graph. The backend sets it from the parameters' device (`layout.SHARED_SLAB_MAX_NUMEL`).
     """
 
     param_shapes: tuple[Optional[tuple[int, ...]], ...]

@@ -21,7 +21,9 @@ import math
 
 import torch
 
-from zenflow_compile.runtime.slab import Member, MemberState, Slab, host_order
+from zenflow_compile.runtime.state.layout import host_order
+from zenflow_compile.runtime.state.members import Member, MemberState
+from zenflow_compile.runtime.state.slab import Slab
 
 
 def export_entry(member: Member, acc_slot: int) -> dict:

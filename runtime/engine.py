@@ -2,13 +2,14 @@
 
 Gradients arrive in buckets (`take_grads`: from the compiled graph's custom op per backward, from
 `ZenFlowAdamW.step()`, which hands over the eager `.grad`s, or from the data-parallel hooks, into the
-reducer) and go into their slabs (`runtime/slab.py`; a bucket's plan: `runtime/intake.py`). `step()` then makes the step's decisions in this order:
+reducer) and go into their slabs (`runtime/state/`; a bucket's plan: `intake.BucketPlan`). `step()` then makes
+the step's decisions in this order:
 global norm (skip if non-finite, else clip coefficient) -> first selection at t == W -> device AdamW on the
 selected columns and vectors -> hand the unselected columns' gradient to the accumulate worker -> update
 boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
 reselection (after waiting for and applying the boundary's own update, so state moves fully current; with
 overlap_reselect="incoming", the arriving columns' share of that update is made before it is launched and
-the rest stays in flight: `Slab.reselect_in_flight`).
+the rest stays in flight: `columns.reselect_in_flight`).
 The CPU workers, and every wait for them, are `runtime/host_work.py`'s; what a failure leaves,
 `runtime/failures.py`'s.
 
@@ -41,9 +42,11 @@ from zenflow_compile.runtime import checkpoint, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
-from zenflow_compile.runtime.intake import BucketPlan, rows_taken
-from zenflow_compile.runtime.slab import (Member, MemberState, RowScratch, Slab, adopt_changed, columns_not_in,
-                                          host_order, matrix_shape, slab_key, top_k_columns, watch_keys)
+from zenflow_compile.runtime.state import columns as column_moves, intake, update, watch
+from zenflow_compile.runtime.state.intake import BucketPlan, rows_taken
+from zenflow_compile.runtime.state.layout import columns_not_in, host_order, matrix_shape, top_k_columns
+from zenflow_compile.runtime.state.members import Member, MemberState, slab_key
+from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
 
 # Auto placement of the accumulators (`accumulate_on="auto"`): on the device when they take at most this share
@@ -108,7 +111,7 @@ class ZenFlowRuntime:
                              bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0,
                              overlapped_boundaries=0)  # boundaries whose CPU update ran on into the next steps
         self.selection_seconds = 0.0  # the training thread's time moving state for (re)selections (not saved)
-        self.row_scratch = RowScratch()  # what reselections reorder host rows through
+        self.row_scratch = column_moves.RowScratch()  # what reselections reorder host rows through
         self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
         # Where the unselected columns' gradients are summed, "device" or "host"; None until the first state is
@@ -289,12 +292,12 @@ class ZenFlowRuntime:
             self.check_failure()
             self.host_work.free_grad_buffers(self.grad_slot)
             for slab in self.slabs:
-                slab.start_step(self.grad_slot)
+                intake.start_step(slab, self.grad_slot)
             self._adopt_casts()
             self._step_open = True
 
     def _take_reduced(self, member: Member, replicated: Optional[torch.Tensor], host: Optional[torch.Tensor]) -> None:
-        sent = member.slab.take_reduced(member.index, replicated, host, self.grad_slot)
+        sent = intake.take_reduced(member.slab, member.index, replicated, host, self.grad_slot)
         self.counters["bytes_device_to_host"] += sent
 
     def _all_reduce_scores(self, slabs: list[Slab]) -> None:
@@ -314,7 +317,7 @@ class ZenFlowRuntime:
         if self.reducer is not None:
             self.reducer.finish_all()  # every rank runs the same collectives, used or not
         for slab in self.slabs:
-            slab.end_step()
+            intake.end_step(slab)
         self._step_open = False
 
     # -- the step -----------------------------------------------------------------------------------------
@@ -371,11 +374,11 @@ class ZenFlowRuntime:
         stepped = [(slab, rows_taken(slab)) for slab in self.slabs if slab.members_taken]
         hyperparameters = [_hyperparameters(group) for group in param_groups]
         for slab, rows in stepped:
-            slab.update_on_device(rows, grad_scale=coef, **hyperparameters[slab.key.group_index])
+            update.update_on_device(slab, rows, grad_scale=coef, **hyperparameters[slab.key.group_index])
         with record_function("zenflow::accumulate_on_device"):
             for slab, rows in stepped:
                 if slab.accumulates_on_device:
-                    slab.accumulate_on_device(rows, coef)
+                    intake.accumulate_on_device(slab, rows, coef)
         self.host_work.accumulate([(slab, rows) for slab, rows in stepped
                                    if slab.has_host_part and not slab.accumulates_on_device],
                                   self.grad_slot, self.acc_slot, coef)
@@ -488,7 +491,7 @@ class ZenFlowRuntime:
         since the optimizer's last write (its version counter or storage changed) become the master. A
         sharded parameter's state follows the local tensor its DTensor holds now (`follow_local_shard`)."""
         params, seen = self._watched_params()
-        if watch_keys(params, self.sharding is not None) == seen:
+        if watch.watch_keys(params, self.sharding is not None) == seen:
             return
         written = [m for m in self.members.values() if m.watch.written_externally()]
         if not written:
@@ -501,7 +504,7 @@ class ZenFlowRuntime:
         cast = [m for m in written if m.param.dtype != m.slab.dtype]
         for member in written:
             if member.param.dtype == member.slab.dtype:
-                member.slab.adopt_param_values(member.index)
+                watch.adopt_param_values(member.slab, member.index)
         if cast:
             self._adopt_cast(cast)
         self._watched = None
@@ -519,10 +522,10 @@ class ZenFlowRuntime:
         states = []
         for member in members:
             slab, i = member.slab, member.index
-            left = slab.left_in_param(i)
+            left = watch.left_in_param(slab, i)
             state = slab.export_member(i, self.acc_slot, with_step_grad=self.grad_slot)
             current = member.as_columns().detach().cpu()
-            adopt_changed(current, left, state.master)
+            watch.adopt_changed(current, left, state.master)
             state.applied = current  # what the device holds
             state.selected_written = current[:, state.selected]
             states.append(state)
@@ -552,7 +555,7 @@ class ZenFlowRuntime:
         if folding:
             self.host_work.fold_backwards(folding, self.grad_slot)
         for slab, rows in several:
-            slab.exact_scores(self.grad_slot, rows)
+            intake.exact_scores(slab, self.grad_slot, rows)
 
     def _read_step_values(self, stepped: Stepped, grad_scale: Optional[torch.Tensor], zen_auto: list,
                           selecting: list[Member]) -> "_StepReadout":
@@ -669,20 +672,22 @@ class ZenFlowRuntime:
         """Apply the previous boundary's update if it is still pending, launch this boundary's (with overlap it
         lands at the end of step t + landing_lag, or at the next boundary if that comes first). `arriving`: the
         slabs reselecting while it runs on, with their new selections: their arriving columns are updated
-        first, from this step's accumulators; returns that state, slab by slab (`Slab.take_arriving`)."""
+        first, from this step's accumulators; returns that state, slab by slab (`columns.take_arriving`)."""
         if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
             self._apply_host_columns()
         # Device accumulation: the interval's sums go down into the accumulators the update will read (the
         # update that last read them was applied at the previous boundary, at the latest just above).
         with record_function("zenflow::send_accumulators"):
-            self.counters["bytes_device_to_host"] += sum(slab.send_accumulators(self.acc_slot) for slab in self.slabs)
+            self.counters["bytes_device_to_host"] += sum(intake.send_accumulators(slab, self.acc_slot)
+                                                         for slab in self.slabs)
         arrived = []
         if arriving:
             with self._selection_moves():
                 self.host_work.wait_for_accumulation()
-                arrived = [slab.take_arriving(selected, self.acc_slot,
-                                              members_by_scale(slab, self.config.interval_aware_update),
-                                              hyperparameters[slab.key.group_index]) for slab, selected in arriving]
+                arrived = [column_moves.take_arriving(slab, selected, self.acc_slot,
+                                                      members_by_scale(slab, self.config.interval_aware_update),
+                                                      hyperparameters[slab.key.group_index])
+                           for slab, selected in arriving]
         self.host_work.launch_update(self.slabs, self.acc_slot, hyperparameters, self.config.interval_aware_update)
         self.steps_accumulated = 0
         self.acc_slot ^= 1
@@ -722,8 +727,8 @@ class ZenFlowRuntime:
         moved = total = 0
         for index, ((slab, rows), selected) in enumerate(zip(slabs, chosen)):
             total += slab.k * (slab.n if rows is None else len(rows))
-            moved += (slab.reselect_in_flight(selected, arrived[index]) if arrived is not None
-                      else slab.reselect(selected, self.row_scratch, data_parallel=self.data_parallel))
+            moved += (column_moves.reselect_in_flight(slab, selected, arrived[index]) if arrived is not None
+                      else column_moves.reselect(slab, selected, self.row_scratch, data_parallel=self.data_parallel))
         self._layout_changed()
         self.selection_start = t + 1
         self.selection_epoch = self._epoch_grid_point(t)
@@ -751,7 +756,7 @@ class ZenFlowRuntime:
         flight are in their rows)."""
         self.host_work.drain()
         for slab in self.slabs:
-            slab.settle_departing()
+            column_moves.settle_departing(slab)
 
     def synchronize(self) -> None:
         """Wait for all CPU work and apply any in-flight update to the device parameters."""

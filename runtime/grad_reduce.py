@@ -29,7 +29,7 @@ import torch
 from zenflow_compile.runtime.collectives import DataParallel, collective_failed
 
 if TYPE_CHECKING:
-    from zenflow_compile.runtime.slab import Member as ParamState
+    from zenflow_compile.runtime.state.members import Member as ParamState
 
 MAX_BUCKETS_IN_FLIGHT = 2  # bounds the memory held by gradients being reduced
 

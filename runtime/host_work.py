@@ -18,7 +18,8 @@ from typing import Optional
 from torch.profiler import record_function
 
 from zenflow_compile.runtime.failures import Failure
-from zenflow_compile.runtime.slab import Slab
+from zenflow_compile.runtime.state import intake, update
+from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import StallClock, Transfers, wait_events
 from zenflow_compile.runtime.worker import CpuWorker, joined, wait_for
 
@@ -66,7 +67,7 @@ class HostWork:
         slab, run once the step's copies have landed (their events taken now: the next step replaces them)."""
         if not stepped:
             return
-        work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]
+        work = [(slab, rows, intake.copies_in_flight(slab, grad_slot)) for slab, rows in stepped]
 
         def accumulate():
             with record_function("zenflow::accumulate"):
@@ -75,7 +76,7 @@ class HostWork:
                         started = time.perf_counter()
                         wait_events(copies)
                         self.copy_wait_seconds += time.perf_counter() - started
-                    slab.accumulate(rows, grad_slot, acc_slot, coef)
+                    intake.accumulate(slab, rows, grad_slot, acc_slot, coef)
 
         future = self.accumulate_worker.submit(accumulate)
         self._accumulate_done[grad_slot] = future
@@ -93,7 +94,7 @@ class HostWork:
         def fold():
             with record_function("zenflow::fold_backwards"):
                 for slab, rows in folding:
-                    slab.host_step_scores(grad_slot, rows)
+                    intake.host_step_scores(slab, grad_slot, rows)
 
         self.wait(self.accumulate_worker.submit(fold))
 
@@ -116,7 +117,7 @@ class HostWork:
         def cpu_update():
             with record_function("zenflow::cpu_adamw"):
                 for slab, by_scale, hyper in work:
-                    slab.update_host_columns(by_scale, acc_slot, hyper)
+                    update.update_host_columns(slab, by_scale, acc_slot, hyper)
 
         self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)
 
@@ -134,7 +135,7 @@ class HostWork:
         unapplied = [slab for slab in slabs if slab.unapplied]
         waiting = self.counted_wait() if data_parallel is not None and unapplied else contextlib.nullcontext()
         with waiting:
-            return sum(slab.apply_host_columns(data_parallel) for slab in unapplied)
+            return sum(update.apply_host_columns(slab, data_parallel) for slab in unapplied)
 
     # -- waiting --------------------------------------------------------------------------------------------
     def wait(self, future: Future) -> None:

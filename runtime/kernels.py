@@ -8,12 +8,12 @@
   in a fixed number of torch calls.
 - `column_scores`: per-column squared norms of a gradient, for the eager path (the compiled backward
   computes them itself, fused by Inductor into the kernels that produce the gradient).
-- `accumulate_scaled_`: the host accumulator's `acc += coef * grad` (fp32 accumulator, fp32/bf16/fp16
-  gradient) at memory bandwidth: an fp32 gradient in one fused add; a bf16/fp16 one in one pass of the native
-  kernel (`native_accumulate.py`: converts in registers, 87-107% of the bound on one core), built in the
-  background at first use, and until it is loaded (or where it cannot be built) converted chunk by chunk into
-  a small reused fp32 scratch (~65%: a mixed-dtype add_ runs ~4x slower here, and `grad.float() * coef`
-  allocates and streams two full-size temporaries). Both give bitwise the same result.
+- `accumulate_scaled_many_`: the host accumulator's `acc += coef * grad` (fp32 accumulator, fp32/bf16/fp16
+  gradient): an fp32 gradient in one fused add; a bf16/fp16 one converted chunk by chunk into a small reused
+  fp32 scratch (~65% of the memory-bandwidth bound on one core: a mixed-dtype add_ runs ~4x slower here, and
+  `grad.float() * coef` allocates and streams two full-size temporaries). This is the path of a device without
+  room for the accumulators (`accumulate_on="host"`); a one-pass native kernel measured 1.3-1.5x faster on one
+  thread, not enough to carry a C++ build.
 - `cpu_adamw_`: the host AdamW of the unselected columns: torch's fused CPU AdamW kernel (measured ~2
   Gparam/s on 2 cores, as fast as DeepSpeedCPUAdam, no JIT build). Swap the kernel here and nowhere else.
 
@@ -27,7 +27,6 @@ from typing import Optional
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
 
-from zenflow_compile.runtime import native_accumulate
 from zenflow_compile.triton_kernels import adamw_slab_, column_sq_norms
 from zenflow_compile.triton_kernels._triton import triton_available
 
@@ -86,16 +85,11 @@ def column_scores(grad2d: torch.Tensor, out: Optional[torch.Tensor] = None) -> t
 _ACCUMULATE_CHUNK = 1 << 20
 
 
-def accumulate_scaled_(acc: torch.Tensor, grad: torch.Tensor, coef: float) -> None:
-    accumulate_scaled_many_([acc], [grad], coef)
-
-
 def accumulate_scaled_many_(accs: list[torch.Tensor], grads: list[torch.Tensor], coef: float,
                             square_accs: Optional[list[torch.Tensor]] = None) -> None:
-    """`accumulate_scaled_` over many tensors: the same-dtype ones in one `_foreach_add_`, the bf16/fp16 ones
-    in one call of the native kernel once it is loaded (else chunk by chunk), so the worker thread makes few
-    Python calls and rarely holds the GIL the training thread wants. `square_accs` (interval_second_moment):
-    also square_acc += (coef * grad)**2, one per acc."""
+    """acc += coef * grad over many tensors: the same-dtype ones in one `_foreach_add_`, the bf16/fp16 ones
+    chunk by chunk through a reused fp32 scratch. `square_accs` (interval_second_moment): also square_acc +=
+    (coef * grad)**2, one per acc."""
     if square_accs is not None and len(square_accs) != len(accs):
         raise ValueError(f"accumulate_scaled_many_: {len(square_accs)} square_accs for {len(accs)} accs; pass "
                          "one per acc (or None)")
@@ -116,19 +110,8 @@ def accumulate_scaled_many_(accs: list[torch.Tensor], grads: list[torch.Tensor],
                 f"accumulate_scaled_many_: a {grad.dtype} gradient is accumulated into a {acc.dtype} accumulator "
                 f"through a flat view, so both (and the square accumulator) must be contiguous; got strides "
                 f"{acc.stride()} and {grad.stride()}. Pass .contiguous() tensors (the runtime's host buffers are).")
-    native = native_accumulate.op() if all(_native_eligible(a, g) for a, g, _ in converted) else None
-    if native is not None:
-        native([a for a, _, _ in converted], [g for _, g, _ in converted], coef,
-               [q for _, _, q in converted] if square_accs is not None else [])
-        return
     for acc, grad, square in converted:
         _accumulate_converted_(acc, grad, coef, square)
-
-
-def _native_eligible(acc: torch.Tensor, grad: torch.Tensor) -> bool:
-    """What the native kernel takes: fp32 accumulator, bf16/fp16 gradient of as many elements, on the CPU."""
-    return (acc.dtype == torch.float32 and grad.dtype in (torch.bfloat16, torch.float16)
-            and acc.device.type == "cpu" and grad.device.type == "cpu" and acc.numel() == grad.numel())
 
 
 def _accumulate_converted_(acc: torch.Tensor, grad: torch.Tensor, coef: float,

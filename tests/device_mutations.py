@@ -62,7 +62,7 @@ MUTATIONS = [
     Mutation("M07", "accumulate worker: reads the offloaded gradients without waiting for their copies",
              "runtime/host_work.py", "                        wait_events(copies)\n", ""),
     Mutation("M08", "accumulate task: submitted without this step's copy events",
-             "runtime/host_work.py", "        work = [(slab, rows, slab.copies_in_flight(grad_slot)) for slab, rows in stepped]",
+             "runtime/host_work.py", "        work = [(slab, rows, intake.copies_in_flight(slab, grad_slot)) for slab, rows in stepped]",
              "        work = [(slab, rows, []) for slab, rows in stepped]"),
     Mutation("M09", "a step's backward refills the gradient buffer the accumulate task of two steps ago reads, "
                     "without joining that task (a pinned buffer reused one step early)",
@@ -72,39 +72,39 @@ MUTATIONS = [
              ordered_anyway="the first backward of a step joins the accumulate task that last read its buffer, now "
                             "the previous step's: correct, but that wait is no longer overlapped"),
     Mutation("M11", "several backwards in a step: the extra gradients are summed without waiting for their copies",
-             "runtime/slab.py",
+             "runtime/state/slab.py",
              "        wait_events(self.offload_done[grad_slot])\n        target = self.host_grads[grad_slot]\n",
              "        target = self.host_grads[grad_slot]\n"),
     Mutation("M12", "a selection moving a step's gradient reads it without waiting for its copy",
-             "runtime/slab.py",
+             "runtime/state/slab.py",
              "        wait_events(self.offload_done[grad_slot])\n        if self.has_host_part:\n",
              "        if self.has_host_part:\n"),
     Mutation("M13", "CPU update: publishes new columns into a weights buffer an upload may still read",
-             "runtime/slab.py", "        wait_events([self.upload_done[free]])\n", "",
+             "runtime/state/update.py", "    wait_events([slab.upload_done[free]])\n", "",
              ordered_anyway="that buffer's upload was an interval earlier; the compute stream waited for it and every "
                             "step since read a device value (the norm), so the host is already past it"),
     Mutation("M14", "weights buffers single-buffered: the CPU update overwrites the buffer of the last upload",
-             "runtime/slab.py", "        free = self.weights_slot ^ 1\n", "        free = self.weights_slot\n"),
+             "runtime/state/update.py", "    free = slab.weights_slot ^ 1\n", "    free = slab.weights_slot\n"),
     Mutation("M15", "an upload's event is not kept (later writers of its host buffer wait for nothing)",
-             "runtime/slab.py",
-             "            values, self.upload_done[self.weights_slot] = self.transfers.to_device(",
-             "            values, _ = self.transfers.to_device("),
+             "runtime/state/update.py",
+             "        values, slab.upload_done[slab.weights_slot] = slab.transfers.to_device(",
+             "        values, _ = slab.transfers.to_device("),
     Mutation("M16", "an offload's event is not kept (its reader waits for nothing)",
-             "runtime/slab.py",
-             "            self.offload_done[grad_slot] = [*self.offload_done[grad_slot], done]\n            return self.u",
-             "            return self.u"),
+             "runtime/state/intake.py",
+             "        slab.offload_done[grad_slot] = [*slab.offload_done[grad_slot], done]\n        return slab.u",
+             "        return slab.u"),
     Mutation("M17", "hand-off of a whole slab: its offload event is not kept",
-             "runtime/slab.py",
-             "        self.offload_done[grad_slot] = [*self.offload_done[grad_slot], done]\n        return self.host_grad_bytes",
-             "        return self.host_grad_bytes"),
+             "runtime/state/intake.py",
+             "    slab.offload_done[grad_slot] = [*slab.offload_done[grad_slot], done]\n    return slab.host_grad_bytes",
+             "    return slab.host_grad_bytes"),
     Mutation("M18", "values written into a parameter are adopted while an upload may still read the host weights",
-             "runtime/slab.py",
-             "            wait_events(self.upload_done)  # an upload may still be reading the host weights\n"
-             "            self.transfers.host_access(writes=self.host_weights)\n",
-             "            self.transfers.host_access(writes=self.host_weights)\n"),
+             "runtime/state/watch.py",
+             "        wait_events(slab.upload_done)  # an upload may still be reading the host weights\n"
+             "        slab.transfers.host_access(writes=slab.host_weights)\n",
+             "        slab.transfers.host_access(writes=slab.host_weights)\n"),
     Mutation("M20", "a reselection rewrites host buffers an upload may still read",
-             "runtime/slab.py",
-             "            wait_events(self.upload_done)  # an upload may still read the host weights rewritten below\n",
+             "runtime/state/columns.py",
+             "        wait_events(slab.upload_done)  # an upload may still read the host weights rewritten below\n",
              ""),
     Mutation("M22", "the CPU update starts without joining the accumulate task it follows",
              "runtime/host_work.py", "        self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)",
@@ -119,10 +119,10 @@ MUTATIONS = [
                     "accumulation has finished",
              "runtime/engine.py", "            self.host_work.wait_for_accumulation()\n", ""),
     Mutation("M26", "departing columns' weights written into host rows an upload may still read",
-             "runtime/slab.py",
-             "        wait_events(self.upload_done)  # an upload may still read the weights of these rows\n", ""),
+             "runtime/state/columns.py",
+             "    wait_events(slab.upload_done)  # an upload may still read the weights of these rows\n", ""),
     Mutation("M27", "device accumulation: the CPU update reads the accumulators without waiting for their copy down",
-             "runtime/slab.py", "            wait_events([self.acc_landed[acc_slot]])\n", ""),
+             "runtime/state/intake.py", "        wait_events([slab.acc_landed[acc_slot]])\n", ""),
     Mutation("M28", "device accumulation: the next interval empties the device sums without the compute stream "
                     "waiting for the copy that reads them",
              "runtime/transfers.py",
@@ -131,10 +131,14 @@ MUTATIONS = [
              "        if self.traced:\n            self.streams.note_compute_access(writes=sources)"),
     Mutation("M29", "an upload the update worker queued early is merged after the host weights it read were "
                     "rewritten (departing columns settled), instead of uploading them again",
-             "runtime/slab.py",
-             "        self.uploaded = None  # (an upload made before these rows changed: the apply uploads them again)\n",
+             "runtime/state/columns.py",
+             "    slab.uploaded = None  # (an upload made before these rows changed: the apply uploads them again)\n",
              ""),
 ]
+
+# A mutated line is no longer in its file, so this check fails under every mutation: it would report each one as
+# caught before the tests that guard the wait ran.
+APPLICABILITY_TEST = "tests/test_device_path.py::test_every_device_mutation_still_applies_to_the_runtime"
 
 DEFAULT_TESTS = ["tests/test_device_path.py", "tests/test_transfers.py", "tests/test_optimizer.py",
                  "tests/test_workflows.py", "tests/test_slab_workflows.py", "tests/test_overlap_reselect.py",
@@ -161,7 +165,7 @@ def run_tests(tests: list[str], extra: list[str]) -> tuple[list[str], str]:
         report = Path(scratch) / "junit.xml"
         env = dict(os.environ, ZENFLOW_TEST_DEVICE="emulated")
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-                                 f"--junitxml={report}", *extra, *tests],
+                                 f"--junitxml={report}", f"--deselect={APPLICABILITY_TEST}", *extra, *tests],
                                 cwd=ROOT, env=env, capture_output=True, text=True)
         failed = []
         if report.exists():

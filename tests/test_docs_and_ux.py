@@ -309,17 +309,17 @@ def _resolves(token: str, classes: dict, modules: dict) -> Optional[bool]:
                 return False
             found = getattr(found, name)
         return True
-    if head in classes:  # `Slab.take_grads`, `ZenFlowRuntime._adopt_casts`
+    if head in classes:  # `Slab.export_member`, `ZenFlowRuntime._adopt_casts`
         return any(_definitions(p, rest[0]) for p in classes[head])
-    if head in modules and head not in AMBIGUOUS_MODULES:  # `kernels.cpu_adamw_`, `slab.SHARED_SLAB_MAX_NUMEL`
+    if head in modules and head not in AMBIGUOUS_MODULES:  # `kernels.cpu_adamw_`, `layout.SHARED_SLAB_MAX_NUMEL`
         return any(_definitions(p, rest[0]) for p in modules[head])
     return None
 
 
 def test_what_docstrings_comments_and_docs_cite_exists():
     """Every file path the docstrings and comments of the repository's Python files and its documents cite
-    (`runtime/slab.py`, `tests/helpers.py`, `grad_hooks.py`) exists in the checkout, and every backticked
-    name that looks like the project's (`Slab.take_grads`: a member of a class defined here; `kernels.cpu_adamw_`:
+    (`runtime/state/slab.py`, `tests/helpers.py`, `grad_hooks.py`) exists in the checkout, and every backticked
+    name that looks like the project's (`Slab.export_member`: a member of a class defined here; `kernels.cpu_adamw_`:
     a name in a package module; `zenflow_compile.ZenFlowAdamW`: an import path; a constant or environment
     variable in capitals) is defined in its source: a rename or a removal must take its citations with it. A
     FILE::NAME citation names a definition in that file."""

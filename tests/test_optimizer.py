@@ -18,7 +18,7 @@ import torch
 import zenflow_compile
 from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
 from zenflow_compile.reference import ZenFlowReference
-from zenflow_compile.runtime.slab import Slab
+from zenflow_compile.runtime.state import update as slab_update
 
 from helpers import (TinyRepeated, bf16_ulp_distance, loss_fn, make_batches, max_param_diff, seeded_generator, snapshot,
                      tiny_model, train_steps, value_tolerance)
@@ -228,7 +228,7 @@ def test_both_host_update_paths_equal_reference(case, short_run_rows, monkeypatc
     """The CPU AdamW of the host rows takes runs of equal update count one fused call each, or (runs too short:
     rows out of count order after reselections made in flight) the most common count in one call and the
     other rows apart. The small models above take one path by their size; here each case takes each path."""
-    monkeypatch.setattr(Slab, "SHORT_RUN_ROWS", short_run_rows)
+    monkeypatch.setattr(slab_update, "SHORT_RUN_ROWS", short_run_rows)
     check_equals_reference(case, torch.float32)
 
 

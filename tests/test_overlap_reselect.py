@@ -177,15 +177,15 @@ def test_a_reselection_in_flight_waits_for_no_cpu_update(monkeypatch):
     """A reselecting boundary waits for the step's accumulation, never for the CPU AdamW of the columns that
     stay on the host: with that update made slow, the training thread does not wait for it until the next
     boundary applies it (where "wait" waits at once)."""
-    from zenflow_compile.runtime.slab import Slab
+    from zenflow_compile.runtime.state import update
 
-    slow = Slab.update_host_columns
+    slow = update.update_host_columns
 
-    def update_host_columns(self, *args, **kwargs):
+    def update_host_columns(*args, **kwargs):
         time.sleep(0.5)
-        return slow(self, *args, **kwargs)
+        return slow(*args, **kwargs)
 
-    monkeypatch.setattr(Slab, "update_host_columns", update_host_columns)
+    monkeypatch.setattr(update, "update_host_columns", update_host_columns)
     for mode, waited in (("incoming", False), ("wait", True)):
         p = nn.Parameter(P0.clone())
         opt = ZenFlowAdamW([p], lr=0.1, overlap_reselect=mode, **KEYS)

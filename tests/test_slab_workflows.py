@@ -1,4 +1,4 @@
-"""Optimizer state in slabs (`runtime/slab.py`): like parameters (one param group, dtype, [R, C] shape and
+"""Optimizer state in slabs (`runtime/state/slab.py`): like parameters (one param group, dtype, [R, C] shape and
 number of selected columns) share one slab, whose tensors hold one row per member.
 
 What the design promises, checked here: like parameters share a slab and a large one gets its own; a
@@ -30,7 +30,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import zenflow_compile
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime.engine import ZenFlowRuntime
-from zenflow_compile.runtime.slab import SHARED_SLAB_MAX_NUMEL, RowScratch, Slab, top_k_columns
+from zenflow_compile.runtime.state import intake
+from zenflow_compile.runtime.state.columns import RowScratch
+from zenflow_compile.runtime.state.layout import SHARED_SLAB_MAX_NUMEL, top_k_columns
+from zenflow_compile.runtime.state.slab import Slab
 
 from helpers import assert_fp32_decides_the_comparison, seeded_generator, skip_where_dynamo_misses_parameter_changes
 
@@ -479,13 +482,13 @@ def test_conv_stack_with_scalar_gates_equals_reference(compiled, device, monkeyp
     """Compiled, the conv backward hands over channels-last weight gradients: the slab's hand-off must take
     them as they are (it once viewed them as if contiguous)."""
     layouts = []
-    real = Slab.take_grads
+    real = intake.take_grads
 
-    def recording(self, grads, *args, **kwargs):
+    def recording(slab, grads, *args, **kwargs):
         layouts.extend(g.is_contiguous() for g in grads if g.dim() == 4)
-        return real(self, grads, *args, **kwargs)
+        return real(slab, grads, *args, **kwargs)
 
-    monkeypatch.setattr(Slab, "take_grads", recording)
+    monkeypatch.setattr(intake, "take_grads", recording)
     a, b, opt, ref = pair(ConvStack, KEYS)
     run_pair(a, b, opt, ref, range(7), conv_batch, compiled=compiled)
     assert opt.stats()["reselections"] > 0

@@ -68,15 +68,15 @@ def test_slow_cpu_worker_changes_nothing_but_stall(name, monkeypatch, device):
 def test_slow_accumulate_worker_never_lets_a_buffer_be_overwritten(monkeypatch, device):
     # The backward of step t+2 refills the host gradient buffer that the accumulate task of step t reads.
     # A slow accumulate must make that backward wait, not lose or mix gradients.
-    from zenflow_compile.runtime.slab import Slab
+    from zenflow_compile.runtime.state import intake
 
-    real_accumulate = Slab.accumulate
+    real_accumulate = intake.accumulate
 
     def slow_accumulate(*args):
         time.sleep(0.02)
         real_accumulate(*args)
 
-    monkeypatch.setattr(Slab, "accumulate", slow_accumulate)
+    monkeypatch.setattr(intake, "accumulate", slow_accumulate)
     assert_matches_reference(*run_pair(CONFIGS["overlap-on"], steps=10), torch.float32)
 
 

@@ -1,6 +1,6 @@
 """AdamW of a slab's selected columns, in place: the math written once in torch, and a Triton kernel of it.
 
-A slab (runtime/slab.py) holds the selected columns of its n members as [n, R, k] tensors:
+A slab (runtime/state/slab.py) holds the selected columns of its n members as [n, R, k] tensors:
     grad                    [n, R, k]  the columns' gradient (param dtype)
     master, exp_avg, exp_avg_sq   fp32 [n, R, k]   (updated in place)
     counts                  fp32 [n, k]  per-column update counts (incremented in place)

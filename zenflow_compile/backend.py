@@ -60,7 +60,7 @@ from zenflow_compile.passes.backward_graph import graph_outputs, is_backward_gra
 from zenflow_compile.passes.context import DEFAULT_BUCKET_NUMEL, ZenFlowPassContext
 from zenflow_compile.passes.pipeline import rewrite_backward
 from zenflow_compile.runtime import registry, sharding
-from zenflow_compile.runtime.slab import SHARED_SLAB_MAX_NUMEL
+from zenflow_compile.runtime.state.layout import SHARED_SLAB_MAX_NUMEL
 
 __all__ = ["zenflow_backend", "ZenFlowGraphPass", "GraphOwnerBinding", "make_pass_context", "register",
            "BACKEND_NAME"]
@@ -420,7 +420,7 @@ def _inside_distributed_data_parallel() -> bool:
 
 def _runtime_scored_numel(runtimes) -> int:
     """Gradients this small are scored by the runtime, batched with their like parameters (the owners'
-    device decides: see `slab.SHARED_SLAB_MAX_NUMEL`); 0 when the owners have no device yet."""
+    device decides: see `layout.SHARED_SLAB_MAX_NUMEL`); 0 when the owners have no device yet."""
     devices = {r.transfers.device.type for r in runtimes if getattr(r, "transfers", None) is not None}
     return min((SHARED_SLAB_MAX_NUMEL.get(device, 0) for device in devices), default=0)
 

@@ -1,0 +1,1 @@
+"""Optimizer state: a slab per group of like parameters, and what runs over it, one concept a module."""

@@ -1,0 +1,272 @@
+"""Columns changing sides: a reselection moves each arriving column's state (master, moments, update count)
+from its host row onto the device and each departing column's back into a host row, in place, in a fixed
+number of calls per slab (k and u stay). One primitive moves the device side (`_move_device_columns`); the
+host side depends on when the move is made: `reselect`, at a boundary whose CPU update was applied (the host
+rows re-sorted by update count; data parallel, the arriving columns' rows broadcast by their owner), or
+`reselect_in_flight`, while that update runs on (the arriving columns' share of it made first by
+`take_arriving`, each departing column parked until `settle_departing` puts it into the host row its
+member's arriving column left)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from zenflow_compile.runtime import kernels
+from zenflow_compile.runtime.state.intake import wait_for_accumulators
+from zenflow_compile.runtime.state.layout import columns_index, columns_not_in, host_order
+from zenflow_compile.runtime.state.slab import Slab
+from zenflow_compile.runtime.transfers import wait_events
+
+_STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+class RowScratch:
+    """A host buffer, kept between reselections, that host rows are reordered through. A fresh buffer the
+    size of a slab's state would cost more in page faults than the copies themselves (measured on the CPU:
+    0.3-1.9 s against 0.05 s for 380 MB of rows), so it is reused, and bounded: a slab is reordered a few
+    members at a time."""
+
+    CHUNK_ELEMENTS = 1 << 24  # 64 MB of fp32 rows, or one member's rows where those are more
+
+    def __init__(self):
+        self.buffer = torch.empty(0, device="cpu")
+
+    def reorder_rows_(self, state: torch.Tensor, order: torch.Tensor) -> None:
+        """state[i] = state[i][order[i]] for every member i of `state` ([n, u, R]; `order` [n, u])."""
+        n, u, R = state.shape
+        if not state.numel():  # (a rank holding none of the rows: FSDP2)
+            return
+        members = max(1, self.CHUNK_ELEMENTS // (u * R))
+        for start in range(0, n, members):
+            stop = min(n, start + members)
+            rows = (order[start:stop] + torch.arange(stop - start, device="cpu").unsqueeze(1) * u).reshape(-1)
+            block = state[start:stop].view(-1, R)
+            if self.buffer.numel() < block.numel():
+                self.buffer = torch.empty(block.numel(), dtype=state.dtype, device="cpu")
+            reordered = self.buffer[:block.numel()].view(-1, R)
+            torch.index_select(block, 0, rows, out=reordered)
+            block.copy_(reordered)
+
+
+class MovingColumns(NamedTuple):
+    """Some columns' whole state, one row each (column j of member `member[j]`): `place` is its device slot
+    (arriving columns) or host row (departing ones)."""
+
+    member: torch.Tensor  # [m] int64
+    place: torch.Tensor  # [m] int64
+    master: torch.Tensor  # [m, R] fp32, on the host
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    counts: torch.Tensor  # [m] fp32
+    weights: Optional[torch.Tensor] = None  # [m, R] param dtype: what the parameter holds (departing columns)
+
+
+def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_parallel=None) -> int:
+    """Make `selected` ([n, k], ascending rows) the device-resident columns, moving state with its columns,
+    in place (k and u stay). Called at a boundary whose CPU update was applied: accumulators are empty and
+    no worker reads these buffers. Only the columns that change sides cross; the staying host rows are
+    copied whole into the new host order (a row is a column: a contiguous copy) through `scratch`, the host
+    buffer they are reordered through. No [n, R, C] copy of the state is made. Data parallel: the owner of
+    the slab's host part broadcasts the arriving columns' rows and the new host order (only it knows the
+    update counts that order them). Returns how many columns changed sides."""
+    arriving = columns_not_in(selected, slab.selected_cpu)
+    moved = 2 * int(arriving.sum())
+    if moved == 0:
+        return 0  # every member keeps its columns: the layout stands
+    if slab.has_host_part:
+        wait_events(slab.upload_done)  # an upload may still read the host weights rewritten below
+        slab.upload_done = [None, None]
+        slab.transfers.host_access(writes=[*slab.host_grads, *slab.host_weights])
+    n, C, k, u, R = slab.n, slab.C, slab.k, slab.u, slab.R
+    position = _host_position(slab)  # column -> its host row / device slot
+    position.scatter_(1, slab.selected_cpu, torch.arange(k, device="cpu").expand(n, k))
+    on_device = torch.zeros(n, C, dtype=torch.bool, device="cpu").scatter_(1, slab.selected_cpu, True)
+    # (member, new slot) of each arriving column with its host row
+    arriving_member, arriving_slot = (~on_device.gather(1, selected)).nonzero(as_tuple=True)
+    arriving_row = position[arriving_member, selected[arriving_member, arriving_slot]]
+    staying_slot = position.gather(1, selected).masked_fill(~on_device.gather(1, selected), 0)
+    incoming = host_columns = None
+    if slab.has_host_part:
+        step = torch.empty(n, C, device="cpu")
+        step.scatter_(1, slab.selected_cpu, slab.counts.cpu())
+        step.scatter_(1, slab.host_columns_cpu, slab.host_counts)
+        host_columns = host_order(step, selected)
+        incoming = MovingColumns(arriving_member, arriving_slot,
+                                 *(getattr(slab, "host_" + name)[arriving_member, arriving_row] for name in _STATE),
+                                 slab.host_counts[arriving_member, arriving_row])
+    if data_parallel is not None:
+        incoming, host_columns = _from_owner(slab, data_parallel, arriving_member, arriving_slot, incoming,
+                                             host_columns)
+    # (member, new host row) of each departing column with its device slot
+    departing_member, departing_row = on_device.gather(1, host_columns).nonzero(as_tuple=True)
+    departing_slot = position[departing_member, host_columns[departing_member, departing_row]]
+    outgoing = _move_device_columns(slab, staying_slot, departing_member, departing_slot, incoming)
+    if slab.has_host_part:
+        keep = position.gather(1, host_columns).masked_fill(on_device.gather(1, host_columns), 0)  # [n, u]
+        for name in _STATE:
+            host_state = getattr(slab, "host_" + name)
+            scratch.reorder_rows_(host_state, keep)
+            host_state.view(n * u, R).index_copy_(0, departing_member * u + departing_row, getattr(outgoing, name))
+        slab.host_counts.copy_(step.gather(1, host_columns))
+    _take_selection(slab, selected, host_columns, arriving.any(1))
+    if slab.has_host_part:  # (the accumulators are empty: the boundary's update took them)
+        for weights in slab.host_weights:
+            weights.copy_(slab.host_master)
+        slab.weights_slot = 0
+    return moved
+
+
+def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
+                  members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict
+                  ) -> Optional[MovingColumns]:
+    """Before this boundary's CPU update is launched, with no CPU work in flight: the CPU AdamW of the
+    columns `selected` ([n, k]) brings onto the device, on copies of their host rows (the launched update
+    redoes them, unused), so they arrive current while the others' update runs on. `members_by_scale` as
+    in `update_host_columns`. Returns their state, for `reselect_in_flight` (None: no column arrives)."""
+    member, slot = columns_not_in(selected, slab.selected_cpu).nonzero(as_tuple=True)
+    if not member.numel():
+        return None
+    row = _host_position(slab)[member, selected[member, slot]]
+    wait_for_accumulators(slab, acc_slot)
+    master, exp_avg, exp_avg_sq, grad = (t[member, row] for t in (  # (copies: advanced indexing)
+        slab.host_master, slab.host_exp_avg, slab.host_exp_avg_sq, slab.accumulators[acc_slot]))
+    grad_sq = slab.square_accumulators[acc_slot][member, row] if slab.accumulate_squares else None
+    counts = slab.host_counts[member, row]
+    scale_of, steps_of = {}, {}
+    for scale, taking in members_by_scale.items():
+        for i, steps in taking:
+            scale_of[i], steps_of[i] = scale, steps
+    steps = torch.tensor([steps_of[i] for i in member.tolist()], dtype=torch.float32, device="cpu")
+    for sums in (grad, grad_sq):
+        if sums is not None:
+            sums.div_(steps.unsqueeze(1))  # the interval's mean, as the update computes it
+    rows_of_scale: dict[float, list[int]] = {}
+    for j, i in enumerate(member.tolist()):
+        rows_of_scale.setdefault(scale_of[i], []).append(j)
+    count_rows = counts.unbind(0)  # (each row's step, incremented in place by the update)
+    for scale, rows in rows_of_scale.items():
+        pick = lambda t: None if t is None else [t[j] for j in rows]
+        kernels.cpu_adamw_(pick(master), pick(grad), pick(exp_avg), pick(exp_avg_sq), pick(count_rows),
+                           grad_sqs=pick(grad_sq), **dict(hyperparameters, lr=hyperparameters["lr"] * scale))
+    return MovingColumns(member, slot, master, exp_avg, exp_avg_sq, counts)
+
+
+def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[MovingColumns]) -> int:
+    """Make `selected` the device-resident columns while this boundary's CPU update (launched after
+    `take_arriving`) still runs over the host rows. The arriving columns take the state `take_arriving`
+    made (`arriving`) and their new masters are written into the parameters at once; each departing column
+    takes the host row its member's arriving column leaves, its state kept aside (`departing`) until that
+    update has finished (`settle_departing`). Device tensors change in place, in a fixed number of calls.
+    The host rows are left out of count order (re-sorting them would copy the whole host state;
+    `host_adamw_` takes rows in any order). Returns how many columns changed sides."""
+    if arriving is None:
+        return 0
+    old_selected, n, C, k = slab.selected_cpu, slab.n, slab.C, slab.k
+    leaving = columns_not_in(old_selected, selected)  # [n, k] of the old slots
+    departing_member, departing_slot = leaving.nonzero(as_tuple=True)  # (member by member, as arriving's)
+    row = _host_position(slab)[arriving.member, selected[arriving.member, arriving.place]]
+    host_columns = slab.host_columns_cpu.clone()
+    host_columns[arriving.member, row] = old_selected[departing_member, departing_slot]
+    old_slot = torch.zeros(n, C, dtype=torch.long, device="cpu")
+    old_slot.scatter_(1, old_selected, torch.arange(k, device="cpu").expand(n, k))
+    stay = old_slot.gather(1, selected)  # (an arriving column's entry is overwritten)
+    in_param = slab.master.to(slab.dtype) if slab.selected_written is None else slab.selected_written
+    weights = in_param.transpose(1, 2)[departing_member.to(slab.device), departing_slot.to(slab.device)].cpu()
+    departing = _move_device_columns(slab, stay, departing_member, departing_slot, arriving)
+    slab.departing = departing._replace(place=row, weights=weights)
+    _take_selection(slab, selected, host_columns, leaving.any(1))
+    # The members whose columns changed hold their masters in every selected column from now on.
+    kernels.write_columns_(slab.params, slab.selected, slab.master.to(slab.dtype) if slab.selected_written is None
+                           else slab.selected_written)
+    return 2 * int(departing_member.numel())
+
+
+def settle_departing(slab: Slab) -> None:
+    """The departing columns' state into the host rows they took, once the CPU update that ran over those
+    rows has finished (call with no CPU work in flight); the host weights get what their parameters hold."""
+    if slab.departing is None:
+        return
+    d, slab.departing = slab.departing, None
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        getattr(slab, "host_" + name)[d.member, d.place] = getattr(d, name)
+    slab.host_counts[d.member, d.place] = d.counts
+    wait_events(slab.upload_done)  # an upload may still read the weights of these rows
+    slab.transfers.host_access(writes=slab.host_weights)
+    for weights in slab.host_weights:
+        weights[d.member, d.place] = d.weights
+    slab.uploaded = None  # (an upload made before these rows changed: the apply uploads them again)
+
+
+def _move_device_columns(slab: Slab, stay: torch.Tensor, departing_member: torch.Tensor,
+                         departing_slot: torch.Tensor, arriving: MovingColumns) -> MovingColumns:
+    """The device side of a move, the same for every reselection: each new slot i of member j takes old slot
+    stay[j, i] (an arriving column's entry is any), then the arriving columns' state (`arriving`, place = new
+    slot) is written in. Returns the departing columns' state (place = old slot), read before any write.
+    Device tensors change in place, in a fixed number of calls."""
+    on_device = lambda *index: tuple(i.to(slab.device) for i in index)
+    departing_at, arriving_at = on_device(departing_member, departing_slot), on_device(arriving.member,
+                                                                                      arriving.place)
+    stay = stay.to(slab.device)
+    outgoing = {}
+    for name in _STATE:
+        device_state = getattr(slab, name)
+        by_column = device_state.transpose(1, 2)  # [n, k, R]: a column per row, like the host
+        outgoing[name] = by_column[departing_at].cpu()
+        device_state.copy_(device_state.gather(2, columns_index(stay, slab.R)))
+        by_column.index_put_(arriving_at, getattr(arriving, name).to(slab.device))
+    outgoing["counts"] = slab.counts[departing_at].cpu()
+    counts = slab.counts.gather(1, stay)
+    counts[arriving_at] = arriving.counts.to(slab.device)
+    slab.counts.copy_(counts)
+    return MovingColumns(departing_member, departing_slot, **outgoing)
+
+
+def _from_owner(slab: Slab, data_parallel, arriving_member: torch.Tensor, arriving_slot: torch.Tensor,
+                incoming: Optional[MovingColumns], host_columns: Optional[torch.Tensor]
+                ) -> tuple[MovingColumns, torch.Tensor]:
+    """Data parallel: the arriving columns' state and the new host order, which only the owner of the slab's
+    host part holds (`incoming`, `host_columns`; None elsewhere), on every rank: two broadcasts."""
+    n, u, R, owner = slab.n, slab.u, slab.R, slab.key.owner
+    if slab.has_host_part:
+        rows = torch.cat([incoming.master, incoming.exp_avg, incoming.exp_avg_sq, incoming.counts.unsqueeze(1)], 1)
+        data_parallel.broadcast(rows.to(slab.device), owner)
+        data_parallel.broadcast(host_columns.to(slab.device), owner)
+        return incoming, host_columns
+    rows = torch.empty(len(arriving_member), 3 * R + 1, device=slab.device)
+    data_parallel.broadcast(rows, owner)
+    order = torch.empty(n, u, dtype=torch.long, device=slab.device)
+    data_parallel.broadcast(order, owner)
+    rows = rows.cpu()
+    incoming = MovingColumns(arriving_member, arriving_slot, rows[:, :R], rows[:, R:2 * R], rows[:, 2 * R:3 * R],
+                             rows[:, 3 * R])
+    return incoming, order.cpu()
+
+
+def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, changed: torch.Tensor) -> None:
+    """The slab's new column sets after a move; members `changed` ([n] bool) hold their masters in their
+    selected columns from now on; the step's gradients, gathered by the old columns, are dropped (the
+    boundary's update took them)."""
+    slab.selected_cpu, slab.host_columns_cpu = selected, host_columns
+    slab.selected.copy_(selected)
+    slab.host_columns.copy_(host_columns)
+    if slab.selected_written is not None:
+        changed = changed.to(slab.device).view(-1, 1, 1)
+        slab.selected_written = torch.where(changed, slab.master.to(slab.dtype), slab.selected_written)
+    slab.grad.zero_()
+    slab.offload_done = [[], []]
+    for slot_extras in slab.extra_grads:
+        slot_extras.clear()
+    slab.transfers.host_access(writes=slab.host_grads)
+    for buffer in slab.host_grads:
+        buffer.zero_()
+
+
+def _host_position(slab: Slab) -> torch.Tensor:
+    """[n, C]: the host row of each host column (-1 for the selected ones)."""
+    position = torch.full((slab.n, slab.C), -1, dtype=torch.long, device="cpu")
+    return position.scatter_(1, slab.host_columns_cpu, torch.arange(slab.u, device="cpu").expand(slab.n, slab.u))
+
+
+__all__ = ["MovingColumns", "RowScratch", "reselect", "reselect_in_flight", "settle_departing", "take_arriving"]

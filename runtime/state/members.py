@@ -1,0 +1,125 @@
+"""A parameter in the optimizer state: its place in a slab and bookkeeping (`Member`), and its whole state in
+transit (`MemberState`): what moves between slabs, and the layout of its checkpoint entry."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from zenflow_compile.runtime.sharding import is_sharded, local_shard
+from zenflow_compile.runtime.state.layout import SHARED_SLAB_MAX_NUMEL, SlabKey, matrix_shape
+from zenflow_compile.runtime.state.watch import ParamWatch
+
+
+class Member:
+    """One parameter's place in its slab (`slab`, `index`) and its per-parameter bookkeeping."""
+
+    def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int, owns_host: bool):
+        # A parameter sharded by FSDP2 (runtime/sharding.py): the state is that of this rank's rows, and the
+        # slab it joins is chosen by its global shape (`key_rows`, `key_numel`), the same on every rank.
+        self.key_rows, self.key_numel = matrix_shape(param)[0], param.numel()
+        self.sharded = param if is_sharded(param) else None  # (its DTensor: the local tensor may be replaced)
+        param = local_shard(param)
+        self.param, self.pid, self.group_index = param, pid, group_index
+        self.owner, self.owns_host = owner, owns_host
+        self.is_matrix = param.dim() >= 2
+        self.rows, self.cols = matrix_shape(param)
+        self.watch = ParamWatch(self.registered, self.sharded is not None)
+        self.slab = None  # its Slab (state/slab.py), set by the slab
+        self.index = 0
+        self.num_grads = 0  # backwards handed over this step
+        self.steps_accumulated = 0  # steps whose gradient went into the accumulator since the last update
+        # Zen-auto: mean selected / unselected scores summed since the last CPU update.
+        self.sum_selected_score = 0.0
+        self.sum_unselected_score = 0.0
+
+    @property
+    def registered(self) -> torch.Tensor:
+        """The parameter as the optimizer was given it (a sharded one's DTensor)."""
+        return self.param if self.sharded is None else self.sharded
+
+    def follow_local_shard(self) -> None:
+        """A sharded parameter whose DTensor holds another local tensor than the one the state was made for
+        (FSDP2 re-pads the shard after `model.load_state_dict(..., assign=True)` with swapped parameters, a
+        `module._apply`, ...): the state follows the new one. Its rows are the same rows of the parameter."""
+        local = local_shard(self.sharded)
+        if local is self.param:
+            return
+        if matrix_shape(local) != (self.rows, self.cols):
+            raise ValueError(
+                f"ZenFlowAdamW: a parameter of shape {tuple(self.sharded.shape)} now holds {tuple(local.shape)} "
+                f"of its rows on this rank, where its optimizer state holds {self.rows} (resharded over "
+                "another mesh). Fix: build the optimizer over the resharded model, or save its state_dict with "
+                "torch.distributed.checkpoint and load it into a new one")
+        self.param = local
+
+    def as_columns(self) -> torch.Tensor:
+        """The parameter viewed as [R, C] (a view: writes land in the parameter)."""
+        return self.param.data.view(self.rows, self.cols)
+
+    # -- the data-parallel reducer's view of a parameter -------------------------------------------------------
+    def reduce_split_numel(self) -> tuple[int, int]:
+        """(elements averaged on every rank, elements reduced into the owner) of the parameter's gradient."""
+        slab = self.slab
+        return slab.R * slab.k, slab.R * slab.u
+
+    def split_grad_for_reduce(self, grad: torch.Tensor, replicated: Optional[torch.Tensor],
+                              host: Optional[torch.Tensor]) -> None:
+        """The gradient's selected columns ([R, k]) and unselected ones (transposed, [u, R]) into the reduction
+        buffers."""
+        slab, i = self.slab, self.index
+        g = grad.reshape(slab.R, slab.C)
+        if replicated is not None:
+            if slab.whole:
+                replicated.copy_(g.reshape(-1))
+            else:
+                torch.index_select(g, 1, slab.selected[i], out=replicated.view(slab.R, slab.k))
+        if host is not None:
+            torch.index_select(g.t(), 0, slab.host_columns[i], out=host.view(slab.u, slab.R))
+
+
+def slab_key(member: Member, num_selected: int) -> SlabKey:
+    param = member.param
+    large = member.key_numel > SHARED_SLAB_MAX_NUMEL.get(param.device.type, 0)
+    return SlabKey(member.group_index, param.dtype, member.key_rows, member.cols, num_selected, member.owner,
+                   member.pid if large else None)
+
+
+@dataclass
+class MemberState:
+    """One parameter's whole state in its natural [R, C] layout, on the host: what moves between slabs and
+    into checkpoints. NaN where this rank does not know (a host part another rank owns). A state a slab
+    exports holds [R, C] views of [C, R] tensors (`Slab.natural`), a fresh one's moments are None (zeros):
+    both so that a new slab lays them out without a transpose (`layout.columns_as_rows`)."""
+
+    master: torch.Tensor  # fp32 [R, C]
+    exp_avg: Optional[torch.Tensor]
+    exp_avg_sq: Optional[torch.Tensor]
+    step: torch.Tensor  # fp32 [C] per-column update counts
+    selected: torch.Tensor  # int64 [k] ascending (empty: not selected yet)
+    host_columns: Optional[torch.Tensor] = None  # the host columns' order, when the counts that decide it are unknown here
+    accumulator: Optional[torch.Tensor] = None  # fp32 [R, C] (host columns)
+    square_accumulator: Optional[torch.Tensor] = None
+    applied: Optional[torch.Tensor] = None  # [R, C] param dtype: the host columns as the device holds them
+    selected_written: Optional[torch.Tensor] = None  # [R, k] param dtype: the selected columns as the device holds
+    # them, where that is not the master cast (after a cast, until the device update rewrites them)
+    unapplied: bool = False  # a CPU update of the host columns has not reached the device yet
+    step_grad: Optional[torch.Tensor] = None  # [R, C] param dtype: the gradient handed over this step
+    step_scores: Optional[torch.Tensor] = None  # [C] fp32: its column scores
+
+    @classmethod
+    def fresh(cls, param: torch.Tensor) -> "MemberState":
+        R, C = matrix_shape(param)
+        master = param.detach().reshape(R, C).float().cpu()  # (read once, by the slab that lays it out)
+        return cls(master, None, None, torch.zeros(C, device="cpu"), torch.zeros(0, dtype=torch.long, device="cpu"))
+
+    @classmethod
+    def unknown(cls, rows: int, cols: int, selected: torch.Tensor) -> "MemberState":
+        return cls(*(torch.full((rows, cols), math.nan, device="cpu") for _ in range(3)),
+                   torch.full((cols,), math.nan, device="cpu"), selected)
+
+
+__all__ = ["Member", "MemberState", "slab_key"]

@@ -1,0 +1,315 @@
+"""Optimizer state born flat: the parameters of one slab share every state tensor, one row each.
+
+A slab holds n like parameters: one param group, one dtype, one [R, C] shape (a matrix of any dim viewed as
+[shape[0], rest]; a vector of N elements as [N, 1]), k selected columns each. Its tensors, row i being
+member i's (u = C - k host columns):
+
+    device  grad [n, R, k] (param dtype)      master, exp_avg, exp_avg_sq [n, R, k] fp32
+            counts [n, k] fp32 (per-column update counts)    selected [n, k], host_columns [n, u] int64
+            scores [n, C] fp32 (this step's squared column norms)
+    host    master, exp_avg, exp_avg_sq [n, u, R] fp32       host_counts [n, u] fp32
+            accumulators[2], square_accumulators[2] [n, u, R] fp32 (by interval parity)
+            host_grads[2] [n, u, R] (by step parity), host_weights[2] [n, u, R] (by update parity): pinned,
+            the param dtype; host_scores [n, u] pinned
+
+Where the unselected columns' gradients are summed (`accumulate_on`): on the host, each step's host columns
+are copied into host_grads and a worker adds them into the accumulators; on the device, they are gathered
+into `rest_grad` [n, u, R] (param dtype) and added on the device into `device_acc` (and `device_sq_acc`)
+[n, u, R] fp32, which a boundary copies into the pinned accumulators[slot] once per interval (host_grads then
+do not exist). A slab before its first selection (k = 0: warm-up, a boundary every step) sums on the host.
+
+Host tensors are transposed, [u, R] per member, so one column is one contiguous row: the offload of the
+unselected columns is one contiguous copy, and the CPU AdamW runs over whole rows. A member's host columns
+are ordered by update count, so equal counts form runs (one fused-AdamW tensor each; out of order after a
+reselection made in flight, see `update.host_adamw_`). A vector is a slab of k = C = 1: all of its state on
+the device.
+
+Per step a slab costs a fixed number of calls whatever n is: the hand-off stacks its gradients once and
+gathers the selected and the host columns in one call each; the device AdamW, the accumulation, the CPU
+AdamW and the merge each take the slab's tensors whole. Where only some members take part (a later
+backward of the step, a parameter without gradient, data parallelism) the same work runs on the members'
+rows. A parameter of more than `SHARED_SLAB_MAX_NUMEL` elements gets a slab of its own, so stacking never
+copies a large gradient.
+
+The layout changes only in two ways. A reselection writes the new columns into the same tensors (k and u are
+fixed by topk_ratio; `state/columns.py`). Anything else (a member's first selection, a cast, a param-group
+edit, a checkpoint load) exports the members' state in transit form (`MemberState`, `Slab.export_member`)
+and builds new slabs from it (`Slab.__init__`).
+
+This module builds a slab's buffers and exports them; what runs over them lives beside it, one concept a
+module: `state/intake.py` (gradients in, accumulation on the device or the host), `state/update.py` (the
+device AdamW of the selected columns, the CPU AdamW of the host rows, publishing and applying its result),
+`state/columns.py` (columns changing sides), `state/watch.py` (values written by others).
+
+Data parallel: every rank holds the device part of every member; only a member's `owner` holds its host part,
+so a slab's key says whether this rank owns its members' host parts (`owns_host`).
+
+Sharded parameters (FSDP2, runtime/sharding.py): a member is this rank's rows of its parameter (R = the local
+rows, possibly 0); its slab is keyed by the global shape, so every rank has the same slabs in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from zenflow_compile.runtime.state.layout import SlabKey, columns_as_rows, columns_index, device_columns, host_order
+from zenflow_compile.runtime.state.members import Member, MemberState
+from zenflow_compile.runtime.transfers import Transfers, wait_events
+
+
+class Slab:
+    """The state of n like parameters (see the module docstring)."""
+
+    def __init__(self, key: SlabKey, members: list[Member], states: list[MemberState], transfers: Transfers,
+                 accumulate_squares: bool, accumulate_on_device: bool = False, upload_early: bool = False):
+        self.key, self.members, self.transfers = key, members, transfers
+        self.n, self.R, self.C, self.k = len(members), members[0].rows, key.cols, key.num_selected
+        self.u = self.C - self.k
+        self.dtype, self.device = key.dtype, members[0].param.device
+        self.is_matrix = members[0].is_matrix
+        self.owns_host = members[0].owns_host
+        self.accumulate_squares = accumulate_squares
+        for i, member in enumerate(members):
+            member.slab, member.index = self, i
+        n, R, C, k, u, dev = self.n, self.R, self.C, self.k, self.u, self.device
+        if k == C:  # every column selected (vectors): the device layout is the parameter's own
+            selected = torch.arange(C, device="cpu").expand(n, C).contiguous()
+        elif k:
+            selected = torch.stack([s.selected for s in states])
+        else:
+            selected = torch.zeros(n, 0, dtype=torch.long, device="cpu")
+        counts = torch.stack([s.step for s in states])
+        host_columns = self._host_order(selected, counts, states)
+        self.selected_cpu, self.host_columns_cpu = selected, host_columns
+        self.has_host_part = self.owns_host and u > 0
+        self.accumulates_on_device = accumulate_on_device and self.has_host_part and k > 0
+        # The update worker queues its columns' upload as soon as it has published them (one process, a device
+        # that is not the host); `uploaded` is that (device tensor, event) until the apply merges it.
+        self.upload_early = upload_early and self.has_host_part and not transfers.device_is_host
+        self.uploaded = None
+        host_state = {}
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            naturals = [getattr(s, name) for s in states]
+            if all(t is None for t in naturals):  # fresh moments: zeros, laid out directly
+                setattr(self, name, torch.zeros(n, R, k, device=dev))
+                host_state[name] = torch.zeros(n, u, R, device="cpu") if self.has_host_part else None
+                continue
+            setattr(self, name, device_columns(naturals, torch.float32, selected, dev))
+            host_state[name] = columns_as_rows(naturals, torch.float32, host_columns) if self.has_host_part else None
+        self.counts = counts.gather(1, selected).to(dev)
+        # What the members' selected columns hold where it is not their master in the slab's dtype (after a
+        # cast: an upcast leaves bf16 values beside fp32 masters), until the device update rewrites them.
+        self.selected_written: Optional[torch.Tensor] = None
+        written = [s.selected_written for s in states]
+        if k and any(w is not None for w in written):
+            cast = self.master.to(self.dtype)
+            written = torch.stack([c if w is None else w.to(dev, self.dtype) for c, w in zip(cast, written)])
+            if not torch.equal(written, cast):
+                self.selected_written = written
+        self.grad = torch.zeros(n, R, k, dtype=self.dtype, device=dev)
+        self.scores = torch.zeros(n, C, device=dev)
+        self.selected, self.host_columns = selected.to(dev), host_columns.to(dev)
+        # gather indexes of the selected and the host columns over [n, R, C]
+        self.selected_index, self.host_index = columns_index(self.selected, R), columns_index(self.host_columns, R)
+        # Whole-parameter slabs (vectors, matrices with every column selected): the device layout is the
+        # parameter's own, no gather.
+        self.whole = k == C
+        self.offload_done: list[list] = [[], []]  # copy events into host_grads[slot] (and a step's extras)
+        self.upload_done: list = [None, None]  # upload events of host_weights[slot]
+        self.extra_grads: list[dict] = [{}, {}]  # later backwards of a step: member index -> [host buffers]
+        self.extra_pool: list[dict] = [{}, {}]  # the pinned buffers extra_grads reuses, per member
+        self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
+        self.unapplied = any(s.unapplied for s in states)
+        # A reselection during an in-flight CPU update (overlap_reselect="incoming"): the departing columns'
+        # state, waiting for their host rows until that update has finished (`settle_departing`).
+        self.departing = None  # (a columns.MovingColumns)
+        self._params = None  # see `params`
+        self.master_rows = list(self.master.unbind(0))  # (the tensors are rewritten in place, never replaced)
+        # This step: how many members took a gradient, and whether any took several backwards.
+        self.members_taken = sum(1 for s in states if s.step_grad is not None)
+        self.several_backwards = any(m.num_grads > 1 for m in members)
+        step_grads = [s.step_grad for s in states]
+        has_step_grad = any(g is not None for g in step_grads)
+        if has_step_grad:
+            self.grad.copy_(device_columns(step_grads, self.dtype, selected, dev))
+            for i, s in enumerate(states):
+                if s.step_scores is not None:
+                    self.scores[i].copy_(s.step_scores)
+        self.device_acc = self.device_sq_acc = self.rest_grad = None
+        self.acc_landed: list = [None, None]  # device accumulation: the copy events into accumulators[slot]
+        self.acc_sent = None  # device accumulation: the sums were sent at a boundary, not yet emptied (an event)
+        if not self.has_host_part:
+            self.host_master = self.host_exp_avg = self.host_exp_avg_sq = self.host_counts = None
+            self.accumulators, self.square_accumulators, self.host_grads, self.host_weights = [], [], [], []
+            self.host_grad_bytes = 0
+            return
+        host_zeros = transfers.host_zeros
+        self.host_master, self.host_exp_avg, self.host_exp_avg_sq = (host_state[name] for name in
+                                                                     ("master", "exp_avg", "exp_avg_sq"))
+        self.host_counts = counts.gather(1, host_columns)
+        on_device = self.accumulates_on_device
+        # Host accumulators: where the worker adds, or (device accumulation) where a boundary's copy lands.
+        landing = (lambda: host_zeros((n, u, R), torch.float32)) if on_device else (
+            lambda: torch.zeros(n, u, R, device="cpu"))
+        self.accumulators = [landing() for _ in range(2)]
+        self.square_accumulators = [landing() for _ in range(2)] if accumulate_squares else []
+        if on_device:
+            self.device_acc = torch.zeros(n, u, R, device=dev)
+            self.device_sq_acc = torch.zeros(n, u, R, device=dev) if accumulate_squares else None
+            self.rest_grad = torch.zeros(n, u, R, dtype=self.dtype, device=dev)
+        sums = [self.device_acc, self.device_sq_acc] if on_device else [self.accumulators[0],
+                                                                         (self.square_accumulators or [None])[0]]
+        for target, name in zip(sums, ("accumulator", "square_accumulator")):
+            saved = [getattr(s, name) for s in states]
+            if target is not None and any(a is not None for a in saved):
+                target.copy_(columns_as_rows(saved, torch.float32, host_columns))
+        self.host_grads = [] if on_device else [host_zeros((n, u, R), self.dtype) for _ in range(2)]
+        self.host_grad_bytes = 0 if on_device else self.host_grads[0].numel() * self.host_grads[0].element_size()
+        if has_step_grad:
+            if on_device:
+                self.rest_grad.copy_(columns_as_rows(step_grads, self.dtype, host_columns))
+            else:
+                columns_as_rows(step_grads, self.dtype, host_columns, out=self.host_grads[0])
+                self.host_grads[1].copy_(self.host_grads[0])
+        # host_weights[0]: the latest CPU update (a member's pending one, else what the device holds);
+        # host_weights[1]: what the device holds (the applied weights while an update is pending).
+        self.host_weights = [host_zeros((n, u, R), self.dtype) for _ in range(2)]
+        applied = [s.applied for s in states]
+        if any(a is None for a in applied):  # what the device holds is the master, cast
+            self.host_weights[1].copy_(self.host_master)
+        if any(a is not None for a in applied):
+            given = columns_as_rows(applied, self.dtype, host_columns)
+            given_rows = torch.tensor([a is not None for a in applied], device="cpu").view(n, 1, 1)
+            torch.where(given_rows, given, self.host_weights[1], out=self.host_weights[1])
+        pending = torch.tensor([s.unapplied for s in states], device="cpu").view(n, 1, 1)
+        self.host_weights[0].copy_(torch.where(pending, self.host_master.to(self.dtype), self.host_weights[1]))
+        self.host_scores = host_zeros((n, u), torch.float32)
+
+    def _host_order(self, selected: torch.Tensor, counts: torch.Tensor, states: list[MemberState]) -> torch.Tensor:
+        """[n, u]: each member's unselected columns, ordered by update count (stable: ties by column)."""
+        given = [s.host_columns for s in states]
+        if all(g is not None for g in given):
+            if given and given[0].numel():
+                return torch.stack(given)
+            return torch.zeros(self.n, self.u, dtype=torch.long, device="cpu")
+        return host_order(counts, selected)
+
+    # -- what the slab holds --------------------------------------------------------------------------------
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The members' parameters as [R, C] views (made once; again after a parameter's storage changed)."""
+        if self._params is None:
+            self._params = [m.as_columns() for m in self.members]
+        return self._params
+
+    def forget_param_views(self) -> None:
+        """A member's parameter may have new storage: `params` makes its views again."""
+        self._params = None
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        written = [] if self.selected_written is None else [self.selected_written]
+        staging = [] if self.rest_grad is None else [self.rest_grad]
+        return [self.master, self.exp_avg, self.exp_avg_sq, self.counts, self.grad, self.scores, self.selected,
+                self.host_columns, *written, *self.device_sums(), *staging]
+
+    def host_buffers(self) -> list[torch.Tensor]:
+        if not self.has_host_part:
+            return []
+        return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, *self.host_grads, *self.accumulators,
+                *self.square_accumulators, *self.host_weights]
+
+    def applied_weights(self) -> torch.Tensor:
+        """[n, u, R]: the host columns as the device holds them (the last uploaded CPU update)."""
+        return self.host_weights[self.weights_slot ^ 1 if self.unapplied else self.weights_slot]
+
+    def device_sums(self) -> list[torch.Tensor]:
+        """Device accumulation's sums: device_acc (and device_sq_acc)."""
+        return [t for t in (self.device_acc, self.device_sq_acc) if t is not None]
+
+    def host_sums(self, acc_slot: int) -> list[torch.Tensor]:
+        """The host accumulators of interval slot `acc_slot` (and their squares)."""
+        return [self.accumulators[acc_slot], *self.square_accumulators[acc_slot:acc_slot + 1]]
+
+    def fold_extra_grads(self, grad_slot: int) -> None:
+        """Sum the later backwards' offloaded gradients into host_grads[grad_slot] (waits for their copies).
+        Runs on the accumulate worker, or before a step's gradient is exported; a no-op once done."""
+        extras = {i: buffers for i, buffers in self.extra_grads[grad_slot].items() if buffers}
+        if not extras:
+            return
+        wait_events(self.offload_done[grad_slot])
+        target = self.host_grads[grad_slot]
+        self.transfers.host_access(reads=[b for buffers in extras.values() for b in buffers], writes=[target])
+        for i, buffers in extras.items():
+            for extra in buffers:
+                target[i].add_(extra)
+            buffers.clear()
+
+    # -- export: the members' state in transit form -----------------------------------------------------------
+    def member_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Member i's (master, exp_avg, exp_avg_sq [R, C], step [C]) on the host; NaN where this rank does not
+        hold the host part."""
+        full = [self.natural(i, device_part, host_part) for device_part, host_part in
+                ((self.master, self.host_master), (self.exp_avg, self.host_exp_avg),
+                 (self.exp_avg_sq, self.host_exp_avg_sq))]
+        step = torch.full((self.C,), math.nan, device="cpu")
+        step[self.selected_cpu[i]] = self.counts[i].cpu()
+        if self.host_counts is not None:
+            step[self.host_columns_cpu[i]] = self.host_counts[i]
+        return (*full, step)
+
+    def natural(self, i: int, device_part: Optional[torch.Tensor], host_part: Optional[torch.Tensor],
+                dtype=torch.float32, missing: float = math.nan) -> torch.Tensor:
+        """Member i's [R, C] tensor from its device columns ([n, R, k]; None: `missing` there) and its host rows
+        ([n, u, R]; None: `missing` there): the transpose of a [C, R] tensor built by column (a host row is one
+        column: a contiguous copy), which is the layout a new slab gathers from (`columns_as_rows`)."""
+        by_column = torch.empty(self.C, self.R, dtype=dtype, device="cpu")
+        for columns, part, column_rows in ((self.selected_cpu[i], device_part, False),
+                                           (self.host_columns_cpu[i], host_part, True)):
+            if part is None:
+                by_column.index_fill_(0, columns, missing)
+            else:
+                by_column.index_copy_(0, columns, (part[i] if column_rows else part[i].t()).to("cpu", dtype))
+        return by_column.t()
+
+    def export_member(self, i: int, acc_slot: int, with_step_grad: Optional[int] = None) -> MemberState:
+        """Member i's whole state (after the CPU work that touches it is done). `with_step_grad`: the grad slot
+        whose gradient (this step's) goes along."""
+        if self.departing is not None:
+            raise RuntimeError("internal: a slab's state was read before its departing columns were settled")
+        master, exp_avg, exp_avg_sq, step = self.member_state(i)
+        state = MemberState(master, exp_avg, exp_avg_sq, step, self.selected_cpu[i].clone(),
+                            host_columns=None if self.has_host_part else self.host_columns_cpu[i].clone(),
+                            unapplied=self.unapplied)
+        if self.selected_written is not None:
+            state.selected_written = self.selected_written[i].cpu()
+        if self.has_host_part:
+            self.transfers.host_access(reads=self.host_weights)
+            if self.accumulates_on_device:  # (sent at a boundary: nothing accumulated since)
+                sums = (None, None) if self.acc_sent is not None else (self.device_acc, self.device_sq_acc)
+            else:
+                sums = (self.accumulators[acc_slot], (self.square_accumulators or [None] * 2)[acc_slot])
+            state.accumulator = self.natural(i, None, sums[0], missing=0.0)
+            if self.accumulate_squares:
+                state.square_accumulator = self.natural(i, None, sums[1], missing=0.0)
+            state.applied = self.natural(i, None, self.applied_weights(), self.dtype, missing=0.0)
+        if with_step_grad is not None and self.members[i].num_grads:
+            state.step_grad = self.step_grad(i, with_step_grad)
+            state.step_scores = self.scores[i].clone()
+        return state
+
+    def step_grad(self, i: int, grad_slot: int) -> torch.Tensor:
+        """Member i's gradient of this step in [R, C] layout on the host (waits for its offload)."""
+        if self.accumulates_on_device:
+            return self.natural(i, self.grad, self.rest_grad, self.dtype, missing=0.0)
+        self.fold_extra_grads(grad_slot)
+        wait_events(self.offload_done[grad_slot])
+        if self.has_host_part:
+            self.transfers.host_access(reads=[self.host_grads[grad_slot]])
+        host_part = self.host_grads[grad_slot] if self.has_host_part else None
+        return self.natural(i, self.grad, host_part, self.dtype, missing=0.0)
+
+
+__all__ = ["Slab"]

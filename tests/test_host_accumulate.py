@@ -1,0 +1,54 @@
+"""The host accumulation (`kernels.accumulate_scaled_many_`, the accumulate worker's kernel where the device
+has no room for the sums): acc += coef * grad (and square += (coef * grad)**2) against a float64
+recomputation, for fp32 gradients in one fused add and bf16/fp16 ones converted chunk by chunk, and its
+refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zenflow_compile.runtime import kernels
+
+# Sizes around the vector width and across a conversion chunk (`kernels._ACCUMULATE_CHUNK`).
+SIZES = (1, 7, 17, 1000, kernels._ACCUMULATE_CHUNK - 1, kernels._ACCUMULATE_CHUNK + 5)
+
+
+def _tensors(dtypes, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(n, generator=generator).to(dtype) for n, dtype in zip(SIZES, dtypes)]
+    accs = [torch.randn(n, generator=generator) for n in SIZES]
+    squares = [torch.rand(n, generator=generator) for n in SIZES]
+    return accs, grads, squares
+
+
+def _within_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int) -> bool:
+    spacing = torch.nextafter(expected.abs(), torch.tensor(float("inf"))) - expected.abs()
+    return bool(((actual - expected).abs() <= ulps * spacing).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("coef", [1.0, 0.37])
+def test_accumulation_equals_a_float64_recomputation(dtype, coef):
+    """Every gradient of the call in one dtype; then fp32 and `dtype` mixed in one call (each kind takes its
+    own path, in one call of the worker)."""
+    for dtypes in ([dtype] * len(SIZES), [dtype, torch.float32] * (len(SIZES) // 2)):
+        accs, grads, squares = _tensors(dtypes)
+        before_accs, before_squares = [a.clone() for a in accs], [s.clone() for s in squares]
+        kernels.accumulate_scaled_many_(accs, grads, coef, square_accs=squares)
+        coef32 = float(torch.tensor(coef, dtype=torch.float32))  # the fp32 math the kernel does
+        coef_sq32 = float(torch.tensor(coef * coef, dtype=torch.float32))
+        for acc, before, square, before_square, grad in zip(accs, before_accs, squares, before_squares, grads):
+            g = grad.double()
+            assert _within_ulps(acc, (before.double() + coef32 * g).float(), 1)
+            assert _within_ulps(square, (before_square.double() + coef_sq32 * g * g).float(), 2)
+
+
+def test_refuses_non_contiguous_and_mismatched_arguments():
+    acc = torch.zeros(8, 6)
+    grad = torch.randn(6, 8).bfloat16().t()  # [8, 6], not contiguous
+    with pytest.raises(ValueError, match="must be contiguous"):
+        kernels.accumulate_scaled_many_([acc], [grad], 1.0)
+    with pytest.raises(ValueError, match="1 square_accs for 2 accs"):
+        kernels.accumulate_scaled_many_([acc, acc], [grad.contiguous()] * 2, 1.0, square_accs=[torch.zeros(8, 6)])
+    assert torch.equal(acc, torch.zeros(8, 6))  # (refused before anything was written)
