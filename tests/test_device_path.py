@@ -241,6 +241,30 @@ def test_device_state_bytes_is_the_selected_share_of_adamw_state(topk_ratio, acc
     assert topk_ratio <= (expected - vector_total) / (12 * matrix_params) < 1.6 * topk_ratio
 
 
+@pytest.mark.parametrize("accumulate_on", ["host", "device"])
+def test_host_state_bytes_per_unselected_element(accumulate_on, emulated_device):
+    """stats()["host_state_bytes"] recomputed from the shapes, per unselected element: fp32 master and moments
+    (12), the fp32 accumulators (two, by interval parity, where the host sums: its worker adds into one while
+    the update reads the other; one where the device sums, since the update that read it has landed before
+    the next boundary's copy), the new weights for upload (two, in the parameter's dtype) and, where the host
+    sums, the offloaded gradients (two, by step parity)."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(128, 64, bias=False)).to(torch.bfloat16)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True,
+                       accumulate_on=accumulate_on)
+    for x in torch.randn(5, 8, 256, dtype=torch.bfloat16):
+        model(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    per_element = 12 + 2 * 2 + (4 if accumulate_on == "device" else 2 * 4 + 2 * 2)  # state, weights, sums(, grads)
+    expected = 0
+    for p in model.parameters():
+        rows, cols = p.shape[0], p.numel() // p.shape[0]
+        unselected = cols - max(1, int(0.25 * cols))
+        expected += rows * unselected * per_element
+    assert opt.stats()["host_state_bytes"] == expected
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_the_host_state_stays_on_the_host_whatever_the_default_device(compiled, device):
     """Users build models on the GPU with `torch.set_default_device("cuda")`; the runtime's host buffers, masters

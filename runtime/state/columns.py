@@ -130,9 +130,10 @@ def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
         return None
     row = _host_position(slab)[member, selected[member, slot]]
     wait_for_accumulators(slab, acc_slot)
+    acc, *squares = slab.host_sums(acc_slot)
     master, exp_avg, exp_avg_sq, grad = (t[member, row] for t in (  # (copies: advanced indexing)
-        slab.host_master, slab.host_exp_avg, slab.host_exp_avg_sq, slab.accumulators[acc_slot]))
-    grad_sq = slab.square_accumulators[acc_slot][member, row] if slab.accumulate_squares else None
+        slab.host_master, slab.host_exp_avg, slab.host_exp_avg_sq, acc))
+    grad_sq = squares[0][member, row] if squares else None
     counts = slab.host_counts[member, row]
     scale_of, steps_of = {}, {}
     for scale, taking in members_by_scale.items():

@@ -272,8 +272,9 @@ def wait_for_accumulators(slab: Slab, acc_slot: int) -> None:
 def accumulate(slab: Slab, rows: Optional[list[int]], grad_slot: int, acc_slot: int, coef: float) -> None:
     """Accumulate worker, once the step's copies have landed: acc += coef * g (and square_acc +=
     (coef * g)**2) for members `rows` (None: all)."""
-    grads, accs = slab.host_grads[grad_slot], slab.accumulators[acc_slot]
-    squares = slab.square_accumulators[acc_slot] if slab.accumulate_squares else None
+    grads = slab.host_grads[grad_slot]
+    accs, *squares = slab.host_sums(acc_slot)
+    squares = squares[0] if squares else None
     slab.transfers.host_access(reads=[grads])
     if rows is None:
         kernels.accumulate_scaled_many_([accs], [grads], coef, square_accs=None if squares is None else [squares])

@@ -8,7 +8,8 @@ member i's (u = C - k host columns):
             counts [n, k] fp32 (per-column update counts)    selected [n, k], host_columns [n, u] int64
             scores [n, C] fp32 (this step's squared column norms)
     host    master, exp_avg, exp_avg_sq [n, u, R] fp32       host_counts [n, u] fp32
-            accumulators[2], square_accumulators[2] [n, u, R] fp32 (by interval parity)
+            accumulators, square_accumulators [n, u, R] fp32: two by interval parity where the host sums
+            (its worker adds into one while the update reads the other), one where the device sums
             host_grads[2] [n, u, R] (by step parity), host_weights[2] [n, u, R] (by update parity): pinned,
             the param dtype; host_scores [n, u] pinned
 
@@ -154,8 +155,11 @@ class Slab:
         # Host accumulators: where the worker adds, or (device accumulation) where a boundary's copy lands.
         landing = (lambda: host_zeros((n, u, R), torch.float32)) if on_device else (
             lambda: torch.zeros(n, u, R, device="cpu"))
-        self.accumulators = [landing() for _ in range(2)]
-        self.square_accumulators = [landing() for _ in range(2)] if accumulate_squares else []
+        # (Where the device sums, one landing buffer serves every interval: the update that read it has landed
+        # before the next boundary's copy, `ZenFlowRuntime._update_boundary`.)
+        buffers = 1 if on_device else 2
+        self.accumulators = [landing() for _ in range(buffers)]
+        self.square_accumulators = [landing() for _ in range(buffers)] if accumulate_squares else []
         if on_device:
             self.device_acc = torch.zeros(n, u, R, device=dev)
             self.device_sq_acc = torch.zeros(n, u, R, device=dev) if accumulate_squares else None
@@ -231,7 +235,8 @@ class Slab:
 
     def host_sums(self, acc_slot: int) -> list[torch.Tensor]:
         """The host accumulators of interval slot `acc_slot` (and their squares)."""
-        return [self.accumulators[acc_slot], *self.square_accumulators[acc_slot:acc_slot + 1]]
+        slot = acc_slot % len(self.accumulators)
+        return [self.accumulators[slot], *self.square_accumulators[slot:slot + 1]]
 
     def fold_extra_grads(self, grad_slot: int) -> None:
         """Sum the later backwards' offloaded gradients into host_grads[grad_slot] (waits for their copies).
@@ -290,7 +295,7 @@ class Slab:
             if self.accumulates_on_device:  # (sent at a boundary: nothing accumulated since)
                 sums = (None, None) if self.acc_sent is not None else (self.device_acc, self.device_sq_acc)
             else:
-                sums = (self.accumulators[acc_slot], (self.square_accumulators or [None] * 2)[acc_slot])
+                sums = (*self.host_sums(acc_slot), None)
             state.accumulator = self.natural(i, None, sums[0], missing=0.0)
             if self.accumulate_squares:
                 state.square_accumulator = self.natural(i, None, sums[1], missing=0.0)

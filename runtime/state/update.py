@@ -53,9 +53,8 @@ def update_host_columns(slab: Slab, members_by_scale: dict[float, list[tuple[int
     `members_by_scale` (lr multiplier -> [(member index, steps accumulated)], in member order), from the mean
     of each member's accumulated gradients; then empty the accumulators and publish the new columns."""
     wait_for_accumulators(slab, acc_slot)
-    acc = slab.accumulators[acc_slot]
-    squares = slab.square_accumulators[acc_slot] if slab.accumulate_squares else None
     sums = slab.host_sums(acc_slot)
+    acc, squares = sums[0], (sums[1] if slab.accumulate_squares else None)
     for scale, taking in members_by_scale.items():
         rows = [i for i, _ in taking]
         steps = [s for _, s in taking]
