@@ -32,10 +32,12 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
    update worker once its sums have landed.
 4. a reselecting boundary (`Regime.overlap_reselect`, every boundary; churn c of the k selected columns change
    sides), as `ZenFlowRuntime._reselect` makes it on the training thread: "wait" waits for the boundary's own
-   update and merges it first; "incoming" waits for the interval's sums to land on the host and runs the
-   arriving columns' CPU AdamW (real work, c x r of the parameters) before it launches the update. Then the
+   update and merges it first; "incoming" reads the arriving columns' sums (from the device, or the host's
+   once the step's accumulation ended) and runs their CPU AdamW (real work, c x r of the parameters) before
+   it launches the update. Then the
    moves: the arriving columns' state (fp32 master and moments, and the parameter) up, the departing columns'
-   down, the training thread waiting for them (host rows are rewritten on it).
+   down, as blocking copies on the compute stream (the runtime's `columns._move_device_columns`), the
+   training thread waiting for them (host rows are rewritten on it).
 Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
 beyond fused AdamW's, measured on the simulated compute stream. The measured window is whole intervals in the
 steady state: it starts and ends with a CPU update in flight (bench_offload's GPU rows instead start with none
@@ -326,18 +328,18 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
             return uploads
 
         if regime.overlap_reselect == "incoming":  # the arriving columns' share of the update, first
-            for landed in ready:
-                landed()
+            if accumulate_on == "device":  # their sums alone, read from the device on the compute stream
+                compute.run(regime.seconds(moved * 4 / regime.link_bandwidth))
+                compute.synchronize()
+            else:  # the host's sums, once the step's accumulation ended
+                ready[-1]()
             host.cpu_adamw_share(regime.selection_churn * r / (1 - r))
         pending["update"] = host.update_worker.submit(cpu_update)
         pending["land_at"] = None if regime.landing_lag is None else i + regime.landing_lag
         if regime.overlap_reselect == "wait":  # the boundary's own update, waited for and merged first
             apply_previous(i)
-        if regime.overlap_reselect:  # the moves, the training thread waiting for them
-            for stream in (up, down):
-                stream.wait_event(compute.record())
-                stream.run(regime.seconds(move_s))
-                compute.wait_event(stream.record())
+        if regime.overlap_reselect:  # the moves: blocking copies on the compute stream, as the runtime's
+            compute.run(regime.seconds(2 * move_s))  # (each way)
             compute.synchronize()
 
     try:

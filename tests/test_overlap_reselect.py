@@ -226,3 +226,21 @@ def test_resume_from_a_checkpoint_taken_with_a_reselection_in_flight_is_exact(de
         assert torch.equal(p, q)
     assert opt.stats()["reselections"] == resumed_opt.stats()["reselections"] == 6
 
+
+
+@pytest.mark.parametrize("accumulate_on,waits", [("device", False), ("host", True)])
+def test_a_reselection_in_flight_reads_the_arriving_columns_sums_not_the_whole_copy(accumulate_on, waits,
+                                                                                     emulated_device, monkeypatch):
+    """Summing on the device, the arriving columns' share of the update takes their sums from the device (a
+    read of what moves); the training thread does not wait for the interval's whole copy to the host, which
+    only the update worker needs. On the host the sums are there once the step's accumulation ended."""
+    from zenflow_compile.runtime.state import columns
+
+    waited = []
+    real = columns.wait_for_accumulators
+    monkeypatch.setattr(columns, "wait_for_accumulators", lambda *args: waited.append(1) or real(*args))
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, accumulate_on=accumulate_on, **INCOMING)
+    train_tiny(model, opt, [torch.randn(4, 6, 16, generator=seeded_generator(i)) for i in range(4)])
+    assert opt.stats()["reselections"] >= 1 and opt.stats()["accumulate_on"] == accumulate_on
+    assert bool(waited) == waits

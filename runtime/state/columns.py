@@ -129,11 +129,15 @@ def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
     if not member.numel():
         return None
     row = _host_position(slab)[member, selected[member, slot]]
-    wait_for_accumulators(slab, acc_slot)
-    acc, *squares = slab.host_sums(acc_slot)
-    master, exp_avg, exp_avg_sq, grad = (t[member, row] for t in (  # (copies: advanced indexing)
-        slab.host_master, slab.host_exp_avg, slab.host_exp_avg_sq, acc))
-    grad_sq = squares[0][member, row] if squares else None
+    if slab.accumulates_on_device:  # the arriving columns' sums alone, read from the device: no wait for the
+        at = (member.to(slab.device), row.to(slab.device))  # whole interval's copy (its size is what moves)
+        grad, *grad_sq = (slab.transfers.read_to_host(sums[at]) for sums in slab.device_sums())
+    else:
+        wait_for_accumulators(slab, acc_slot)
+        grad, *grad_sq = (sums[member, row] for sums in slab.host_sums(acc_slot))
+    grad_sq = grad_sq[0] if grad_sq else None
+    master, exp_avg, exp_avg_sq = (t[member, row] for t in (  # (copies: advanced indexing)
+        slab.host_master, slab.host_exp_avg, slab.host_exp_avg_sq))
     counts = slab.host_counts[member, row]
     scale_of, steps_of = {}, {}
     for scale, taking in members_by_scale.items():
