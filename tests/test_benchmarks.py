@@ -244,20 +244,30 @@ def test_the_simulated_device_measures_the_schedule(tmp_path):
     assert stalled["idle_s"] - baseline["idle_s"] > 0.5 * stalled["window_s"]
 
 
-@pytest.mark.parametrize("lag,landings", [(None, [7, 11]), (1, [4, 8]), (3, [6, 10])])
-def test_the_simulated_device_lands_each_update_at_its_lag(lag, landings):
-    """Boundaries at steps 3, 7, 11 (S 4): an update lands at the next boundary, or at the end of step b + L."""
+def _simulated_device():
     sys.path.insert(0, str(BENCH.parent))
     import simulated_device
 
-    regime = simulated_device.Regime(params=2e8, step_ms=20.0, update_interval=4, landing_lag=lag,
-                                     time_scale=10.0, steps=8, warmup=4)
+    return simulated_device
+
+
+def _sums_on_the_device(regime) -> dict:
+    """ZenFlow on the simulated device, summing on the device, with host work of ~0.1M parameters (quick)."""
+    simulated_device = _simulated_device()
     host = simulated_device.HostWork(regime, update_rate_here=1e7, accumulate_rate_here=1e7)
     try:
-        result = simulated_device.simulate_zenflow(regime, host, "device")
+        return simulated_device.simulate_zenflow(regime, host, "device")
     finally:
         host.close()
-    assert result["landing_steps"] == landings
+
+
+@pytest.mark.parametrize("lag,landings", [(None, [7, 11]), (1, [4, 8]), (3, [6, 10])])
+def test_the_simulated_device_lands_each_update_at_its_lag(lag, landings):
+    """Boundaries at steps 3, 7, 11 (S 4): an update lands at the next boundary, or at the end of step b + L."""
+    simulated_device = _simulated_device()
+    regime = simulated_device.Regime(params=2e8, step_ms=20.0, update_interval=4, landing_lag=lag,
+                                     time_scale=10.0, steps=8, warmup=4)
+    assert _sums_on_the_device(regime)["landing_steps"] == landings
 
 
 @pytest.mark.parametrize("reselect,landings", [("wait", [3, 7, 11]), ("incoming", [7, 11])])
@@ -265,19 +275,13 @@ def test_the_simulated_device_makes_reselections_as_the_runtime(reselect, landin
     """A reselection at every boundary: "wait" lands the boundary's own update at once, "incoming" keeps it in
     flight; either way the moved columns' state crosses on the compute stream (a slow link here: each
     boundary's moves take at least 2 x 50 ms of sleep, both ways, against 2 ms steps)."""
-    sys.path.insert(0, str(BENCH.parent))
-    import simulated_device
-
+    simulated_device = _simulated_device()
     regime = simulated_device.Regime(params=2e8, step_ms=20.0, topk_ratio=0.2, update_interval=4,
                                      overlap_reselect=reselect, selection_churn=1.0, link_bandwidth=7e8,
                                      time_scale=10.0, steps=8, warmup=4)
     moves_s = regime.seconds(regime.topk_ratio * regime.params * (3 * 4 + 2) / regime.link_bandwidth)
     assert moves_s > 0.05
-    host = simulated_device.HostWork(regime, update_rate_here=1e7, accumulate_rate_here=1e7)
-    try:
-        result = simulated_device.simulate_zenflow(regime, host, "device")
-    finally:
-        host.close()
+    result = _sums_on_the_device(regime)
     assert result["landing_steps"] == landings
     # The moves are blocking copies on the compute stream: two boundaries in the window, each moving both ways,
     # beside 8 steps' forward and backward (every operation sleeps at least its time).

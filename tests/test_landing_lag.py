@@ -8,25 +8,16 @@ import time
 
 import pytest
 import torch
-import torch.nn as nn
 
 from helpers import make_batches, tiny_model, train_steps
-from test_reference import ATOL, B1, B2, EPS, LAG_LR, LAG_P0, RTOL, WD, do_step, hand_schedule, lag_grad
+from test_reference import ATOL, RTOL, hand_schedule, lag_reference
 from zenflow_compile import ZenFlowAdamW
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime import kernels
 
 
 def lag_runtime(S, L, mode, every, iau, steps, **keys):
-    p = nn.Parameter(LAG_P0.clone())
-    opt = ZenFlowAdamW([p], lr=LAG_LR, betas=(B1, B2), eps=EPS, weight_decay=WD, topk_ratio=0.34,
-                       update_interval=S, overlap_step=True, select_strategy="step", select_interval=S * every,
-                       interval_aware_update=iau, overlap_reselect=mode, landing_lag=L, **keys)
-    history = []
-    for t in range(steps):
-        do_step(p, opt, lag_grad(p.detach(), t))
-        history.append((p.detach().clone(), opt.master(p), opt.selected_columns(p).tolist()))
-    return p, opt, history
+    return lag_reference(S, L, mode, every, iau, steps, optimizer=ZenFlowAdamW, **keys)
 
 
 @pytest.mark.parametrize("accumulate_on", ["device", "host"])

@@ -503,11 +503,13 @@ def hand_schedule(S, L, mode, every, iau, steps):
     return history
 
 
-def lag_reference(S, L, mode, every, iau, steps, **keys):
+def lag_reference(S, L, mode, every, iau, steps, optimizer=ZenFlowReference, **keys):
+    """The hand schedule's setting run by `optimizer` (ZenFlowReference, or ZenFlowAdamW: test_landing_lag.py);
+    per step (what the forward of the next step sees, the masters, the selection)."""
     p = nn.Parameter(LAG_P0.clone())
-    opt = ZenFlowReference([p], lr=LAG_LR, betas=(B1, B2), eps=EPS, weight_decay=WD, topk_ratio=0.34,
-                           update_interval=S, overlap_step=True, select_strategy="step", select_interval=S * every,
-                           interval_aware_update=iau, overlap_reselect=mode, landing_lag=L, **keys)
+    opt = optimizer([p], lr=LAG_LR, betas=(B1, B2), eps=EPS, weight_decay=WD, topk_ratio=0.34, update_interval=S,
+                    overlap_step=True, select_strategy="step", select_interval=S * every, interval_aware_update=iau,
+                    overlap_reselect=mode, landing_lag=L, **keys)
     history = []
     for t in range(steps):
         do_step(p, opt, lag_grad(p, t))
