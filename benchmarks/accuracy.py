@@ -40,17 +40,16 @@ rule thresholds at one half).
 Run names (--runs):
   adamw                                  torch.optim.AdamW (eager model)
   zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1[,sm=1][,select=auto|stepN|epochN]
-          [,reselect=wait|incoming|deferred][,lag=L]
+          [,reselect=wait|incoming][,lag=L]
                                          torch.compile(backend="zenflow") + ZenFlowAdamW; iau is the opt-in
                                          interval_aware_update key, sm the opt-in interval_second_moment (needs
                                          iau=1); select: select_strategy "auto", or "step" / "epoch" with
                                          select_interval N; omitted keys: topk=0.1, interval=4, overlap=1,
                                          warmup=0, iau=0, sm=0, select=auto, reselect=wait, no lag (the last
                                          four named only when set); reselect is the opt-in overlap_reselect
-                                         key ("deferred": ZenFlowReference runs only), lag the opt-in
-                                         landing_lag key: a boundary's CPU update lands L steps after it (1 <=
-                                         L <= interval; omitted: at the next boundary; needs overlap=1).
-                                         With reselect=deferred a reselection takes effect at that landing
+                                         key, lag the opt-in landing_lag key: a boundary's CPU update lands
+                                         L steps after it (1 <= L <= interval; omitted: at the next
+                                         boundary; needs overlap=1)
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
                                          plain synchronous implementation of docs/semantics.md (an algorithm check)
 
@@ -79,7 +78,7 @@ ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0, sm=0, 
                         lag=None)
 # Keys named in a run name only when not at their default, so the names of runs made before they existed match.
 _NAMED_WHEN_SET = ("sm", "select", "reselect", "lag")
-_RESELECT = ("wait", "incoming", "deferred")
+_RESELECT = ("wait", "incoming")
 
 
 def _parse_select(name: str, value: str) -> str:
@@ -134,8 +133,7 @@ def run_name(spec: dict) -> str:
 def _setting_words(key: str, value) -> str:
     if key == "reselect":
         return {"wait": "a reselection waits for its CPU update",
-                "incoming": "a reselection keeps the overlap ('incoming')",
-                "deferred": "a reselection takes effect when its boundary's update lands ('deferred')"}[value]
+                "incoming": "a reselection keeps the overlap ('incoming')"}[value]
     if key == "lag":
         return (f"the CPU update lands {value} step{'s' if value > 1 else ''} after its boundary"
                 if value is not None else "the CPU update lands at the next boundary")

@@ -103,7 +103,7 @@ def test_run_names_with_a_selection_rule_and_their_config_keys():
     assert accuracy.run_name(spec).endswith(",iau=1,select=step4,reselect=incoming")
     assert accuracy.zenflow_keys(spec)["overlap_reselect"] == "incoming"
     assert "overlap_reselect" not in accuracy.zenflow_keys(accuracy.parse_run("reference:reselect=wait"))
-    with pytest.raises(ValueError, match=r"reselect='later': expected one of \('wait', 'incoming', 'deferred'\)"):
+    with pytest.raises(ValueError, match=r"reselect='later': expected one of \('wait', 'incoming'\)"):
         accuracy.parse_run("reference:reselect=later")
     labels, _ = accuracy.chart_labels(["zenflow:iau=1,select=step4", "zenflow:iau=1"])
     assert labels["zenflow:iau=1,select=step4"].endswith("reselection every 4 steps")
@@ -111,14 +111,13 @@ def test_run_names_with_a_selection_rule_and_their_config_keys():
 
 
 def test_run_names_take_the_landing_lag():
-    """lag=L is named only when set and becomes the landing_lag key; with reselect=deferred the reselection
-    takes effect at that landing."""
+    """lag=L is named only when set and becomes the landing_lag key."""
     accuracy = _accuracy_module()
-    spec = accuracy.parse_run("reference:iau=1,select=step4,reselect=deferred,lag=01")
+    spec = accuracy.parse_run("reference:iau=1,select=step4,reselect=incoming,lag=01")
     assert accuracy.run_name(spec) == (
-        "reference:topk=0.1,interval=4,overlap=1,warmup=0,iau=1,select=step4,reselect=deferred,lag=1")
+        "reference:topk=0.1,interval=4,overlap=1,warmup=0,iau=1,select=step4,reselect=incoming,lag=1")
     keys = accuracy.zenflow_keys(spec)
-    assert (keys["landing_lag"], keys["overlap_reselect"]) == (1, "deferred")
+    assert (keys["landing_lag"], keys["overlap_reselect"]) == (1, "incoming")
     assert ZenFlowConfig(**keys).landing_lag == 1
     assert "landing_lag" not in accuracy.zenflow_keys(accuracy.parse_run("reference:iau=1"))
     for bad in ("0", "-1", "x", "1.5", ""):

@@ -1,6 +1,6 @@
 """The opt-in `overlap_reselect` key (ZenFlowConfig): what a reselecting boundary does with its own CPU update
 under overlap_step=True. Specified by `zenflow_compile.reference.ZenFlowReference`; `ZenFlowAdamW` implements
-"incoming" (one process and FSDP2) and refuses "deferred".
+"incoming" (one process and FSDP2).
 
 One 2x6 matrix, topk 0.34 (k = 2), a boundary every 2 steps, a reselection at every boundary, gradients given by
 hand (they do not depend on the parameters, so every mode's masters can be predicted from the "wait" run's).
@@ -67,28 +67,9 @@ def test_incoming_keeps_the_update_of_the_columns_that_stay_unselected_in_flight
     assert torch.equal(device[:, [0, 1]], incoming[1][1][:, [0, 1]])        # step 3's update of 0, 1: in flight
 
 
-def test_deferred_takes_the_selection_decided_at_one_boundary_at_the_next():
-    wait, deferred = run("wait", 5), run("deferred", 5)
-    _, _, selected, stats = deferred[1]
-    assert selected == [0, 1] and stats["reselections"] == 1 and stats["overlapped_boundaries"] == 1
-    device, master, selected, stats = deferred[3]
-    assert selected == wait[1][2] == [2, 3]     # decided from step 1's scores, taken at step 3's boundary
-    assert stats["reselections"] == 2 and stats["overlapped_boundaries"] == 2
-    assert torch.equal(device[:, [2, 3]], master[:, [2, 3]])  # joined the selection: current
-    assert torch.equal(device[:, [4, 5]], deferred[1][1][:, [4, 5]])  # step 3's update of 4, 5: in flight
-    # Until the switch, the columns are updated as without a reselection at step 1.
-    never = ZenFlowReference([nn.Parameter(P0.clone())], lr=0.1, weight_decay=0.01,
-                             **dict(KEYS, select_interval=1000))
-    q = never.param_groups[0]["params"][0]
-    for i in range(4):
-        q.grad = grad(i)
-        never.step()
-    torch.testing.assert_close(deferred[3][1], never.master(q), rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("mode", ["incoming", "deferred"])
-def test_without_a_reselection_the_modes_equal_wait(mode):
+def test_without_a_reselection_incoming_equals_wait():
     """The key changes reselecting boundaries only."""
+    mode = "incoming"
     batches = [torch.randn(4, 6, 16, generator=seeded_generator(i)) for i in range(9)]
     runs = []
     for m in ("wait", mode):
@@ -104,44 +85,22 @@ def test_without_a_reselection_the_modes_equal_wait(mode):
         assert torch.equal(a, b)
 
 
-def test_deferred_resume_is_exact_with_a_selection_waiting():
-    p = nn.Parameter(P0.clone())
-    opt = ZenFlowReference([p], lr=0.1, overlap_reselect="deferred", **KEYS)
-    for i in range(2):
-        p.grad = grad(i)
-        opt.step()
-    saved_p, saved = p.detach().clone(), opt.state_dict()
-    assert saved["state"][0]["S_next"].tolist() == [2, 3]
-    q = nn.Parameter(saved_p.clone())
-    resumed = ZenFlowReference([q], lr=0.1, overlap_reselect="deferred", **KEYS)
-    resumed.load_state_dict(saved)
-    for i in range(2, 5):
-        p.grad, q.grad = grad(i), grad(i)
-        opt.step()
-        resumed.step()
-        assert torch.equal(p, q) and opt.selected_columns(p).tolist() == resumed.selected_columns(q).tolist()
-    assert opt.stats() == resumed.stats()
-
-
 def test_config_validates_overlap_reselect():
     assert ZenFlowConfig().overlap_reselect == "wait"
     assert ZenFlowConfig(overlap_reselect="incoming", overlap_step=True).overlap_reselect == "incoming"
     with pytest.raises(ValueError, match=r"ZenFlowConfig.overlap_reselect='sometimes' is invalid: expected one "
-                                         r"of \"wait\", \"incoming\", \"deferred\""):
+                                         r"of \"wait\", \"incoming\""):
         ZenFlowConfig(overlap_reselect="sometimes", overlap_step=True)
-    with pytest.raises(ValueError, match=r"overlap_reselect='deferred' needs overlap_step=True"):
-        ZenFlowConfig(overlap_reselect="deferred")
+    with pytest.raises(ValueError, match=r"overlap_reselect='incoming' needs overlap_step=True"):
+        ZenFlowConfig(overlap_reselect="incoming")
     assert ZenFlowConfig.from_dict(ZenFlowConfig(overlap_reselect="incoming", overlap_step=True).to_dict()) == (
         ZenFlowConfig(overlap_reselect="incoming", overlap_step=True))
 
 
-def test_zenflow_adamw_takes_incoming_and_refuses_deferred_until_the_runtime_implements_it():
-    with pytest.raises(NotImplementedError, match=r"overlap_reselect='deferred' is not implemented by "
-                                                  r"ZenFlowAdamW yet .*ZenFlowReference.*use overlap_reselect="
-                                                  r"'incoming' or 'wait'"):
+def test_zenflow_adamw_takes_wait_and_incoming_and_refuses_another_mode_by_name():
+    with pytest.raises(ValueError, match=r"overlap_reselect='deferred' is invalid: expected one of \"wait\", "
+                                         r"\"incoming\""):
         ZenFlowAdamW(tiny_model().parameters(), overlap_step=True, overlap_reselect="deferred")
-    with pytest.raises(NotImplementedError):
-        ZenFlowAdamW(tiny_model().parameters(), config=ZenFlowConfig(overlap_step=True, overlap_reselect="deferred"))
     for mode in ("wait", "incoming"):
         ZenFlowAdamW(tiny_model().parameters(), overlap_step=True, overlap_reselect=mode)
 

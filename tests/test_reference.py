@@ -448,7 +448,7 @@ def hand_schedule(S, L, mode, every, iau, steps):
     opts = [torch.optim.AdamW([c], lr=LAG_LR, betas=(B1, B2), eps=EPS, weight_decay=WD) for c in cols]
     visible = LAG_P0.clone()                     # the parameter the forward reads
     acc, n = torch.zeros(3, 6), [0] * 6         # per column: accumulated gradient, steps in it
-    selected, waiting, land_at, history = None, None, None, []
+    selected, land_at, history = None, None, []
 
     def adamw(j, g, m=1):
         opts[j].param_groups[0]["lr"] = LAG_LR * (m if iau else 1)
@@ -489,16 +489,10 @@ def hand_schedule(S, L, mode, every, iau, steps):
                 selected = switch(new)
             else:
                 land_at = t + L
-                if waiting:                      # deferred to this boundary (L = S)
-                    selected, waiting = switch(waiting), None
-                if new and mode == "incoming":
+                if new:                          # "incoming"
                     selected = switch(new)
-                elif new:
-                    waiting = new
         elif t == land_at:
             land()
-            if waiting:
-                selected, waiting = switch(waiting), None
         history.append((visible.clone(), torch.stack([c.detach() for c in cols], 1), selected))
     return history
 
@@ -518,7 +512,7 @@ def lag_reference(S, L, mode, every, iau, steps, optimizer=ZenFlowReference, **k
 
 
 @pytest.mark.parametrize("S,L", [(2, 1), (2, 2), (4, 1), (4, 3), (4, 4)])
-@pytest.mark.parametrize("mode,every", [("wait", 2), ("incoming", 1), ("deferred", 1), ("deferred", 2)])
+@pytest.mark.parametrize("mode,every", [("wait", 1), ("wait", 2), ("incoming", 1), ("incoming", 2)])
 @pytest.mark.parametrize("iau", [True, False])
 def test_landing_lag_equals_a_hand_schedule_of_adamw_calls(S, L, mode, every, iau):
     expected = hand_schedule(S, L, mode, every, iau, steps=4 * S + 1)
@@ -532,13 +526,13 @@ def test_landing_lag_equals_a_hand_schedule_of_adamw_calls(S, L, mode, every, ia
 
 def test_a_shorter_landing_lag_changes_the_result():
     """The hand schedule's premise: the lag is not a no-op (the forward sees the update sooner)."""
-    one, four = lag_reference(4, 1, "deferred", 1, True, 9)[2], lag_reference(4, 4, "deferred", 1, True, 9)[2]
+    one, four = lag_reference(4, 1, "incoming", 1, True, 9)[2], lag_reference(4, 4, "incoming", 1, True, 9)[2]
     assert torch.equal(one[3][0], four[3][0])          # step 3, a boundary: launched, nowhere landed yet
     assert not torch.equal(one[4][0], four[4][0])      # step 4: landed with L = 1 only
-    assert one[3][2] == four[3][2] and one[4][2] != four[4][2]  # the deferred selection: at step 4 with L = 1
+    assert one[3][2] == four[3][2] and one[3][2] != one[2][2]  # the reselection: at its boundary either way
 
 
-@pytest.mark.parametrize("mode", ["wait", "incoming", "deferred"])
+@pytest.mark.parametrize("mode", ["wait", "incoming"])
 @pytest.mark.parametrize("S", [2, 4])
 def test_landing_lag_equal_to_the_interval_is_the_default_bit_for_bit(mode, S):
     runs = []
@@ -557,56 +551,9 @@ def test_landing_lag_equal_to_the_interval_is_the_default_bit_for_bit(mode, S):
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
 
 
-def test_deferred_switch_moves_each_gradient_exactly_once():
-    """S 4, L 1, a reselection at every boundary: the selection chosen at step 3 takes effect at the end of
-    step 4. The joining columns' step-4 gradient becomes one host update (m = 1) at the switch; the leaving
-    columns, updated on the device through step 4, get their first host update at step 7 from steps 5-7
-    (m = 3, lr x 3). Checked in float64 and by each column's update count."""
-    p = nn.Parameter(LAG_P0.clone())
-    opt = ZenFlowReference([p], lr=LAG_LR, betas=(B1, B2), eps=EPS, weight_decay=WD, topk_ratio=0.34,
-                           update_interval=4, overlap_step=True, select_strategy="step", select_interval=4,
-                           interval_aware_update=True, overlap_reselect="deferred", landing_lag=1)
-    snap = {}
-    for t in range(8):
-        g = lag_grad(p, t)
-        before = {k: opt.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq", "count", "acc")} if t else {}
-        do_step(p, opt, g)
-        snap[t] = dict(before=before, master_before=snap[t - 1]["master"] if t else None, g=g,
-                       master=opt.master(p), S=opt.selected_columns(p).tolist(),
-                       count=opt.state[p]["count"].tolist(), acc_n=opt.state[p]["acc_n"].tolist())
-    old, new = snap[3]["S"], snap[4]["S"]
-    assert old == snap[0]["S"] and snap[5]["S"] == snap[7]["S"] == new
-    joining, leaving = sorted(set(new) - set(old)), sorted(set(old) - set(new))
-    staying = sorted(set(range(6)) - set(old) - set(new))
-    kept = sorted(set(old) & set(new))
-    assert joining and leaving and staying
-    assert snap[3]["acc_n"] == [0] * 6
-    assert snap[4]["acc_n"] == [1 if j in staying else 0 for j in range(6)]
-    assert snap[6]["acc_n"] == [3 if j in staying else 2 if j in leaving else 0 for j in range(6)]
-    expected_count = {**{j: 5 for j in kept + leaving}, **{j: 2 for j in joining}, **{j: 1 for j in staying}}
-    assert snap[4]["count"] == [expected_count[j] for j in range(6)]
-    expected_count = {**{j: 8 for j in kept}, **{j: 6 for j in leaving}, **{j: 5 for j in joining},
-                      **{j: 2 for j in staying}}
-    assert snap[7]["count"] == [expected_count[j] for j in range(6)]
-    # The joining columns at step 4: one AdamW update with g4 alone, from the boundary's master.
-    s4 = snap[4]
-    for j in joining:
-        exp, _, _ = adamw64(s4["master_before"][:, j], s4["before"]["exp_avg"][:, j],
-                            s4["before"]["exp_avg_sq"][:, j], 2, s4["g"][:, j], lr=LAG_LR)
-        torch.testing.assert_close(s4["master"][:, j].double(), exp, atol=1e-6, rtol=0)
-    # The leaving columns at step 7: one AdamW update with the mean of g5..g7 and lr x 3.
-    s7 = snap[7]
-    for j in leaving:
-        mean = (s7["before"]["acc"][:, j] + s7["g"][:, j]) / 3
-        torch.testing.assert_close(s7["before"]["acc"][:, j], snap[5]["g"][:, j] + snap[6]["g"][:, j])
-        exp, _, _ = adamw64(s7["master_before"][:, j], s7["before"]["exp_avg"][:, j],
-                            s7["before"]["exp_avg_sq"][:, j], 6, mean, lr=LAG_LR * 3)
-        torch.testing.assert_close(s7["master"][:, j].double(), exp, atol=1e-6, rtol=0)
-
-
-def test_resume_is_exact_with_an_update_in_flight_and_a_selection_waiting_for_its_landing():
+def test_resume_is_exact_with_an_update_in_flight_before_its_landing_step():
     keys = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, interval_aware_update=True,
-                select_strategy="step", select_interval=4, overlap_reselect="deferred", landing_lag=2)
+                select_strategy="step", select_interval=4, overlap_reselect="incoming", landing_lag=2)
     N, M = 5, 7                                             # saved after step 4: step 3's update lands at step 5
     a = make_model()
     oa = ZenFlowReference(a.parameters(), lr=LR, **keys)
@@ -614,7 +561,6 @@ def test_resume_is_exact_with_an_update_in_flight_and_a_selection_waiting_for_it
         train_step(a, oa, i)
     saved_model, saved_opt = copy.deepcopy(a.state_dict()), oa.state_dict()
     assert saved_opt["zenflow"]["pending"] and saved_opt["zenflow"]["land_at"] == 5
-    assert all("S_next" in s for s in saved_opt["state"].values() if "S" in s)
     for i in range(N, N + M):
         train_step(a, oa, i)
     b = make_model()
@@ -630,16 +576,13 @@ def test_resume_is_exact_with_an_update_in_flight_and_a_selection_waiting_for_it
     assert oa.stats() == ob.stats() and oa.zf == ob.zf and oa.stats()["reselections"] == 3
 
 
-def test_synchronize_lands_early_but_the_deferred_switch_stays_at_its_step():
-    p, opt, history = lag_reference(4, 3, "deferred", 1, True, 5)   # step 3's update lands at step 6
-    assert opt.stats()["pending"] and history[4][2] == history[3][2]
+def test_synchronize_lands_an_update_before_its_landing_step():
+    p, opt, history = lag_reference(4, 3, "incoming", 1, True, 5)   # step 3's update lands at step 6
+    assert opt.stats()["pending"] and not torch.equal(p.detach(), opt.master(p))
     opt.synchronize()
     assert torch.equal(p.detach(), opt.master(p)) and not opt.stats()["pending"]
     do_step(p, opt, lag_grad(p, 5))
-    assert opt.selected_columns(p).tolist() == history[3][2]         # step 5: still the old selection
-    do_step(p, opt, lag_grad(p, 6))
-    assert opt.selected_columns(p).tolist() != history[3][2]         # step 6: the landing step switches
-    assert torch.equal(p.detach(), opt.master(p))
+    assert not opt.stats()["pending"] and torch.equal(p.detach(), opt.master(p))  # nothing left to land
 
 
 def test_zen_auto_lands_at_the_lag_or_at_an_earlier_boundary():

@@ -27,7 +27,7 @@ PRESETS = {
                     select_interval=4),
     "deepspeed": {},
 }
-_OVERLAP_RESELECT = ("wait", "incoming", "deferred")
+_OVERLAP_RESELECT = ("wait", "incoming")
 _ACCUMULATE_ON = ("auto", "device", "host")
 
 
@@ -110,9 +110,8 @@ class ZenFlowConfig:
         update boundary the unselected columns take one AdamW step with the mean of the m accumulated
         gradients, so they move about 1/m as far as under AdamW. True sizes that step for the m steps it
         stands for: lr * m (weight decay included, so the decay is (1 - lr*wd)^m to first order, as the
-        selected columns get). m is the column's steps accumulated since its last update: update_interval
-        (fewer for a column that left the selection between boundaries, see overlap_reselect="deferred"), or
-        under Zen-auto up to max_update_interval (lower that cap to bound the largest step).
+        selected columns get). m is the column's steps accumulated since its last update: update_interval,
+        or under Zen-auto up to max_update_interval (lower that cap to bound the largest step).
     interval_second_moment: opt-in, needs interval_aware_update=True (this project's key). The interval step's
         second moment takes the mean of the m per-step squared gradients, what AdamW's m steps would have fed
         exp_avg_sq, instead of the square of their mean (smaller by the gradient's variance / m, so the
@@ -123,21 +122,14 @@ class ZenFlowConfig:
         it, so the parameters are fully current when the selection changes (that boundary does not overlap).
         "incoming": only the columns joining the selection get the boundary's update at once (they move to the
         device with their state and must be current there); the columns that stay unselected keep it in flight
-        until the next boundary, as at any overlapped boundary, so the boundary overlaps. "deferred": the
-        selection decided from the boundary's scores takes effect when this boundary's CPU update lands (see
-        landing_lag; by default at the next boundary, after that boundary's CPU update), so the boundary
-        overlaps and the steps until the landing keep the old selection. The columns joining the selection
-        bring what the host accumulated for them since their last update as one AdamW update, applied at
-        once; the columns leaving it start an empty host accumulator. Needs overlap_step=True. ZenFlowAdamW
-        implements "incoming" (one process, FSDP2) and refuses "deferred", which only ZenFlowReference
-        implements for now.
+        until it lands (the next boundary, or landing_lag), as at any overlapped boundary, so the boundary
+        overlaps. Needs overlap_step=True. ZenFlowAdamW implements "incoming" in one process and with FSDP2.
     landing_lag: this project's key, opt-in, needs overlap_step=True. None (the default): an overlapped CPU
         update lands (is applied to the parameters) at the next boundary, DeepSpeed's overlap. An int L >= 1:
         the update launched at boundary b lands at the end of step b + L, or at the next boundary if that comes
         first (which with an int update_interval S it never does: L must be <= S, and L = S is the default's
         schedule). With update_interval="auto" the next boundary is not known in advance, so L is a cap on
-        the staleness (L <= max_update_interval). With overlap_reselect="deferred" a reselection takes effect
-        at that landing. A CPU update not finished by its landing step is waited for there (counted stall).
+        the staleness (L <= max_update_interval). A CPU update not finished by its landing step is waited for there (counted stall).
     accumulate_on: where the unselected columns' gradients are summed between CPU updates (this project's key;
         the result is the same): "device" (an fp32 accumulator on the device, copied to the host once per update
         interval), "host" (every step's gradient copied to the host and added there by a worker thread: for a
@@ -215,7 +207,7 @@ class ZenFlowConfig:
         int_at_least("max_update_interval", 1, "an int >= 1")
 
         if not (isinstance(self.overlap_reselect, str) and self.overlap_reselect in _OVERLAP_RESELECT):
-            raise _bad("overlap_reselect", self.overlap_reselect, 'one of "wait", "incoming", "deferred"')
+            raise _bad("overlap_reselect", self.overlap_reselect, 'one of "wait", "incoming"')
         if self.overlap_reselect != "wait" and not self.overlap_step:
             raise ValueError(
                 f"ZenFlowConfig.overlap_reselect={self.overlap_reselect!r} needs overlap_step=True: it says which "

@@ -138,11 +138,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             raise NotImplementedError(
                 "ZenFlowConfig.offload=True (selected columns' state on the CPU too) is not implemented; "
                 "set offload=False: selected columns' state lives on the device")
-        if config.overlap_reselect == "deferred":
-            raise NotImplementedError(
-                "ZenFlowConfig.overlap_reselect='deferred' is not implemented by ZenFlowAdamW yet "
-                "(zenflow_compile.reference.ZenFlowReference specifies it); use overlap_reselect='incoming' "
-                "or 'wait'")
         params = _param_list(params)
         # FSDP2-sharded (DTensor) parameters: the mesh comes from them, and FSDP2 reduces the gradients.
         sharding = sharded.sharding_of(_tensors_in(params), process_group)

@@ -23,8 +23,7 @@ Its decisions in detail (the rest of the project follows them):
 - Warm-up (t < W): plain AdamW on every parameter, no boundaries, no Zen-auto bookkeeping.
 - t >= W: vectors and the columns of S get AdamW with g (device copy refreshed); the other columns U do
   acc[:, U] += g[:, U] and acc_n[U] += 1. acc_n counts, per column, the steps in its accumulator (equal to
-  the global m_acc unless some grads were None, or the column left S since the last boundary: "deferred"
-  with a landing_lag below). A CPU update of columns gives each column j one AdamW update with
+  the global m_acc unless some grads were None). A CPU update of columns gives each column j one AdamW update with
   g = acc[:, j] / acc_n[j] (columns with acc_n 0 are left alone), then empties their acc and acc_n.
   Opt-in keys: interval_aware_update multiplies that update's lr by acc_n[j]; interval_second_moment also
   accumulates acc_sq[:, U] += g[:, U]**2 and feeds exp_avg_sq acc_sq / acc_n instead of g * g.
@@ -52,16 +51,11 @@ Its decisions in detail (the rest of the project follows them):
 - landing_lag L (opt-in, with overlap_step; None: land at the next boundary): (5) at a step t that is not a
   boundary, t == land_at (= b + L, set in (3) of a pending boundary b; cleared at every boundary, so with
   update_interval="auto" an earlier boundary lands it in (1)): after the step's updates, pending: device[:, U]
-  = master[:, U], pending = False; then every matrix with an S_next switches to it. L = S (int interval)
-  lands at the next boundary in (1): the same as None. synchronize() lands early but does not move a switch.
+  = master[:, U], pending = False. L = S (int interval) lands at the next boundary in (1): the same as None.
+  synchronize() lands early.
 - overlap_reselect (opt-in, with overlap_step): "wait" is the above. "incoming": in (3) a reselecting
   boundary stays pending like any other; in (4) the switch makes the columns joining S current at once, the
-  others of U keep the boundary's update in flight until it lands. "deferred": the selection chosen in (4) is
-  kept as S_next and the switch happens when this boundary's update lands: in (5) with a landing_lag L < S
-  (the steps b+1..b+L keep the old S; the joining columns' L accumulated steps become one CPU update at
-  b + L; the leaving ones' first CPU update, at the next boundary, holds S - L steps), else in (4) of the next
-  boundary (after that boundary's CPU update, which the joining columns then carry to the device). sel_start
-  and reselections count the decision.
+  others of U keep the boundary's update in flight until it lands.
 - lr / betas / eps / weight_decay: the param group's values at the step the update is made.
 - The parameter is the source of truth for its value: state is created from the parameter at its first
   gradient, and at every step() (and synchronize()) each element that differs from what this optimizer last
@@ -362,33 +356,22 @@ class ZenFlowReference(torch.optim.Optimizer):
                 z["overlapped_boundaries"] += 1
             else:
                 self._apply_unselected()
-            # (4) reselection: the selection decided now (or, "deferred", one decided at the previous boundary
-            # whose update lands now) takes effect; the columns joining it are made current on the device at once.
-            switching = {p: (g, self.state[p].pop("S_next")) for g, p in self._matrices() if "S_next" in self.state[p]}
+            # (4) reselection: the selection decided now takes effect; the columns joining it are made current
+            # on the device at once.
             if reselect:
-                chosen = {p: top_k(s, cfg.num_selected(s.numel())) for p, s in scores.items()}
-                if cfg.overlap_reselect == "deferred":
-                    for p, S_next in chosen.items():
-                        self.state[p]["S_next"] = S_next
-                else:
-                    groups = {p: g for g, p in self._matrices()}
-                    switching.update({p: (groups[p], S_new) for p, S_new in chosen.items()})
+                groups = {p: g for g, p in self._matrices()}
+                for p, s in scores.items():
+                    self._switch(groups[p], p, top_k(s, cfg.num_selected(s.numel())))
                 z["sel_start"] = t + 1
                 if cfg.select_strategy == "epoch":
                     z["sel_epoch"] = (t - W + 1) // cfg.reselect_every
                 z["reselections"] += 1
-            for p, (group, S_new) in switching.items():
-                self._switch(group, p, S_new)
         elif z["land_at"] == t:
-            # (5) landing_lag: the update in flight lands at the end of step b + L, and a selection deferred to
-            # it takes effect, the columns joining it bringing their accumulated gradient as one update.
+            # (5) landing_lag: the update in flight lands at the end of step b + L.
             if z["pending"]:
                 self._apply_unselected()
                 z["pending"] = False
             z["land_at"] = None
-            for group, p in self._matrices():
-                if "S_next" in self.state[p]:
-                    self._switch(group, p, self.state[p].pop("S_next"))
         z["t"] = t + 1
         return loss
 
