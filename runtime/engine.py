@@ -686,7 +686,7 @@ class ZenFlowRuntime:
                 self.host_work.wait_for_accumulation()
                 arrived = [column_moves.take_arriving(slab, selected, self.acc_slot,
                                                       members_by_scale(slab, self.config.interval_aware_update),
-                                                      hyperparameters[slab.key.group_index])
+                                                      hyperparameters[slab.key.group_index], self.data_parallel)
                            for slab, selected in arriving]
         self.host_work.launch_update(self.slabs, self.acc_slot, hyperparameters, self.config.interval_aware_update)
         self.steps_accumulated = 0

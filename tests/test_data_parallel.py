@@ -54,6 +54,10 @@ PARITY = {
     # The CPU update lands one step after its boundary: the owners' broadcast at that step on every rank.
     "landing_lag": dict(steps=8, keys=dict(BASE, update_interval=3, select_interval=6, overlap_step=True,
                                            landing_lag=1)),
+    # A reselection at every boundary made while its CPU update runs on: the owners broadcast the arriving
+    # columns' state; one boundary's update lands a step later.
+    "incoming": dict(steps=8, keys=dict(BASE, update_interval=3, select_interval=3, overlap_step=True,
+                                        overlap_reselect="incoming", landing_lag=1)),
 }
 MODES = ("eager", "compiled")
 CHECKPOINT = dict(name="checkpoint", compiled=True, steps=5, resume_steps=4, keys=dict(BASE, overlap_step=True))
@@ -86,8 +90,6 @@ def runs(request, tmp_path_factory):
                   dict(name="different_init", compiled=False, steps=1, keys=BASE, differ_init=True),
                   dict(name="grad_after_backward", compiled=False, steps=1, keys=BASE, grad_after_backward=True,
                        expect_error=True),
-                  dict(name="overlap_reselect_incoming", compiled=False, steps=1, expect_error=True,
-                       keys=dict(BASE, overlap_step=True, overlap_reselect="incoming")),
                   dict(name="accumulate_on_device", compiled=False, steps=1, expect_error=True,
                        keys=dict(BASE, accumulate_on="device")),
                   dict(name="accumulate_on_auto", compiled=False, steps=2, keys=dict(BASE, accumulate_on="auto"))]
@@ -149,6 +151,14 @@ def test_every_step_both_ranks_hold_the_same_selection_and_bytes(runs, name, mod
         assert same_selection(rank0["selected"][step], rank1["selected"][step]), step
         assert all(torch.equal(a, b) for a, b in zip(rank0["params"][step], rank1["params"][step])), step
     assert rank0["stats"]["steps"] == rank1["stats"]["steps"] == PARITY[name]["steps"]
+
+
+def test_a_reselection_in_flight_overlaps_every_boundary_on_every_rank(runs):
+    for mode in MODES:
+        for record in load(runs, f"incoming_{mode}"):
+            stats = record["stats"]
+            assert stats["reselections"] == stats["cpu_updates"] == stats["overlapped_boundaries"] == 2, stats
+            assert stats["selection_churn"] > 0
 
 
 def test_the_ranks_ran_on_the_test_device(runs):
@@ -229,13 +239,6 @@ def test_a_config_mismatch_is_a_clear_error_on_every_rank(runs):
     for record in load(runs, "mismatch"):
         assert record["error"] is not None and record["error"].startswith("ValueError: ZenFlowAdamW differs across")
         assert "rank 1 has 0.5 where rank 0 has 0.25 (config key topk_ratio)" in record["error"]
-
-
-def test_a_reselection_in_flight_is_refused_on_each_rank(runs):
-    for record in load(runs, "overlap_reselect_incoming"):
-        assert record["error"] is not None and record["error"].startswith(
-            "NotImplementedError: ZenFlowConfig.overlap_reselect='incoming' is not implemented with data parallelism")
-        assert "use overlap_reselect='wait'" in record["error"]
 
 
 def test_device_accumulation_is_refused_and_auto_sums_on_the_host(runs):

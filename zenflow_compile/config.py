@@ -123,7 +123,7 @@ class ZenFlowConfig:
         "incoming": only the columns joining the selection get the boundary's update at once (they move to the
         device with their state and must be current there); the columns that stay unselected keep it in flight
         until it lands (the next boundary, or landing_lag), as at any overlapped boundary, so the boundary
-        overlaps. Needs overlap_step=True. ZenFlowAdamW implements "incoming" in one process and with FSDP2.
+        overlaps. Needs overlap_step=True.
     landing_lag: this project's key, opt-in, needs overlap_step=True. None (the default): an overlapped CPU
         update lands (is applied to the parameters) at the next boundary, DeepSpeed's overlap. An int L >= 1:
         the update launched at boundary b lands at the end of step b + L, or at the next boundary if that comes

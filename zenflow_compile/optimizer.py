@@ -142,11 +142,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         # FSDP2-sharded (DTensor) parameters: the mesh comes from them, and FSDP2 reduces the gradients.
         sharding = sharded.sharding_of(_tensors_in(params), process_group)
         data_parallel = None if sharding is not None else collectives.data_parallel_group(process_group)
-        if config.overlap_reselect == "incoming" and data_parallel is not None:
-            raise NotImplementedError(
-                "ZenFlowConfig.overlap_reselect='incoming' is not implemented with data parallelism (each "
-                "rank owning some parameters' host state) yet; use overlap_reselect='wait', or shard the model "
-                "with FSDP2 (fully_shard), where it is")
         self._runtime = ZenFlowRuntime(config, max_grad_norm, data_parallel, reduce_bucket_size, sharding=sharding)
         self._constructed = False
         self._param_ids: dict[int, int] = {}  # id(param) -> runtime id, for the parameters in param_groups

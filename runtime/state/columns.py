@@ -5,7 +5,8 @@ host side depends on when the move is made: `reselect`, at a boundary whose CPU 
 rows re-sorted by update count; data parallel, the arriving columns' rows broadcast by their owner), or
 `reselect_in_flight`, while that update runs on (the arriving columns' share of it made first by
 `take_arriving`, each departing column parked until `settle_departing` puts it into the host row its
-member's arriving column left)."""
+member's arriving column left). Data parallel, the owner of a slab's host part broadcasts the arriving
+columns' state to the other ranks (`_rows_from_owner`)."""
 
 from __future__ import annotations
 
@@ -119,15 +120,24 @@ def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_paral
 
 
 def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
-                  members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict
-                  ) -> Optional[MovingColumns]:
+                  members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict,
+                  data_parallel=None) -> Optional[MovingColumns]:
     """Before this boundary's CPU update is launched, with no CPU work in flight: the CPU AdamW of the
     columns `selected` ([n, k]) brings onto the device, on copies of their host rows (the launched update
     redoes them, unused), so they arrive current while the others' update runs on. `members_by_scale` as
-    in `update_host_columns`. Returns their state, for `reselect_in_flight` (None: no column arrives)."""
+    in `update_host_columns`. Returns their state, for `reselect_in_flight` (None: no column arrives).
+    Data parallel: made by the owner of the slab's host part, broadcast to every rank."""
     member, slot = columns_not_in(selected, slab.selected_cpu).nonzero(as_tuple=True)
     if not member.numel():
         return None
+    arriving = (_update_arriving(slab, member, slot, selected, acc_slot, members_by_scale, hyperparameters)
+                if slab.has_host_part else None)
+    return arriving if data_parallel is None else _rows_from_owner(slab, data_parallel, member, slot, arriving)
+
+
+def _update_arriving(slab: Slab, member: torch.Tensor, slot: torch.Tensor, selected: torch.Tensor, acc_slot: int,
+                     members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict) -> MovingColumns:
+    """`take_arriving` where the host part is: the arriving columns' CPU AdamW on copies of their rows."""
     row = _host_position(slab)[member, selected[member, slot]]
     if slab.accumulates_on_device:  # the arriving columns' sums alone, read from the device: no wait for the
         at = (member.to(slab.device), row.to(slab.device))  # whole interval's copy (its size is what moves)
@@ -180,7 +190,8 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
     in_param = slab.master.to(slab.dtype) if slab.selected_written is None else slab.selected_written
     weights = in_param.transpose(1, 2)[departing_member.to(slab.device), departing_slot.to(slab.device)].cpu()
     departing = _move_device_columns(slab, stay, departing_member, departing_slot, arriving)
-    slab.departing = departing._replace(place=row, weights=weights)
+    if slab.has_host_part:  # (data parallel: the owner alone has host rows to settle them into)
+        slab.departing = departing._replace(place=row, weights=weights)
     _take_selection(slab, selected, host_columns, leaving.any(1))
     # The members whose columns changed hold their masters in every selected column from now on.
     kernels.write_columns_(slab.params, slab.selected, slab.master.to(slab.dtype) if slab.selected_written is None
@@ -233,20 +244,26 @@ def _from_owner(slab: Slab, data_parallel, arriving_member: torch.Tensor, arrivi
                 ) -> tuple[MovingColumns, torch.Tensor]:
     """Data parallel: the arriving columns' state and the new host order, which only the owner of the slab's
     host part holds (`incoming`, `host_columns`; None elsewhere), on every rank: two broadcasts."""
-    n, u, R, owner = slab.n, slab.u, slab.R, slab.key.owner
-    if slab.has_host_part:
-        rows = torch.cat([incoming.master, incoming.exp_avg, incoming.exp_avg_sq, incoming.counts.unsqueeze(1)], 1)
-        data_parallel.broadcast(rows.to(slab.device), owner)
-        data_parallel.broadcast(host_columns.to(slab.device), owner)
-        return incoming, host_columns
-    rows = torch.empty(len(arriving_member), 3 * R + 1, device=slab.device)
-    data_parallel.broadcast(rows, owner)
-    order = torch.empty(n, u, dtype=torch.long, device=slab.device)
-    data_parallel.broadcast(order, owner)
-    rows = rows.cpu()
-    incoming = MovingColumns(arriving_member, arriving_slot, rows[:, :R], rows[:, R:2 * R], rows[:, 2 * R:3 * R],
-                             rows[:, 3 * R])
+    incoming = _rows_from_owner(slab, data_parallel, arriving_member, arriving_slot, incoming)
+    order = (host_columns.to(slab.device) if slab.has_host_part else
+             torch.empty(slab.n, slab.u, dtype=torch.long, device=slab.device))
+    data_parallel.broadcast(order, slab.key.owner)
     return incoming, order.cpu()
+
+
+def _rows_from_owner(slab: Slab, data_parallel, member: torch.Tensor, place: torch.Tensor,
+                     moving: Optional[MovingColumns]) -> MovingColumns:
+    """Data parallel: columns' state, which only the owner of the slab's host part holds (`moving`; None
+    elsewhere), on every rank: one broadcast."""
+    R = slab.R
+    if slab.has_host_part:
+        rows = torch.cat([moving.master, moving.exp_avg, moving.exp_avg_sq, moving.counts.unsqueeze(1)], 1)
+        data_parallel.broadcast(rows.to(slab.device), slab.key.owner)
+        return moving
+    rows = torch.empty(len(member), 3 * R + 1, device=slab.device)
+    data_parallel.broadcast(rows, slab.key.owner)
+    rows = rows.cpu()
+    return MovingColumns(member, place, rows[:, :R], rows[:, R:2 * R], rows[:, 2 * R:3 * R], rows[:, 3 * R])
 
 
 def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, changed: torch.Tensor) -> None:
