@@ -202,10 +202,8 @@ def zenflow_keys(spec: dict, steps_per_epoch: int | None = None) -> dict:
     keys = dict(topk_ratio=spec["topk"], update_interval=interval if interval == "auto" else int(interval),
                 overlap_step=bool(spec["overlap"]), full_warm_up_rounds=spec["warmup"],
                 interval_aware_update=bool(spec["iau"]), interval_second_moment=bool(spec["sm"]))
-    if spec.get("reselect", "wait") != "wait":
-        keys["overlap_reselect"] = spec["reselect"]
-    if spec.get("lag") is not None:
-        keys["landing_lag"] = spec["lag"]
+    # Named whatever their value, so the optimizer's preset never fills in another schedule than the run's name.
+    keys.update(overlap_reselect=spec.get("reselect", "wait"), landing_lag=spec.get("lag"))
     select = spec.get("select", "auto")
     if select == "auto":  # named, so the optimizer's preset never picks another rule for a run that names none
         keys.update(select_strategy="auto", select_interval="auto")

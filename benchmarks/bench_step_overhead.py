@@ -12,7 +12,7 @@ Systems, each on its own copy of the model:
   adamw compiled  torch.compile(model) (Inductor), torch.optim.AdamW(fused=True)  (the compiled baseline)
   zenflow compiled torch.compile(model, backend="zenflow"), ZenFlowAdamW: the hand-off runs inside the
                   rewritten backward (custom ops)
-ZenFlow runs once per --configs entry (update_interval:select_strategy; default: the defaults, auto:auto,
+ZenFlow runs once per --configs entry (update_interval:select_strategy; default: DeepSpeed's, auto:auto,
 and a fixed interval, 4:step).
 
 Per step, wall time of forward, backward, opt.step() and opt.zero_grad(). The host cost of the optimizer is

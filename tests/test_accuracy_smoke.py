@@ -93,7 +93,8 @@ def test_run_names_with_a_selection_rule_and_their_config_keys():
     assert accuracy.run_name(spec) == "reference:topk=0.1,interval=4,overlap=1,warmup=0,iau=1,select=step4"
     assert accuracy.zenflow_keys(spec) == dict(
         topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=0, interval_aware_update=True,
-        interval_second_moment=False, select_strategy="step", select_interval=4)
+        interval_second_moment=False, select_strategy="step", select_interval=4, overlap_reselect="wait",
+        landing_lag=None)
     keys = accuracy.zenflow_keys(accuracy.parse_run("zenflow:select=epoch1"), steps_per_epoch=342)
     assert (keys["select_strategy"], keys["select_interval"], keys["steps_per_epoch"]) == ("epoch", 1, 342)
     for bad in ("step0", "steps4", "every4", "epoch"):
@@ -102,7 +103,7 @@ def test_run_names_with_a_selection_rule_and_their_config_keys():
     spec = accuracy.parse_run("reference:iau=1,select=step4,reselect=incoming")
     assert accuracy.run_name(spec).endswith(",iau=1,select=step4,reselect=incoming")
     assert accuracy.zenflow_keys(spec)["overlap_reselect"] == "incoming"
-    assert "overlap_reselect" not in accuracy.zenflow_keys(accuracy.parse_run("reference:reselect=wait"))
+    assert accuracy.zenflow_keys(accuracy.parse_run("reference:reselect=wait"))["overlap_reselect"] == "wait"
     with pytest.raises(ValueError, match=r"reselect='later': expected one of \('wait', 'incoming'\)"):
         accuracy.parse_run("reference:reselect=later")
     labels, _ = accuracy.chart_labels(["zenflow:iau=1,select=step4", "zenflow:iau=1"])
@@ -119,7 +120,7 @@ def test_run_names_take_the_landing_lag():
     keys = accuracy.zenflow_keys(spec)
     assert (keys["landing_lag"], keys["overlap_reselect"]) == (1, "incoming")
     assert ZenFlowConfig(**keys).landing_lag == 1
-    assert "landing_lag" not in accuracy.zenflow_keys(accuracy.parse_run("reference:iau=1"))
+    assert accuracy.zenflow_keys(accuracy.parse_run("reference:iau=1"))["landing_lag"] is None
     for bad in ("0", "-1", "x", "1.5", ""):
         with pytest.raises(ValueError, match=rf"lag='{bad}': expected an int >= 1"):
             accuracy.parse_run(f"reference:lag={bad}")
@@ -129,14 +130,17 @@ def test_run_names_take_the_landing_lag():
 
 
 @pytest.mark.project_defaults
-def test_a_run_that_names_no_selection_rule_selects_on_drift_under_the_project_defaults():
-    """select "auto" (drift) when a run names no rule, though the optimizer's own default is step 4: the run
-    name is the whole configuration (DeepSpeed's semantics are `interval=auto,overlap=0`)."""
+def test_a_run_gets_the_schedule_its_name_says_under_the_project_defaults():
+    """select "auto" (drift) when a run names no rule, and a reselection that waits and lands at the next
+    boundary when it names neither, though the optimizer's own defaults are step 4, "incoming" and a lag of
+    1: the run name is the whole configuration (DeepSpeed's semantics are `interval=auto,overlap=0`)."""
     accuracy = _accuracy_module()
-    for name in ("zenflow:select=auto", "zenflow:interval=auto,overlap=0"):
+    for name in ("zenflow:select=auto", "zenflow:interval=auto,overlap=0", "zenflow:iau=1"):
         config = ZenFlowConfig(**accuracy.zenflow_keys(accuracy.parse_run(name)))
         assert (config.select_strategy, config.select_interval) == ("auto", "auto"), name
-    assert ZenFlowConfig().select_strategy == "step"  # (what the run would have got)
+        assert (config.overlap_reselect, config.landing_lag) == ("wait", None), name
+    config = ZenFlowConfig()  # (what the runs would have got)
+    assert (config.select_strategy, config.overlap_reselect, config.landing_lag) == ("step", "incoming", 1)
 
 
 def test_eval_steps_resolve_epoch_and_steps_default_to_the_last():

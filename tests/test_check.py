@@ -201,12 +201,16 @@ def test_on_a_gpu_the_host_part_measures_past_the_caches(tmp_path):
     assert "--smoke" not in host.command and host.command[host.command.index("--sizes") + 1] == "100M"
 
 
-def test_on_a_gpu_the_benchmark_sums_on_both_placements_and_saves_a_trace(tmp_path):
+@pytest.mark.project_defaults
+def test_on_a_gpu_the_benchmark_runs_the_defaults_schedule_on_both_placements_and_saves_a_trace(tmp_path):
     bench = {part.name: part for part in check.plan_parts(check.parse_args([]), dict(gpu=True, cpu_count=16),
                                                           tmp_path)}["bench"]
     command = bench.command
-    assert command[command.index("--accumulate-on") + 1] == "both"
-    assert command[command.index("--trace-dir") + 1].endswith("traces")
+    flag = lambda name: command[command.index(name) + 1]
+    assert flag("--accumulate-on") == "both"
+    assert flag("--trace-dir").endswith("traces")
+    assert (flag("--zenflow-settings"), flag("--select-strategy"), flag("--select-interval"),
+            flag("--overlap-reselect"), flag("--landing-lag")) == ("0.05:4", "step", "4", "incoming", "1")
 
 
 def test_outside_a_checkout_it_says_to_run_from_a_clone(tmp_path):

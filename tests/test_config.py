@@ -323,7 +323,7 @@ def test_second_moment_needs_interval_aware_update():
 
 # ------------------------------------------------------------------------------------------- landing lag
 def test_landing_lag_values():
-    assert ZenFlowConfig().landing_lag is None and ZenFlowConfig(preset="project").landing_lag is None
+    assert ZenFlowConfig().landing_lag is None and ZenFlowConfig(preset="deepspeed").landing_lag is None
     for lag in (1, 2, 4):
         c = ZenFlowConfig(overlap_step=True, update_interval=4, landing_lag=lag)
         assert c.landing_lag == lag and ZenFlowConfig.from_dict(c.to_dict()) == c

@@ -72,13 +72,14 @@ def test_an_unknown_preset_is_an_error_naming_the_allowed_ones():
 
 
 PROJECT_DEFAULTS = dict(update_interval=4, overlap_step=True, interval_aware_update=True, select_strategy="step",
-                        select_interval=4)
+                        select_interval=4, overlap_reselect="incoming", landing_lag=1)
 
 
 @pytest.mark.project_defaults
 def test_the_project_defaults_are_the_measured_settings():
     """What README "Which settings" (benchmarks/README.md, "accuracy") measured: a CPU update every 4 steps,
-    sized for the 4 steps it stands for, and the selection renewed at each of them."""
+    sized for the 4 steps it stands for, the selection renewed at each of them while the update runs on, and
+    the update landing one step after its boundary."""
     config = ZenFlowConfig()
     assert {k: getattr(config, k) for k in PROJECT_DEFAULTS} == PROJECT_DEFAULTS
     others = {k: v for k, v in ZenFlowConfig(preset="deepspeed").to_dict().items() if k not in PROJECT_DEFAULTS}
@@ -86,14 +87,30 @@ def test_the_project_defaults_are_the_measured_settings():
 
 
 @pytest.mark.project_defaults
+def test_turning_the_overlap_off_turns_off_the_presets_overlap_keys():
+    """overlap_step=False with the project's preset: its overlap_reselect and landing_lag, which need the
+    overlap, fall back to no overlap's ("wait", None) instead of making the config an error; set explicitly
+    they are still checked."""
+    config = ZenFlowConfig(overlap_step=False)
+    assert (config.overlap_step, config.overlap_reselect, config.landing_lag) == (False, "wait", None)
+    assert ZenFlowAdamW(tiny_model().parameters(), overlap_step=False).config == config
+    assert ZenFlowConfig.from_dict(config.to_dict()) == config
+    with pytest.raises(ValueError, match=r"landing_lag=1 needs overlap_step=True"):
+        ZenFlowConfig(overlap_step=False, landing_lag=1)
+    assert ZenFlowConfig(update_interval=2).landing_lag == 1  # (L 1 fits every interval)
+
+
+@pytest.mark.project_defaults
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("keys, overlapped", [({}, 0), (dict(select_interval=8), 2)],
-                         ids=["defaults", "select_interval=8"])
+@pytest.mark.parametrize("keys, overlapped", [({}, 4), (dict(overlap_reselect="wait"), 0),
+                                               (dict(overlap_reselect="wait", select_interval=8), 2)],
+                         ids=["defaults", "wait", "wait,select_interval=8"])
 def test_training_with_the_project_defaults_equals_the_reference(keys, overlapped, compiled, device):
-    """A user's `ZenFlowAdamW(params, lr=..., weight_decay=...)` with no ZenFlow key (or one): equal to the
-    reference given the same, step by step. 16 steps make 4 boundaries; with the defaults each reselects and
-    waits for its own CPU update (none overlaps); reselecting every 8 steps lets every other one overlap."""
+    """A user's `ZenFlowAdamW(params, lr=..., weight_decay=...)` with no ZenFlow key (or one or two): equal
+    to the reference given the same, step by step. 16 steps make 4 boundaries; with the defaults each
+    reselects while its CPU update runs on and every one overlaps; with "wait" each reselecting boundary
+    waits for its own update (none overlaps), and reselecting every 8 steps lets every other one overlap."""
     import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow")
 
     a, b = tiny_model(), tiny_model()

@@ -56,6 +56,8 @@ from typing import Any, Optional
 
 import torch
 
+from zenflow_compile.config import ZenFlowConfig
+
 PART_NAMES = ("kernels", "overlap", "host", "bench", "tests")
 DEFAULT_TIME_BUDGET_S = 1140.0  # 19 minutes: the issue's 20, less start-up and the report
 # Interrupted parts get this long to write what they have (pytest its junit xml, the benchmark its JSON).
@@ -208,10 +210,14 @@ def plan_parts(args: argparse.Namespace, machine: dict[str, Any], files_dir: Pat
         systems = ["adamw", "zenflow"]
         if importlib.util.find_spec("deepspeed") is not None:
             systems += ["ds_offload", "ds_zenflow"]
-        # One ZenFlow setting, overlap on, summing on the device and on the host, 16 measured steps (4 update
-        # intervals): the targets' figures in minutes; the benchmark's full grid takes an hour.
+        # One ZenFlow setting, the defaults' schedule at top-k 0.05, summing on the device and on the host, 16
+        # measured steps (4 update intervals): the targets' figures in minutes; the full grid takes an hour.
+        defaults = ZenFlowConfig()
         bench_plan = ["--model", "1b", "--batch", "8", "--seq", "1024", "--steps", "16", "--warmup", "4",
-                      "--zenflow-settings", "0.05:4", "--overlap", "on", "--accumulate-on", "both",
+                      "--zenflow-settings", f"0.05:{defaults.update_interval}", "--overlap", "on",
+                      "--select-strategy", defaults.select_strategy, "--select-interval",
+                      str(defaults.select_interval), "--overlap-reselect", defaults.overlap_reselect,
+                      "--landing-lag", str(defaults.landing_lag).lower(), "--accumulate-on", "both",
                       "--systems", ",".join(systems)]
     else:
         # DeepSpeed's rows need its ops JIT-built first (minutes): beyond a bounded CPU check.

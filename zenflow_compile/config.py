@@ -20,13 +20,16 @@ __all__ = ["ZenFlowConfig", "ZENFLOW_KEYS", "PRESETS"]
 
 _STRATEGIES = ("auto", "step", "epoch")
 # Named sets of defaults: `preset="deepspeed"` gives DeepSpeed's (the dataclass defaults below), "project" (what
-# `preset=None` means) this project's: the most accurate settings across the fine-tunes of
-# benchmarks/accuracy.py (README "Which settings"). Keys set explicitly always win over the preset.
+# `preset=None` means) this project's: the most accurate setting that overlaps every boundary across the
+# fine-tunes of benchmarks/accuracy.py (README "Which settings"). Keys set explicitly always win over the preset.
 PRESETS = {
     "project": dict(update_interval=4, overlap_step=True, interval_aware_update=True, select_strategy="step",
-                    select_interval=4),
+                    select_interval=4, overlap_reselect="incoming", landing_lag=1),
     "deepspeed": {},
 }
+# Keys that say how an overlapped update behaves: a preset's values apply only where the overlap is on (a user's
+# overlap_step=False turns them off with it, rather than making them an error).
+_OVERLAP_KEYS = ("overlap_reselect", "landing_lag")
 _OVERLAP_RESELECT = ("wait", "incoming")
 _ACCUMULATE_ON = ("auto", "device", "host")
 
@@ -91,7 +94,8 @@ class ZenFlowConfig:
 
     preset (keyword, not stored): which defaults the keys not given take: None or "project" (this project's:
     update_interval=4, overlap_step=True, interval_aware_update=True, select_strategy="step",
-    select_interval=4), "deepspeed" (DeepSpeed's, the defaults listed below); see PRESETS.
+    select_interval=4, overlap_reselect="incoming", landing_lag=1; the last two only where overlap_step is
+    True), "deepspeed" (DeepSpeed's, the defaults listed below); see PRESETS.
 
     topk_ratio: fraction r in (0, 1] of each matrix's columns updated on the device every step (1: all).
     select_strategy: when the selected columns are re-chosen: "auto" (on churn), "step" or "epoch".
@@ -173,8 +177,9 @@ class ZenFlowConfig:
 
         if not (preset is None or (isinstance(preset, str) and preset in PRESETS)):
             raise _bad("preset", preset, f"None or one of {sorted(PRESETS)}")
+        given = getattr(self, "_given", ())
         for key, value in PRESETS[preset or "project"].items():
-            if key not in getattr(self, "_given", ()):
+            if key not in given and (key not in _OVERLAP_KEYS or self.overlap_step is True):
                 put(key, value)
 
         def real_in(key: str, lo: float, hi: float, lo_open: bool, allowed: str) -> None:
