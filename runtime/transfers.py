@@ -163,6 +163,14 @@ class Transfers:
             source = source.index_select(0, rows)  # on the compute stream
         return self._copy_down([source], [pinned])
 
+    def copy_to_host(self, source: torch.Tensor):
+        """A host copy of device `source`, made on the copy stream without blocking: (host tensor, the event a
+        host reader must wait for). Where the device is the host, `source` itself and None."""
+        if self.device_is_host:
+            return source, None
+        pinned = self.host_zeros(source.shape, source.dtype)
+        return pinned, self._copy_down([source], [pinned])
+
     def to_host_many(self, sources: Sequence[torch.Tensor], pinned: Sequence[torch.Tensor]):
         """Copy each device tensor of `sources` into the host buffer at the same position, in one batched
         copy; returns the one event a host reader must wait for."""

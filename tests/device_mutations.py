@@ -134,6 +134,8 @@ MUTATIONS = [
              "runtime/state/columns.py",
              "    slab.uploaded = None  # (an upload made before these rows changed: the apply uploads them again)\n",
              ""),
+    Mutation("M30", "departing columns' state settled into host rows before its copy down has completed",
+             "runtime/state/columns.py", "    wait_events([copy.done])\n", ""),
 ]
 
 # A mutated line is no longer in its file, so this check fails under every mutation: it would report each one as

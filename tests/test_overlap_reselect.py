@@ -203,3 +203,26 @@ def test_a_reselection_in_flight_reads_the_arriving_columns_sums_not_the_whole_c
     train_tiny(model, opt, [torch.randn(4, 6, 16, generator=seeded_generator(i)) for i in range(4)])
     assert opt.stats()["reselections"] >= 1 and opt.stats()["accumulate_on"] == accumulate_on
     assert bool(waited) == waits
+
+
+def test_a_reselection_in_flight_leaves_the_departing_state_to_the_copy_stream(emulated_device, monkeypatch):
+    """The departing columns' state goes down on the copy stream, one copy per slab whose columns change,
+    and is settled into its host rows once the update has finished: the training thread's blocking reads
+    are the steps' own (`host_reads`) and, per slab whose columns change, the arriving columns' sums."""
+    from zenflow_compile.runtime import transfers
+    from zenflow_compile.runtime.state import columns
+
+    reads, copies, arrivals = [], [], []
+    read, copy_down, take = transfers.Transfers.read_to_host, transfers.Transfers.copy_to_host, columns.take_arriving
+    monkeypatch.setattr(transfers.Transfers, "read_to_host", lambda self, t: reads.append(1) or read(self, t))
+    monkeypatch.setattr(transfers.Transfers, "copy_to_host", lambda self, t: copies.append(1) or copy_down(self, t))
+    monkeypatch.setattr(columns, "take_arriving",
+                        lambda *args, **kwargs: arrivals.append(take(*args, **kwargs)) or arrivals[-1])
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, accumulate_on="device", **INCOMING)
+    train_tiny(model, opt, [torch.randn(4, 6, 16, generator=seeded_generator(i)) for i in range(8)])
+    changed = sum(moving is not None for moving in arrivals)
+    stats = opt.stats()
+    assert stats["reselections"] == 4 and changed >= 4 and stats["selection_churn"] > 0
+    assert len(reads) == stats["host_reads"] + changed
+    assert len(copies) == changed

@@ -64,6 +64,29 @@ class MovingColumns(NamedTuple):
     weights: Optional[torch.Tensor] = None  # [m, R] param dtype: what the parameter holds (departing columns)
 
 
+class DepartingCopy(NamedTuple):
+    """A reselection in flight's departing columns on their way to the host: `rows` (`_pack`ed, with the
+    weights their parameters hold) is a host copy that `done` completes; `place` is each one's host row."""
+
+    member: torch.Tensor  # [m] int64
+    place: torch.Tensor  # [m] int64
+    rows: torch.Tensor  # [m, 4R + 1] fp32, on the host once `done` has completed
+    done: object  # the copy's event (None: already there)
+
+
+def _pack(state: list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+    """Columns' master, exp_avg, exp_avg_sq ([m, R] each) and counts ([m]) as one [m, 3R + 1] fp32 tensor:
+    one copy or broadcast moves them all."""
+    return torch.cat([*state, counts.unsqueeze(1)], 1)
+
+
+def _unpack(rows: torch.Tensor, R: int, member: torch.Tensor, place: torch.Tensor,
+            weights_dtype: Optional[torch.dtype] = None) -> MovingColumns:
+    """`_pack`'s rows (on the host) as MovingColumns; `weights_dtype`: [m, R] weights follow the counts."""
+    weights = None if weights_dtype is None else rows[:, 3 * R + 1:].to(weights_dtype)
+    return MovingColumns(member, place, rows[:, :R], rows[:, R:2 * R], rows[:, 2 * R:3 * R], rows[:, 3 * R], weights)
+
+
 def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_parallel=None) -> int:
     """Make `selected` ([n, k], ascending rows) the device-resident columns, moving state with its columns,
     in place (k and u stay). Called at a boundary whose CPU update was applied: accumulators are empty and
@@ -103,7 +126,9 @@ def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_paral
     # (member, new host row) of each departing column with its device slot
     departing_member, departing_row = on_device.gather(1, host_columns).nonzero(as_tuple=True)
     departing_slot = position[departing_member, host_columns[departing_member, departing_row]]
-    outgoing = _move_device_columns(slab, staying_slot, departing_member, departing_slot, incoming)
+    outgoing = _unpack(slab.transfers.read_to_host(
+        _move_device_columns(slab, staying_slot, departing_member, departing_slot, incoming)),
+        R, departing_member, departing_slot)
     if slab.has_host_part:
         keep = position.gather(1, host_columns).masked_fill(on_device.gather(1, host_columns), 0)  # [n, u]
         for name in _STATE:
@@ -188,10 +213,12 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
     old_slot.scatter_(1, old_selected, torch.arange(k, device="cpu").expand(n, k))
     stay = old_slot.gather(1, selected)  # (an arriving column's entry is overwritten)
     in_param = slab.master.to(slab.dtype) if slab.selected_written is None else slab.selected_written
-    weights = in_param.transpose(1, 2)[departing_member.to(slab.device), departing_slot.to(slab.device)].cpu()
+    weights = in_param.transpose(1, 2)[departing_member.to(slab.device), departing_slot.to(slab.device)]
     departing = _move_device_columns(slab, stay, departing_member, departing_slot, arriving)
     if slab.has_host_part:  # (data parallel: the owner alone has host rows to settle them into)
-        slab.departing = departing._replace(place=row, weights=weights)
+        # Copied down on the copy stream, not read here: nothing needs them before the update has finished.
+        rows, done = slab.transfers.copy_to_host(torch.cat([departing, weights.float()], 1))
+        slab.departing = DepartingCopy(departing_member, row, rows, done)
     _take_selection(slab, selected, host_columns, leaving.any(1))
     # The members whose columns changed hold their masters in every selected column from now on.
     kernels.write_columns_(slab.params, slab.selected, slab.master.to(slab.dtype) if slab.selected_written is None
@@ -204,7 +231,10 @@ def settle_departing(slab: Slab) -> None:
     rows has finished (call with no CPU work in flight); the host weights get what their parameters hold."""
     if slab.departing is None:
         return
-    d, slab.departing = slab.departing, None
+    copy, slab.departing = slab.departing, None
+    wait_events([copy.done])
+    slab.transfers.host_access(reads=[copy.rows])
+    d = _unpack(copy.rows, slab.R, copy.member, copy.place, weights_dtype=slab.dtype)
     for name in ("master", "exp_avg", "exp_avg_sq"):
         getattr(slab, "host_" + name)[d.member, d.place] = getattr(d, name)
     slab.host_counts[d.member, d.place] = d.counts
@@ -216,27 +246,27 @@ def settle_departing(slab: Slab) -> None:
 
 
 def _move_device_columns(slab: Slab, stay: torch.Tensor, departing_member: torch.Tensor,
-                         departing_slot: torch.Tensor, arriving: MovingColumns) -> MovingColumns:
+                         departing_slot: torch.Tensor, arriving: MovingColumns) -> torch.Tensor:
     """The device side of a move, the same for every reselection: each new slot i of member j takes old slot
     stay[j, i] (an arriving column's entry is any), then the arriving columns' state (`arriving`, place = new
-    slot) is written in. Returns the departing columns' state (place = old slot), read before any write.
-    Device tensors change in place, in a fixed number of calls."""
+    slot) is written in. Returns the departing columns' state (by (departing_member, departing_slot)),
+    `_pack`ed on the device, gathered before any write: the caller says when it comes to the host. Device
+    tensors change in place, in a fixed number of calls."""
     on_device = lambda *index: tuple(i.to(slab.device) for i in index)
     departing_at, arriving_at = on_device(departing_member, departing_slot), on_device(arriving.member,
                                                                                       arriving.place)
     stay = stay.to(slab.device)
-    outgoing = {}
+    outgoing = _pack([getattr(slab, name).transpose(1, 2)[departing_at] for name in _STATE],
+                     slab.counts[departing_at])
     for name in _STATE:
         device_state = getattr(slab, name)
         by_column = device_state.transpose(1, 2)  # [n, k, R]: a column per row, like the host
-        outgoing[name] = by_column[departing_at].cpu()
         device_state.copy_(device_state.gather(2, columns_index(stay, slab.R)))
         by_column.index_put_(arriving_at, getattr(arriving, name).to(slab.device))
-    outgoing["counts"] = slab.counts[departing_at].cpu()
     counts = slab.counts.gather(1, stay)
     counts[arriving_at] = arriving.counts.to(slab.device)
     slab.counts.copy_(counts)
-    return MovingColumns(departing_member, departing_slot, **outgoing)
+    return outgoing
 
 
 def _from_owner(slab: Slab, data_parallel, arriving_member: torch.Tensor, arriving_slot: torch.Tensor,
@@ -255,15 +285,13 @@ def _rows_from_owner(slab: Slab, data_parallel, member: torch.Tensor, place: tor
                      moving: Optional[MovingColumns]) -> MovingColumns:
     """Data parallel: columns' state, which only the owner of the slab's host part holds (`moving`; None
     elsewhere), on every rank: one broadcast."""
-    R = slab.R
     if slab.has_host_part:
-        rows = torch.cat([moving.master, moving.exp_avg, moving.exp_avg_sq, moving.counts.unsqueeze(1)], 1)
+        rows = _pack([moving.master, moving.exp_avg, moving.exp_avg_sq], moving.counts)
         data_parallel.broadcast(rows.to(slab.device), slab.key.owner)
         return moving
-    rows = torch.empty(len(member), 3 * R + 1, device=slab.device)
+    rows = torch.empty(len(member), 3 * slab.R + 1, device=slab.device)
     data_parallel.broadcast(rows, slab.key.owner)
-    rows = rows.cpu()
-    return MovingColumns(member, place, rows[:, :R], rows[:, R:2 * R], rows[:, 2 * R:3 * R], rows[:, 3 * R])
+    return _unpack(slab.transfers.read_to_host(rows), slab.R, member, place)
 
 
 def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, changed: torch.Tensor) -> None:
@@ -291,4 +319,4 @@ def _host_position(slab: Slab) -> torch.Tensor:
     return position.scatter_(1, slab.host_columns_cpu, torch.arange(slab.u, device="cpu").expand(slab.n, slab.u))
 
 
-__all__ = ["MovingColumns", "RowScratch", "reselect", "reselect_in_flight", "settle_departing", "take_arriving"]
+__all__ = ["DepartingCopy", "MovingColumns", "RowScratch", "reselect", "reselect_in_flight", "settle_departing", "take_arriving"]

@@ -126,7 +126,7 @@ class Slab:
         self.unapplied = any(s.unapplied for s in states)
         # A reselection during an in-flight CPU update (overlap_reselect="incoming"): the departing columns'
         # state, waiting for their host rows until that update has finished (`settle_departing`).
-        self.departing = None  # (a columns.MovingColumns)
+        self.departing = None  # (a columns.DepartingCopy)
         self._params = None  # see `params`
         self.master_rows = list(self.master.unbind(0))  # (the tensors are rewritten in place, never replaced)
         # This step: how many members took a gradient, and whether any took several backwards.
