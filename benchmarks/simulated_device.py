@@ -35,9 +35,10 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
    update and merges it first; "incoming" reads the arriving columns' sums (from the device, or the host's
    once the step's accumulation ended) and runs their CPU AdamW (real work, c x r of the parameters) before
    it launches the update. Then the
-   moves: the arriving columns' state (fp32 master and moments, and the parameter) up, the departing columns'
-   down, as blocking copies on the compute stream (the runtime's `columns._move_device_columns`), the
-   training thread waiting for them (host rows are rewritten on it).
+   moves (the runtime's `columns._move_device_columns`): the arriving columns' state (fp32 master and
+   moments, and the parameter) up, a blocking copy on the compute stream; the departing columns' down, with
+   "wait" a blocking read (their host rows are rewritten at once), with "incoming" a copy on the D2H stream
+   that nothing waits for until the update has finished (`columns.reselect_in_flight`).
 Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
 beyond fused AdamW's, measured on the simulated compute stream. The measured window is whole intervals in the
 steady state: it starts and ends with a CPU update in flight (bench_offload's GPU rows instead start with none
@@ -338,9 +339,14 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
         pending["land_at"] = None if regime.landing_lag is None else i + regime.landing_lag
         if regime.overlap_reselect == "wait":  # the boundary's own update, waited for and merged first
             apply_previous(i)
-        if regime.overlap_reselect:  # the moves: blocking copies on the compute stream, as the runtime's
-            compute.run(regime.seconds(2 * move_s))  # (each way)
+        if regime.overlap_reselect == "wait":  # the moves: blocking copies each way, as the runtime's
+            compute.run(regime.seconds(2 * move_s))
             compute.synchronize()
+        elif regime.overlap_reselect == "incoming":  # arriving up, blocking; departing down on the D2H stream
+            compute.run(regime.seconds(move_s))
+            compute.synchronize()
+            down.wait_event(compute.record())
+            down.run(regime.seconds(move_s))
 
     try:
         result = _run_loop(regime, step, compute, finish=apply_previous,
