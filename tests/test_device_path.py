@@ -298,3 +298,72 @@ def test_every_device_mutation_still_applies_to_the_runtime():
 
     problems = {m.key: device_mutations.why_not_applicable(m) for m in device_mutations.MUTATIONS}
     assert {key: why for key, why in problems.items() if why is not None} == {}
+
+
+class _TwoLayers(torch.nn.Module):
+    """Two matrices of one shape (one slab); the second takes part only when asked."""
+
+    def __init__(self):
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(16, 16, generator=generator) / 4)
+        self.b = torch.nn.Parameter(torch.randn(16, 16, generator=generator) / 4)
+
+    def forward(self, x, with_b: bool):
+        y = x @ self.a.t()
+        return (y @ self.b.t() if with_b else y).square().mean()
+
+
+@pytest.mark.parametrize("backwards", [1, 2])
+def test_host_sums_of_members_handed_over_apart_wait_for_each_copy(backwards, emulated_device):
+    """One slab whose members arrive apart (one of the two has no gradient at every other step; with two
+    backwards a step, the later ones go to extra buffers): summing on the host, the accumulate worker reads
+    each member's offloaded columns only after that copy's event (the emulated device reports a read
+    before its copy landed), and the values equal the reference's."""
+    models = [_TwoLayers(), _TwoLayers()]
+    keys = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True, select_strategy="step",
+                select_interval=4)
+    opts = [ZenFlowAdamW(models[0].parameters(), accumulate_on="host", **keys),
+            ZenFlowReference(models[1].parameters(), **keys)]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(8):
+        xs = [torch.randn(8, 16, generator=generator) for _ in range(backwards)]
+        for model, opt in zip(models, opts):
+            for x in xs:
+                model(x, with_b=step % 2 == 0).backward()
+            opt.step()
+            opt.zero_grad()
+    assert opts[0].stats()["accumulate_on"] == "host" and opts[0].stats()["cpu_updates"] == 4
+    for opt in opts:
+        opt.synchronize()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, **value_tolerance(1e-6, 1e-5))
+
+
+def test_weights_written_after_a_synchronize_wait_for_the_upload_it_queued(emulated_device):
+    """A reselection in flight rewrites host rows, so the update it overlaps is uploaded at its apply, here
+    by `synchronize()`; weights the user writes next are adopted into the same pinned buffer at the next
+    step, which first waits for that upload (the emulated device reports a write under a pending copy). The
+    values equal the reference's."""
+    emulated_device.delay_ms = 5.0
+    keys = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True, select_strategy="step",
+                select_interval=2, overlap_reselect="incoming")
+    models = [tiny_model(), tiny_model()]
+    opts = [ZenFlowAdamW(models[0].parameters(), accumulate_on="device", **keys),
+            ZenFlowReference(models[1].parameters(), **keys)]
+    batches = make_batches(8)
+    for step, batch in enumerate(batches):
+        for model, opt in zip(models, opts):
+            loss_fn(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+            if step in (1, 5):  # a reselecting boundary, its update in flight
+                opt.synchronize()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+    assert opts[0].stats()["reselections"] == 4 and opts[0].stats()["overlapped_boundaries"] == 4
+    for opt in opts:
+        opt.synchronize()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q, **value_tolerance(1e-6, 1e-5))
