@@ -128,12 +128,13 @@ class ZenFlowConfig:
         device with their state and must be current there); the columns that stay unselected keep it in flight
         until it lands (the next boundary, or landing_lag), as at any overlapped boundary, so the boundary
         overlaps. Needs overlap_step=True.
-    landing_lag: this project's key, opt-in, needs overlap_step=True. None (the default): an overlapped CPU
-        update lands (is applied to the parameters) at the next boundary, DeepSpeed's overlap. An int L >= 1:
-        the update launched at boundary b lands at the end of step b + L, or at the next boundary if that comes
-        first (which with an int update_interval S it never does: L must be <= S, and L = S is the default's
-        schedule). With update_interval="auto" the next boundary is not known in advance, so L is a cap on
-        the staleness (L <= max_update_interval). A CPU update not finished by its landing step is waited for there (counted stall).
+    landing_lag: this project's key (1 in the project's preset, None in DeepSpeed's), needs overlap_step=True.
+        None: an overlapped CPU update lands (is applied to the parameters) at the next boundary, DeepSpeed's
+        overlap. An int L >= 1: the update launched at boundary b lands at the end of step b + L, or at the
+        next boundary if that comes first (which with an int update_interval S it never does: L must be <= S,
+        and L = S is None's schedule). With update_interval="auto" the next boundary is not known in advance,
+        so L is a cap on the staleness (L <= max_update_interval). A CPU update not finished by its landing
+        step is waited for there (counted stall).
     accumulate_on: where the unselected columns' gradients are summed between CPU updates (this project's key;
         the result is the same): "device" (an fp32 accumulator on the device, copied to the host once per update
         interval), "host" (every step's gradient copied to the host and added there by a worker thread: for a

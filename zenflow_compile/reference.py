@@ -48,12 +48,12 @@ Its decisions in detail (the rest of the project follows them):
   device := master for them; the columns leaving it keep their state and start with an empty accumulator.
   So every step's gradient reaches every column exactly once: as a device update while the column is
   selected, or in the one CPU update that empties the accumulator it went into.
-- landing_lag L (opt-in, with overlap_step; None: land at the next boundary): (5) at a step t that is not a
+- landing_lag L (with overlap_step; None: land at the next boundary): (5) at a step t that is not a
   boundary, t == land_at (= b + L, set in (3) of a pending boundary b; cleared at every boundary, so with
   update_interval="auto" an earlier boundary lands it in (1)): after the step's updates, pending: device[:, U]
   = master[:, U], pending = False. L = S (int interval) lands at the next boundary in (1): the same as None.
   synchronize() lands early.
-- overlap_reselect (opt-in, with overlap_step): "wait" is the above. "incoming": in (3) a reselecting
+- overlap_reselect (with overlap_step): "wait" is the above. "incoming": in (3) a reselecting
   boundary stays pending like any other; in (4) the switch makes the columns joining S current at once, the
   others of U keep the boundary's update in flight until it lands.
 - lr / betas / eps / weight_decay: the param group's values at the step the update is made.
