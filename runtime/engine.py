@@ -29,7 +29,6 @@ as stall time.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import operator
 import time
@@ -41,11 +40,13 @@ from torch.profiler import record_function
 from zenflow_compile.runtime import checkpoint, registry
 from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
+from zenflow_compile.runtime.host_reads import HostReads, StepReadout
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
 from zenflow_compile.runtime.state import columns as column_moves, intake, update, watch
 from zenflow_compile.runtime.state.intake import BucketPlan, rows_taken
 from zenflow_compile.runtime.state.layout import columns_not_in, host_order, matrix_shape, top_k_columns
 from zenflow_compile.runtime.state.members import Member, MemberState, slab_key
+from zenflow_compile.runtime.state.pending import PendingPlacements
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
 
@@ -66,16 +67,6 @@ def _hyperparameters(group: dict) -> dict:
                 weight_decay=float(group["weight_decay"]))
 
 
-@dataclasses.dataclass
-class _StepReadout:
-    """What the step's one host read brought back (see `ZenFlowRuntime._read_step_values`)."""
-
-    norm: float  # global L2 norm of the unscaled gradient
-    scale: float  # the loss scale the gradients carry (1 without a GradScaler)
-    mean_scores: dict = dataclasses.field(default_factory=dict)  # Zen-auto: pid -> (selected, unselected) mean
-    selecting_scores: dict = dataclasses.field(default_factory=dict)  # pid -> host scores, first selections
-
-
 class ZenFlowRuntime:
     def __init__(self, config, max_grad_norm: Optional[float],
                  data_parallel: Optional[DataParallel] = None, reduce_bucket_numel: int = 25_000_000,
@@ -94,8 +85,8 @@ class ZenFlowRuntime:
         # costs no host memory and no transfers, and is never written.
         self.members: dict[int, Member] = {}  # pid -> its place in a slab, in registration (pid) order
         self.slabs: list[Slab] = []
+        self.pending = PendingPlacements()  # matrices laid out at this step's first selection (state/pending.py)
         self._plans: dict[tuple, BucketPlan] = {}  # bucket's pids -> plan, for the current slabs
-        self._norm_orders: dict[tuple, Optional[torch.Tensor]] = {}  # see _norm_order, for the current slabs
         self._watched = None  # (params, what their watches saw), for the current members
         self.step_count = 0  # t: completed (non-skipped) steps
         self.selection_start = 0  # first step run under the current selection
@@ -113,6 +104,7 @@ class ZenFlowRuntime:
         self.selection_seconds = 0.0  # the training thread's time moving state for (re)selections (not saved)
         self.row_scratch = column_moves.RowScratch()  # what reselections reorder host rows through
         self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
+        self.host_reads = HostReads(self.counters)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
         # Where the unselected columns' gradients are summed, "device" or "host"; None until the first state is
         # laid out ("auto" looks at the device's free memory then).
@@ -135,7 +127,7 @@ class ZenFlowRuntime:
     def add_param(self, param: torch.Tensor, group_index: int) -> int:
         self.check_device(param)
         if self.transfers is None:
-            self.transfers = Transfers(param.device)
+            self.transfers = self.host_reads.transfers = Transfers(param.device)
             self.host_work.use_device(self.transfers)
         pid = registry.register_param(param, self)
         self.params[pid] = (param, group_index)
@@ -155,6 +147,9 @@ class ZenFlowRuntime:
         for pid, group_index in group_of.items():
             param, _ = self.params[pid]
             self.params[pid] = (param, group_index)
+        if self.pending.members:
+            self.pending.follow_param_groups(group_of)
+            self._layout_changed()
         changed = [m for m in self.members.values() if m.pid not in group_of or m.group_index != group_of[m.pid]]
         if not changed:
             return
@@ -173,10 +168,11 @@ class ZenFlowRuntime:
 
     def _create_members(self, pids: list[int]) -> list[Member]:
         """State for the parameters of `pids` that have none yet, from their current values (a parameter's state
-        is created at its first gradient), in new slabs; returns every pid's member."""
+        is created at its first gradient), in new slabs; a matrix whose first selection is this step's waits
+        for it, holding only its gradient (`state/pending.py`). Returns every pid's member."""
         new = []
         for pid in dict.fromkeys(pids):
-            if pid not in self.members:
+            if pid not in self.members and pid not in self.pending:
                 param, group_index = self.params[pid]
                 owner = self._owner(pid, param)
                 member = Member(param, pid, group_index, owner, owns_host=owner == self.rank)
@@ -185,9 +181,17 @@ class ZenFlowRuntime:
                         f"ZenFlowAdamW needs contiguous parameters; got one of shape {tuple(param.shape)} with "
                         f"strides {param.stride()}. Make it contiguous (param.data = param.data.contiguous()) first.")
                 new.append(member)
-        if new:
-            self._add_slabs(new, [MemberState.fresh(m.param) for m in new])
-        return [self.members[pid] for pid in pids]
+        # Selected at this step (warm-up is over); not with ZenFlow's own data parallelism, whose reducer splits
+        # each gradient by its slab's columns as it arrives.
+        selects_now = self.data_parallel is None and self.step_count >= self.config.full_warm_up_rounds
+        pending = [m for m in new if m.is_matrix and selects_now]
+        if pending:
+            self._accumulates_on_device()  # (decided when the first state is made, as for any other)
+            self.pending.add(pending, lambda member: slab_key(member, 0))
+        laid_out = [m for m in new if m.pid not in self.pending]
+        if laid_out:
+            self._add_slabs(laid_out, [MemberState.fresh(m.param) for m in laid_out])
+        return [self.members[pid] if pid in self.members else self.pending.members[pid] for pid in pids]
 
     def _add_slabs(self, members: list[Member], states: list[MemberState], together: Optional[list] = None) -> None:
         """New slabs for `members` (their states laid out), one per key; `together`: per member, a group id
@@ -245,7 +249,7 @@ class ZenFlowRuntime:
 
     def _layout_changed(self) -> None:
         self._plans.clear()
-        self._norm_orders.clear()
+        self.host_reads.forget_layout()
         self._watched = None
 
     def _owner(self, pid: int, param: torch.Tensor) -> int:
@@ -318,6 +322,9 @@ class ZenFlowRuntime:
             self.reducer.finish_all()  # every rank runs the same collectives, used or not
         for slab in self.slabs:
             intake.end_step(slab)
+        if self.pending.members:  # (a step skipped or dropped before their first selection: no state made)
+            self.pending.clear()
+            self._layout_changed()
         self._step_open = False
 
     # -- the step -----------------------------------------------------------------------------------------
@@ -331,8 +338,9 @@ class ZenFlowRuntime:
         if self.reducer is not None:
             self.reducer.finish_all()
         self._adopt_external_writes()
+        self.pending.check_writes(self.check_written_params)
         cfg, t = self.config, self.step_count
-        stepped = [(slab, rows_taken(slab)) for slab in self.slabs if slab.members_taken]
+        stepped = [(slab, rows_taken(slab)) for slab in [*self.slabs, *self.pending.slabs] if slab.members_taken]
         self._fold_accumulated_grads(stepped)
         if self.data_parallel is not None and stepped:
             self._all_reduce_scores([slab for slab, _ in stepped])
@@ -340,11 +348,13 @@ class ZenFlowRuntime:
             self.sharding.all_reduce_scores([slab.scores for slab, _ in stepped])
         warmed_up = t >= cfg.full_warm_up_rounds
         stepped_members = [m for slab, _ in stepped for m in slab.members if m.num_grads]
-        # First selection (a matrix's first gradient at t >= W), before the updates: needs its scores here.
-        selecting = [m for m in stepped_members if warmed_up and m.is_matrix and not m.slab.k]
+        # First selection (a matrix's first gradient at t >= W, or a pending one), before the updates: needs its
+        # scores here.
+        selecting = [m for m in stepped_members
+                     if warmed_up and m.is_matrix and (not m.slab.k or m.pid in self.pending)]
         zen_auto = [(slab, rows) for slab, rows in stepped
                     if warmed_up and cfg.auto_update and slab.is_matrix and slab.k and slab.u]
-        readout = self._read_step_values(stepped, grad_scale, zen_auto, selecting)
+        readout = self.host_reads.step_values(stepped, grad_scale, zen_auto, selecting)
         self.grad_norm = readout.norm
         if not math.isfinite(readout.norm):
             self.counters["skipped_steps"] += 1
@@ -363,7 +373,7 @@ class ZenFlowRuntime:
         return True
 
     def _apply_step(self, t: int, param_groups: list[dict], stepped_members: list[Member], selecting: list[Member],
-                    readout: "_StepReadout", coef: float, warmed_up: bool) -> None:
+                    readout: StepReadout, coef: float, warmed_up: bool) -> None:
         """Everything a finite step changes, in order (see the module docstring)."""
         cfg = self.config
         if t == cfg.full_warm_up_rounds:
@@ -390,7 +400,7 @@ class ZenFlowRuntime:
         if self._is_update_boundary(t, stepped_matrices, readout.mean_scores, coef):
             # A boundary that may reselect: every stepped matrix's scores come to the host in one transfer.
             reselecting = [(slab, rows) for slab, rows in stepped if slab.is_matrix and slab.k and slab.u]
-            host_scores = self._host_scores(reselecting) if warmed_up and self._may_reselect(t) else None
+            host_scores = self.host_reads.scores(reselecting) if warmed_up and self._may_reselect(t) else None
             reselect = host_scores is not None and self._should_reselect(reselecting, host_scores)
             chosen = self._chosen_selections(reselecting, host_scores) if reselect else []
             # overlap_reselect="incoming": the boundary's update stays in flight for the columns that stay on
@@ -423,11 +433,10 @@ class ZenFlowRuntime:
         finally:
             self.selection_seconds += time.perf_counter() - started
 
-    def _select_first(self, selecting: list[Member], readout: "_StepReadout") -> None:
+    def _select_first(self, selecting: list[Member], readout: StepReadout) -> None:
         """The first selection of these members (top-k of this step's scores): their state, with this step's
-        gradient, moves into slabs of k selected columns."""
-        cfg = self.config
-        old_slabs = list({id(m.slab): m.slab for m in selecting}.values())
+        gradient, moves into slabs of k selected columns (pending ones are laid out there at once)."""
+        old_slabs = list({id(m.slab): m.slab for m in selecting if m.pid not in self.pending}.values())
         while old_slabs:  # one slab at a time: the host holds one slab's state twice, never the model's
             old = old_slabs.pop(0)
             members = list(old.members)
@@ -435,17 +444,27 @@ class ZenFlowRuntime:
             for member, state in zip(members, states):
                 if member.pid not in readout.selecting_scores:
                     continue  # (a member of the same slab without a gradient this step stays unselected)
-                host_scores = readout.selecting_scores[member.pid]
-                state.selected = top_k_columns(host_scores, cfg.num_selected(member.cols))
+                state.selected = self._first_selection(member, readout)
                 if self.data_parallel is not None:
                     self._share_selected_columns(member, state)
-                if cfg.auto_update and state.selected.numel() < member.cols:
-                    unselected = torch.ones(member.cols, dtype=torch.bool, device="cpu")
-                    unselected[state.selected] = False
-                    readout.mean_scores[member.pid] = (float(host_scores[state.selected].mean()),
-                                                       float(host_scores[unselected].mean()))
             self._replace_slabs([old], members, states)
             del old, states
+        for pending in self.pending.slabs:  # laid out once, selected, straight from the parameters (pending.py)
+            states = [MemberState.fresh(m.param, self._first_selection(m, readout)) for m in pending.members]
+            self._add_slabs(pending.members, states, together=[0] * pending.n)
+            self.counters["bytes_device_to_host"] += pending.hand_over(self.grad_slot)
+        self.pending.clear()
+
+    def _first_selection(self, member: Member, readout: StepReadout) -> torch.Tensor:
+        """A matrix's first selected columns: the top-k of this step's scores (Zen-auto: their means too)."""
+        host_scores = readout.selecting_scores[member.pid]
+        selected = top_k_columns(host_scores, self.config.num_selected(member.cols))
+        if self.config.auto_update and selected.numel() < member.cols:
+            unselected = torch.ones(member.cols, dtype=torch.bool, device="cpu")
+            unselected[selected] = False
+            readout.mean_scores[member.pid] = (float(host_scores[selected].mean()),
+                                               float(host_scores[unselected].mean()))
+        return selected
 
     def _share_selected_columns(self, member: Member, state: MemberState) -> None:
         """Data parallel, a first selection: the owner's state and step gradient of the selected columns (and the
@@ -556,64 +575,6 @@ class ZenFlowRuntime:
             self.host_work.fold_backwards(folding, self.grad_slot)
         for slab, rows in several:
             intake.exact_scores(slab, self.grad_slot, rows)
-
-    def _read_step_values(self, stepped: Stepped, grad_scale: Optional[torch.Tensor], zen_auto: list,
-                          selecting: list[Member]) -> "_StepReadout":
-        """The step's one host read: the squared norm (the stepped members' squared norms summed in registration
-        order), the loss scale, Zen-auto's mean scores (selected, unselected) per matrix, and the scores of the
-        matrices selecting for the first time."""
-        if not stepped:
-            return _StepReadout(norm=0.0, scale=1.0)
-        sums = [slab.scores.sum(1) if rows is None else slab.scores.sum(1)[rows] for slab, rows in stepped]
-        per_member = torch.cat(sums)
-        order = self._norm_order(stepped, per_member.device)
-        parts = [(per_member if order is None else per_member[order]).sum().float().reshape(1)]
-        if grad_scale is not None:
-            parts.append(grad_scale.to(parts[0].device).float().reshape(1))
-        means_of = []
-        for slab, rows in zen_auto:
-            selected_mean = slab.scores.gather(1, slab.selected).mean(1)
-            unselected_mean = slab.scores.gather(1, slab.host_columns).mean(1)
-            both = torch.stack([selected_mean, unselected_mean], 1)  # [n, 2]
-            parts.append((both if rows is None else both[rows]).reshape(-1))
-            means_of += slab.members if rows is None else [slab.members[i] for i in rows]
-        parts += [m.slab.scores[m.index] for m in selecting]
-        values = self._read_to_host(torch.cat(parts))
-        scale = 1.0 if grad_scale is None else float(values[1])
-        readout = _StepReadout(norm=math.sqrt(float(values[0])) / scale, scale=scale)
-        offset = 1 if grad_scale is None else 2
-        means = values[offset:offset + 2 * len(means_of)].tolist()
-        readout.mean_scores = {m.pid: (means[2 * i], means[2 * i + 1]) for i, m in enumerate(means_of)}
-        offset += 2 * len(means_of)
-        for m in selecting:
-            readout.selecting_scores[m.pid] = values[offset:offset + m.cols]
-            offset += m.cols
-        return readout
-
-    def _norm_order(self, stepped: Stepped, device: torch.device) -> Optional[torch.Tensor]:
-        """The permutation that puts the stepped members' squared norms (slab by slab) in registration order
-        (None: they are), made once per layout and set of stepped members."""
-        key = tuple((id(slab), rows if rows is None else tuple(rows)) for slab, rows in stepped)
-        if key not in self._norm_orders:
-            pids = [slab.members[i].pid for slab, rows in stepped for i in (range(slab.n) if rows is None else rows)]
-            order = sorted(range(len(pids)), key=pids.__getitem__)
-            self._norm_orders[key] = (None if order == list(range(len(order)))
-                                      else torch.tensor(order, device=device))
-        return self._norm_orders[key]
-
-    def _read_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A blocking device -> host read (on CUDA, a synchronisation): every one the step makes goes
-        through here and is counted."""
-        self.counters["host_reads"] += 1
-        return self.transfers.read_to_host(tensor)
-
-    def _host_scores(self, slabs: Stepped) -> list[torch.Tensor]:
-        """Every slab's step scores ([n, C]) on the host, in one transfer."""
-        if not slabs:
-            return []
-        flat = self._read_to_host(torch.cat([slab.scores.reshape(-1) for slab, _ in slabs]))
-        return [part.view(slab.n, slab.C) for part, (slab, _) in
-                zip(flat.split([slab.scores.numel() for slab, _ in slabs]), slabs)]
 
     def _is_update_boundary(self, t: int, stepped_matrices: list[Member],
                             mean_scores: dict[int, tuple[float, float]], coef: float) -> bool:
@@ -885,6 +846,7 @@ class ZenFlowRuntime:
         self.counters.update(saved["counters"])
         # States are re-created from the checkpoint (owners stay this optimizer's: see collectives.py).
         self.members, self.slabs = {}, []
+        self.pending.clear()
         self._layout_changed()
         self.grad_slot = self.acc_slot = 0
         self.host_work.reset()

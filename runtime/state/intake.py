@@ -91,6 +91,20 @@ def take_grads(slab: Slab, grads: list[torch.Tensor], scores: Optional[list], gr
             torch.stack([s.reshape(C) for s in scores], out=slab.scores)
     else:
         torch.sum(_fp32(g).square(), 1, out=slab.scores)
+    return _take_stacked(slab, g, grad_slot)
+
+
+def take_first_gradient(slab: Slab, grad: torch.Tensor, scores: torch.Tensor, grad_slot: int) -> int:
+    """The step's whole gradient of every member ([n, R, C], member order) and its scores ([n, C]), into a
+    slab laid out at its members' first selection (`state/pending.py`); returns the bytes sent device -> host."""
+    slab.scores.copy_(scores)
+    slab.several_backwards = False  # (summed already: its scores are exact)
+    return _take_stacked(slab, grad, grad_slot)
+
+
+def _take_stacked(slab: Slab, g: torch.Tensor, grad_slot: int) -> int:
+    """`take_grads` once the scores are in: the gradient `g` ([n, R, C]) split into the slab's parts."""
+    n = slab.n
     if slab.whole:
         slab.grad.copy_(g)
     elif slab.k:
@@ -284,5 +298,5 @@ def accumulate(slab: Slab, rows: Optional[list[int]], grad_slot: int, acc_slot: 
 
 
 __all__ = ["BucketPlan", "accumulate", "accumulate_on_device", "copies_in_flight", "end_step", "exact_scores",
-           "host_step_scores", "rows_taken", "send_accumulators", "start_step", "take_grad", "take_grads",
-           "take_reduced", "wait_for_accumulators"]
+           "host_step_scores", "rows_taken", "send_accumulators", "start_step", "take_first_gradient", "take_grad",
+           "take_grads", "take_reduced", "wait_for_accumulators"]

@@ -76,11 +76,40 @@ def columns_as_rows(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, 
     return out
 
 
+# Elements of a parameter transposed at a time when a slab reads fresh masters from it (`param_columns`): a block
+# of whole rows, transposed by torch's blocked kernel (a narrower block, or a strided gather, is 3-4x slower
+# on the CPU), bounds the transient copy to a few MB.
+PARAM_BLOCK_ELEMENTS = 1 << 20
+
+
+def param_columns(params: list[torch.Tensor], selected: torch.Tensor, host_columns: Optional[torch.Tensor],
+                  device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Fresh fp32 masters read straight from the parameters ([R, C] views, on `device`): the columns
+    `selected` ([n, k]) as [n, R, k] on the device and, where `host_columns` ([n, u]) is given, those
+    columns as host rows [n, u, R]. Each element is read and cast once, with no [R, C] copy in between."""
+    n, k = selected.shape
+    rows, cols = params[0].shape
+    on_device = torch.empty(n, rows, k, device=device)
+    if k:
+        chosen = selected.to(device)
+        for out, param, columns in zip(on_device, params, chosen):
+            out.copy_(param if k == cols else param.index_select(1, columns))
+    if host_columns is None:
+        return on_device, None
+    host = torch.empty(n, host_columns.shape[1], rows, device="cpu")
+    block = max(1, PARAM_BLOCK_ELEMENTS // max(1, cols))
+    for out, param, columns in zip(host, params, host_columns.to(device)):
+        for start in range(0, rows, block):
+            transposed = param[start:start + block].t().contiguous()  # [C, block]
+            out[:, start:start + block].copy_(transposed.index_select(0, columns).to("cpu"))
+    return on_device, host
+
+
 def device_columns(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, columns: torch.Tensor,
                     device: torch.device) -> torch.Tensor:
     """[n, R, k] on `device`: the columns `columns` ([n, k]) of each of n [R, C] tensors (None: zeros)."""
     return columns_as_rows(naturals, dtype, columns).to(device).transpose(1, 2).contiguous()
 
 
-__all__ = ["SHARED_SLAB_MAX_NUMEL", "SlabKey", "columns_as_rows", "columns_index", "columns_not_in", "device_columns",
-           "host_order", "matrix_shape", "top_k_columns"]
+__all__ = ["PARAM_BLOCK_ELEMENTS", "SHARED_SLAB_MAX_NUMEL", "SlabKey", "columns_as_rows", "columns_index",
+           "columns_not_in", "device_columns", "host_order", "matrix_shape", "param_columns", "top_k_columns"]

@@ -92,10 +92,11 @@ def slab_key(member: Member, num_selected: int) -> SlabKey:
 class MemberState:
     """One parameter's whole state in its natural [R, C] layout, on the host: what moves between slabs and
     into checkpoints. NaN where this rank does not know (a host part another rank owns). A state a slab
-    exports holds [R, C] views of [C, R] tensors (`Slab.natural`), a fresh one's moments are None (zeros):
-    both so that a new slab lays them out without a transpose (`layout.columns_as_rows`)."""
+    exports holds [R, C] views of [C, R] tensors (`Slab.natural`), a fresh one's master and moments are None
+    (the parameter's values, zeros): both so that a new slab lays them out without an intermediate copy
+    (`layout.columns_as_rows`, `layout.param_columns`)."""
 
-    master: torch.Tensor  # fp32 [R, C]
+    master: Optional[torch.Tensor]  # fp32 [R, C] (None: the parameter's values)
     exp_avg: Optional[torch.Tensor]
     exp_avg_sq: Optional[torch.Tensor]
     step: torch.Tensor  # fp32 [C] per-column update counts
@@ -111,10 +112,13 @@ class MemberState:
     step_scores: Optional[torch.Tensor] = None  # [C] fp32: its column scores
 
     @classmethod
-    def fresh(cls, param: torch.Tensor) -> "MemberState":
-        R, C = matrix_shape(param)
-        master = param.detach().reshape(R, C).float().cpu()  # (read once, by the slab that lays it out)
-        return cls(master, None, None, torch.zeros(C, device="cpu"), torch.zeros(0, dtype=torch.long, device="cpu"))
+    def fresh(cls, param: torch.Tensor, selected: Optional[torch.Tensor] = None) -> "MemberState":
+        """A parameter's first state: its master the parameter's values (read by the slab that lays them out),
+        zero moments and counts; `selected`: its first selection (None: none yet)."""
+        _, C = matrix_shape(param)
+        if selected is None:
+            selected = torch.zeros(0, dtype=torch.long, device="cpu")
+        return cls(None, None, None, torch.zeros(C, device="cpu"), selected)
 
     @classmethod
     def unknown(cls, rows: int, cols: int, selected: torch.Tensor) -> "MemberState":

@@ -56,7 +56,8 @@ from typing import Optional
 
 import torch
 
-from zenflow_compile.runtime.state.layout import SlabKey, columns_as_rows, columns_index, device_columns, host_order
+from zenflow_compile.runtime.state.layout import (SlabKey, columns_as_rows, columns_index, device_columns, host_order,
+                                                   param_columns)
 from zenflow_compile.runtime.state.members import Member, MemberState
 from zenflow_compile.runtime.transfers import Transfers, wait_events
 
@@ -94,6 +95,12 @@ class Slab:
         host_state = {}
         for name in ("master", "exp_avg", "exp_avg_sq"):
             naturals = [getattr(s, name) for s in states]
+            if name == "master" and any(t is None for t in naturals):  # fresh: the parameters' values
+                if not all(t is None for t in naturals):
+                    raise RuntimeError("internal: fresh and laid-out states in one slab")
+                self.master, host_state[name] = param_columns([m.as_columns() for m in members], selected,
+                                                              host_columns if self.has_host_part else None, dev)
+                continue
             if all(t is None for t in naturals):  # fresh moments: zeros, laid out directly
                 setattr(self, name, torch.zeros(n, R, k, device=dev))
                 host_state[name] = torch.zeros(n, u, R, device="cpu") if self.has_host_part else None
@@ -188,8 +195,11 @@ class Slab:
             given = columns_as_rows(applied, self.dtype, host_columns)
             given_rows = torch.tensor([a is not None for a in applied], device="cpu").view(n, 1, 1)
             torch.where(given_rows, given, self.host_weights[1], out=self.host_weights[1])
-        pending = torch.tensor([s.unapplied for s in states], device="cpu").view(n, 1, 1)
-        self.host_weights[0].copy_(torch.where(pending, self.host_master.to(self.dtype), self.host_weights[1]))
+        if any(s.unapplied for s in states):
+            pending = torch.tensor([s.unapplied for s in states], device="cpu").view(n, 1, 1)
+            self.host_weights[0].copy_(torch.where(pending, self.host_master.to(self.dtype), self.host_weights[1]))
+        else:
+            self.host_weights[0].copy_(self.host_weights[1])
         self.host_scores = host_zeros((n, u), torch.float32)
 
     def _host_order(self, selected: torch.Tensor, counts: torch.Tensor, states: list[MemberState]) -> torch.Tensor:
