@@ -184,5 +184,21 @@ def device_part(entry: dict, owner: int) -> dict:
     return part
 
 
-__all__ = ["export_entry", "state_from_entry", "fresh_entry", "dcp_form", "saved_shape", "expected_shape",
+def with_device_parts(owned: dict[int, dict], pids: list[int], data_parallel) -> dict[int, dict]:
+    """Data parallel, a load: this rank's own entries (`owned`) and, from their owners, the device part of every
+    other parameter's state (one broadcast per rank), in pid order, so every rank builds the same slabs in the
+    same order. `pids`: the optimizer's parameters in order (sent by place: ids are each process's own)."""
+    place = {pid: i for i, pid in enumerate(pids)}
+    rank = data_parallel.rank
+    mine = {place[pid]: device_part(entry, rank) for pid, entry in owned.items()}
+    entries = dict(owned)
+    for sender in range(data_parallel.world_size):
+        parts = data_parallel.broadcast_object(mine if sender == rank else None, sender)
+        if sender != rank:
+            entries.update((pids[index], part) for index, part in parts.items())
+    return dict(sorted(entries.items()))
+
+
+__all__ = ["with_device_parts", "export_entry", "state_from_entry", "fresh_entry", "dcp_form", "saved_shape", "expected_shape",
            "holds_state", "device_part", "Slab"]
+

@@ -42,9 +42,10 @@ from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.host_reads import HostReads, StepReadout
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
+from zenflow_compile.runtime.schedule import Schedule
 from zenflow_compile.runtime.state import columns as column_moves, intake, update, watch
 from zenflow_compile.runtime.state.intake import BucketPlan, rows_taken
-from zenflow_compile.runtime.state.layout import columns_not_in, host_order, matrix_shape, top_k_columns
+from zenflow_compile.runtime.state.layout import accumulator_bytes, top_k_columns
 from zenflow_compile.runtime.state.members import Member, MemberState, slab_key
 from zenflow_compile.runtime.state.pending import PendingPlacements
 from zenflow_compile.runtime.state.slab import Slab
@@ -89,9 +90,7 @@ class ZenFlowRuntime:
         self._plans: dict[tuple, BucketPlan] = {}  # bucket's pids -> plan, for the current slabs
         self._watched = None  # (params, what their watches saw), for the current members
         self.step_count = 0  # t: completed (non-skipped) steps
-        self.selection_start = 0  # first step run under the current selection
-        self.selection_epoch = 0  # select_strategy="epoch": epoch-grid points passed at the last selection
-        self.steps_accumulated = 0  # steps since the last update boundary
+        self.schedule = Schedule(config)  # boundaries and reselections: when they come
         self.update_pending = False  # overlap: a launched CPU update not yet applied to the device
         self.land_at: Optional[int] = None  # landing_lag: the step at whose end the pending update lands
         self.grad_slot = 0  # which host-gradient buffer this step's backward fills
@@ -223,22 +222,11 @@ class ZenFlowRuntime:
             choice = self.config.accumulate_on
             if choice == "auto":
                 fits = (not self.transfers.device_is_host and self.data_parallel is None
-                        and self._accumulator_bytes() <= DEVICE_ACCUMULATOR_SHARE * self.transfers.free_device_bytes())
+                        and accumulator_bytes([p for p, _ in self.params.values()], self.config)
+                        <= DEVICE_ACCUMULATOR_SHARE * self.transfers.free_device_bytes())
                 choice = "device" if fits else "host"
             self.accumulate_on = choice
         return self.accumulate_on == "device"
-
-    def _accumulator_bytes(self) -> int:
-        """Device bytes device accumulation needs for every parameter that trains: per unselected element an fp32
-        sum (two with interval_second_moment) and its gradient's staging in the parameter's dtype."""
-        sums = 8 if self.config.interval_second_moment else 4
-        total = 0
-        for param, _ in self.params.values():
-            if param.requires_grad and param.dim() >= 2:
-                rows, cols = matrix_shape(param)
-                unselected = cols - self.config.num_selected(cols)
-                total += rows * unselected * (sums + param.element_size())
-        return total
 
     def _replace_slabs(self, old: list[Slab], members: list[Member], states: list[MemberState]) -> None:
         """`old` slabs give way to new ones for `members` (laid out from `states`)."""
@@ -377,7 +365,7 @@ class ZenFlowRuntime:
         """Everything a finite step changes, in order (see the module docstring)."""
         cfg = self.config
         if t == cfg.full_warm_up_rounds:
-            self.selection_start = t
+            self.schedule.selection_start = t
         if selecting:
             with self._selection_moves(stall=False):  # (laying the state out: the first step's setup)
                 self._select_first(selecting, readout)
@@ -395,14 +383,15 @@ class ZenFlowRuntime:
         stepped_matrices = [m for m in stepped_members if m.is_matrix]
         for m in stepped_matrices:
             m.steps_accumulated += 1
-        self.steps_accumulated += 1
+        self.schedule.steps_accumulated += 1
 
-        if self._is_update_boundary(t, stepped_matrices, readout.mean_scores, coef):
+        schedule = self.schedule
+        if schedule.is_update_boundary(t, stepped_matrices, list(self.members.values()), readout.mean_scores, coef):
             # A boundary that may reselect: every stepped matrix's scores come to the host in one transfer.
             reselecting = [(slab, rows) for slab, rows in stepped if slab.is_matrix and slab.k and slab.u]
-            host_scores = self.host_reads.scores(reselecting) if warmed_up and self._may_reselect(t) else None
-            reselect = host_scores is not None and self._should_reselect(reselecting, host_scores)
-            chosen = self._chosen_selections(reselecting, host_scores) if reselect else []
+            host_scores = self.host_reads.scores(reselecting) if warmed_up and schedule.may_reselect(t) else None
+            reselect = host_scores is not None and schedule.should_reselect(reselecting, host_scores)
+            chosen = schedule.chosen_selections(reselecting, host_scores) if reselect else []
             # overlap_reselect="incoming": the boundary's update stays in flight for the columns that stay on
             # the host; the arriving columns get theirs before it is launched.
             in_flight = reselect and cfg.overlap_step and cfg.overlap_reselect == "incoming"
@@ -446,7 +435,7 @@ class ZenFlowRuntime:
                     continue  # (a member of the same slab without a gradient this step stays unselected)
                 state.selected = self._first_selection(member, readout)
                 if self.data_parallel is not None:
-                    self._share_selected_columns(member, state)
+                    column_moves.share_first_selection(member, state, self.data_parallel)
             self._replace_slabs([old], members, states)
             del old, states
         for pending in self.pending.slabs:  # laid out once, selected, straight from the parameters (pending.py)
@@ -465,30 +454,6 @@ class ZenFlowRuntime:
             readout.mean_scores[member.pid] = (float(host_scores[selected].mean()),
                                                float(host_scores[unselected].mean()))
         return selected
-
-    def _share_selected_columns(self, member: Member, state: MemberState) -> None:
-        """Data parallel, a first selection: the owner's state and step gradient of the selected columns (and the
-        order of the others) reach every rank."""
-        columns = state.selected
-        grad = state.step_grad if state.step_grad is not None else torch.zeros(member.rows, member.cols,
-                                                                                dtype=member.param.dtype, device="cpu")
-        parts = [state.master[:, columns], state.exp_avg[:, columns], state.exp_avg_sq[:, columns],
-                 state.step[columns].reshape(1, -1), grad[:, columns].float()]
-        packed = torch.cat(parts).to(member.param.device)
-        self.data_parallel.broadcast(packed, member.owner)
-        order = host_order(state.step.unsqueeze(0), columns.unsqueeze(0))[0].to(member.param.device)
-        self.data_parallel.broadcast(order, member.owner)
-        state.host_columns = order.cpu()
-        if member.owns_host:
-            return
-        packed, R = packed.cpu(), member.rows
-        state.master[:, columns] = packed[:R]
-        state.exp_avg[:, columns] = packed[R:2 * R]
-        state.exp_avg_sq[:, columns] = packed[2 * R:3 * R]
-        state.step[columns] = packed[3 * R]
-        if state.step_grad is None:
-            state.step_grad = torch.zeros(member.rows, member.cols, dtype=member.param.dtype, device="cpu")
-        state.step_grad[:, columns] = packed[3 * R + 1:].to(state.step_grad.dtype)
 
     def _check_hyperparameters(self, param_groups: list[dict]) -> None:
         """Before anything changes: values the config cannot work with (param groups change at any time)."""
@@ -576,58 +541,6 @@ class ZenFlowRuntime:
         for slab, rows in several:
             intake.exact_scores(slab, self.grad_slot, rows)
 
-    def _is_update_boundary(self, t: int, stepped_matrices: list[Member],
-                            mean_scores: dict[int, tuple[float, float]], coef: float) -> bool:
-        cfg = self.config
-        if t < cfg.full_warm_up_rounds:
-            return True  # warm-up: a plain synchronous AdamW of every column, every step
-        if not cfg.auto_update:
-            return (t - cfg.full_warm_up_rounds + 1) % cfg.update_interval == 0
-        # Zen-auto: a matrix is ripe once its unselected columns' mean score, summed over the interval,
-        # reaches the interval's average of its selected columns' mean score (scores of the clipped gradient).
-        for m in stepped_matrices:
-            if m.pid in mean_scores:
-                selected_mean, unselected_mean = mean_scores[m.pid]
-                m.sum_selected_score += selected_mean * coef * coef
-                m.sum_unselected_score += unselected_mean * coef * coef
-        accumulating = [m for m in self.members.values() if m.is_matrix and m.steps_accumulated > 0]
-        ripe = sum(1 for m in accumulating if not m.slab.u
-                   or m.sum_unselected_score >= m.sum_selected_score / m.steps_accumulated)
-        return (not accumulating or ripe >= cfg.auto_ratio * len(accumulating)
-                or self.steps_accumulated >= cfg.max_update_interval)
-
-    def _may_reselect(self, t: int) -> bool:
-        """Whether this boundary reselects, or ("auto") must look at the scores to decide."""
-        cfg = self.config
-        if cfg.select_strategy == "epoch":  # the first boundary at or after each point of the epoch grid
-            return self._epoch_grid_point(t) > self.selection_epoch
-        if cfg.reselect_every is not None:
-            return t - self.selection_start + 1 >= cfg.reselect_every
-        return True
-
-    def _should_reselect(self, slabs: list, host_scores: list[torch.Tensor]) -> bool:
-        cfg = self.config
-        if cfg.select_strategy == "epoch" or cfg.reselect_every is not None:
-            return True  # _may_reselect decided
-        # "auto": reselect once matrices holding half of the columns kept fewer than half of S in the top-k.
-        drifted_columns = total_columns = 0
-        for (slab, rows), scores in zip(slabs, host_scores):
-            members = range(slab.n) if rows is None else rows
-            top = top_k_columns(scores, slab.k)
-            kept = (~columns_not_in(top, slab.selected_cpu)).sum(1)  # [n]
-            for i in members:
-                if 2 * int(kept[i]) < slab.k:
-                    drifted_columns += slab.C
-                total_columns += slab.C
-        return total_columns > 0 and 2 * drifted_columns >= total_columns
-
-    def _epoch_grid_point(self, t: int) -> int:
-        """How many multiples of select_interval * steps_per_epoch steps (from W) have completed by step t."""
-        cfg = self.config
-        if cfg.select_strategy != "epoch":
-            return 0
-        return (t - cfg.full_warm_up_rounds + 1) // cfg.reselect_every
-
     def _update_boundary(self, t: int, hyperparameters: list[dict], overlap: bool,
                          arriving: list[tuple[Slab, torch.Tensor]]) -> list:
         """Apply the previous boundary's update if it is still pending, launch this boundary's (with overlap it
@@ -650,11 +563,8 @@ class ZenFlowRuntime:
                                                       hyperparameters[slab.key.group_index], self.data_parallel)
                            for slab, selected in arriving]
         self.host_work.launch_update(self.slabs, self.acc_slot, hyperparameters, self.config.interval_aware_update)
-        self.steps_accumulated = 0
+        self.schedule.interval_started(list(self.members.values()))
         self.acc_slot ^= 1
-        for m in self.members.values():
-            m.sum_selected_score = m.sum_unselected_score = 0.0
-            m.steps_accumulated = 0
         self.update_pending = overlap
         self.land_at = t + self.config.landing_lag if overlap and self.config.landing_lag is not None else None
         self.counters["overlapped_boundaries"] += overlap
@@ -670,18 +580,6 @@ class ZenFlowRuntime:
         self.update_pending = False
         self.land_at = None
 
-    def _chosen_selections(self, slabs: list, host_scores: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each slab's new selection ([n, k]): the top-k of this step's scores; a member without a gradient this
-        step keeps its columns."""
-        chosen = []
-        for (slab, rows), scores in zip(slabs, host_scores):
-            selected = top_k_columns(scores, slab.k)
-            if rows is not None:
-                keep = [i for i in range(slab.n) if i not in rows]
-                selected[keep] = slab.selected_cpu[keep]
-            chosen.append(selected)
-        return chosen
-
     def _reselect(self, t: int, slabs: list, chosen: list[torch.Tensor], arrived: Optional[list]) -> None:
         """The chosen selections take effect. `arrived` (slab by slab, from `_update_boundary`): the
         reselection is made while this boundary's CPU update runs on, with the arriving columns' state."""
@@ -691,8 +589,7 @@ class ZenFlowRuntime:
             moved += (column_moves.reselect_in_flight(slab, selected, arrived[index]) if arrived is not None
                       else column_moves.reselect(slab, selected, self.row_scratch, data_parallel=self.data_parallel))
         self._layout_changed()
-        self.selection_start = t + 1
-        self.selection_epoch = self._epoch_grid_point(t)
+        self.schedule.reselected(t)
         self.counters["reselections"] += 1
         self.counters["selection_churn"] = moved / (2 * total) if total else 0.0
 
@@ -754,7 +651,7 @@ class ZenFlowRuntime:
         stats["cpu_update_thread_seconds"] = workers.update_worker.busy_cpu_seconds
         stats["accumulate_thread_seconds"] = workers.accumulate_worker.busy_cpu_seconds
         stats["accumulate_on"] = self.accumulate_on
-        stats["current_interval"] = self.steps_accumulated
+        stats["current_interval"] = self.schedule.steps_accumulated
         stats["update_pending"] = self.update_pending
         # Host memory held for optimizer state (data parallel: this rank's share).
         stats["host_state_bytes"] = sum(t.numel() * t.element_size() for s in self.slabs for t in s.host_buffers())
@@ -791,8 +688,9 @@ class ZenFlowRuntime:
             unowned = [place[pid] for pid in entries if pid not in self.owners]
             for index in sorted(set().union(*self.data_parallel.all_gather_object(unowned))):
                 self._owner(pids[index], self.params[pids[index]][0])
-            entries = self._with_device_parts({pid: entry for pid, entry in entries.items()
-                                               if self.owners[pid] == self.rank})
+            entries = checkpoint.with_device_parts({pid: entry for pid, entry in entries.items()
+                                                    if self.owners[pid] == self.rank}, list(self.params),
+                                                   self.data_parallel)
         members, states = [], []
         for pid, entry in entries.items():
             param, group_index = self.params[pid]
@@ -803,19 +701,6 @@ class ZenFlowRuntime:
         if members:
             self._add_slabs(members, states)
 
-    def _with_device_parts(self, owned: dict[int, dict]) -> dict[int, dict]:
-        """This rank's own entries and, from their owners, the device part of every other parameter's state
-        (one broadcast per rank), in pid order: every rank builds the same slabs in the same order."""
-        pids = list(self.params)  # (sent by place: ids are each process's own)
-        place = {pid: i for i, pid in enumerate(pids)}
-        mine = {place[pid]: checkpoint.device_part(entry, self.rank) for pid, entry in owned.items()}
-        entries = dict(owned)
-        for rank in range(self.data_parallel.world_size):
-            parts = self.data_parallel.broadcast_object(mine if rank == self.rank else None, rank)
-            if rank != self.rank:
-                entries.update((pids[index], part) for index, part in parts.items())
-        return dict(sorted(entries.items()))
-
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
         self.check_failure()
@@ -823,10 +708,9 @@ class ZenFlowRuntime:
         self._adopt_external_writes()
 
     def export_globals(self) -> dict:
-        return dict(step_count=self.step_count, selection_start=self.selection_start,
-                    selection_epoch=self.selection_epoch, steps_accumulated=self.steps_accumulated,
-                    update_pending=self.update_pending, land_at=self.land_at, counters=dict(self.counters),
-                    config=self.config.to_dict(), max_grad_norm=self.max_grad_norm)
+        return dict(step_count=self.step_count, **self.schedule.export(), update_pending=self.update_pending,
+                    land_at=self.land_at, counters=dict(self.counters), config=self.config.to_dict(),
+                    max_grad_norm=self.max_grad_norm)
 
     def import_globals(self, saved: dict) -> None:
         """The schedule of a checkpoint (`export_globals`); the states follow (`import_states`)."""
@@ -838,9 +722,7 @@ class ZenFlowRuntime:
             raise ValueError(f"checkpoint was saved with a different ZenFlow config (keys {differing}); "
                              "construct the optimizer with the saved config to resume exactly")
         self.step_count = saved["step_count"]
-        self.selection_start = saved["selection_start"]
-        self.selection_epoch = saved.get("selection_epoch", 0)
-        self.steps_accumulated = saved["steps_accumulated"]
+        self.schedule.load(saved)
         self.update_pending = saved["update_pending"]
         self.land_at = saved.get("land_at")
         self.counters.update(saved["counters"])

@@ -17,6 +17,7 @@ import torch
 from zenflow_compile.runtime import kernels
 from zenflow_compile.runtime.state.intake import wait_for_accumulators
 from zenflow_compile.runtime.state.layout import columns_index, columns_not_in, host_order
+from zenflow_compile.runtime.state.members import Member, MemberState
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import wait_events
 
@@ -294,6 +295,31 @@ def _rows_from_owner(slab: Slab, data_parallel, member: torch.Tensor, place: tor
     return _unpack(slab.transfers.read_to_host(rows), slab.R, member, place)
 
 
+def share_first_selection(member: Member, state: MemberState, data_parallel) -> None:
+    """Data parallel, a first selection (made from the same scores on every rank): the owner's state and step
+    gradient of the selected columns, and the order of the others, reach every rank (two broadcasts)."""
+    columns = state.selected
+    grad = state.step_grad if state.step_grad is not None else torch.zeros(member.rows, member.cols,
+                                                                            dtype=member.param.dtype, device="cpu")
+    packed = torch.cat([_pack([state.master[:, columns].t(), state.exp_avg[:, columns].t(),
+                               state.exp_avg_sq[:, columns].t()], state.step[columns]),
+                        grad[:, columns].t().float()], 1).to(member.param.device)
+    data_parallel.broadcast(packed, member.owner)
+    order = host_order(state.step.unsqueeze(0), columns.unsqueeze(0))[0].to(member.param.device)
+    data_parallel.broadcast(order, member.owner)
+    state.host_columns = order.cpu()
+    if member.owns_host:
+        return
+    # (the step gradient's columns travel where a departing column's weights do)
+    arrived = _unpack(packed.cpu(), member.rows, columns, columns, weights_dtype=member.param.dtype)
+    for name in _STATE:
+        getattr(state, name)[:, columns] = getattr(arrived, name).t()
+    state.step[columns] = arrived.counts
+    if state.step_grad is None:
+        state.step_grad = torch.zeros(member.rows, member.cols, dtype=member.param.dtype, device="cpu")
+    state.step_grad[:, columns] = arrived.weights.t()
+
+
 def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, changed: torch.Tensor) -> None:
     """The slab's new column sets after a move; members `changed` ([n] bool) hold their masters in their
     selected columns from now on; the step's gradients, gathered by the old columns, are dropped (the
@@ -319,4 +345,5 @@ def _host_position(slab: Slab) -> torch.Tensor:
     return position.scatter_(1, slab.host_columns_cpu, torch.arange(slab.u, device="cpu").expand(slab.n, slab.u))
 
 
-__all__ = ["DepartingCopy", "MovingColumns", "RowScratch", "reselect", "reselect_in_flight", "settle_departing", "take_arriving"]
+__all__ = ["DepartingCopy", "MovingColumns", "RowScratch", "reselect", "reselect_in_flight", "settle_departing",
+           "share_first_selection", "take_arriving"]

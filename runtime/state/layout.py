@@ -111,5 +111,18 @@ def device_columns(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, c
     return columns_as_rows(naturals, dtype, columns).to(device).transpose(1, 2).contiguous()
 
 
-__all__ = ["PARAM_BLOCK_ELEMENTS", "SHARED_SLAB_MAX_NUMEL", "SlabKey", "columns_as_rows", "columns_index",
+def accumulator_bytes(params: list[torch.Tensor], config) -> int:
+    """Device bytes that summing on the device needs for every parameter of `params` that trains: per
+    unselected element an fp32 sum (two with interval_second_moment) and its gradient's staging in the
+    parameter's dtype."""
+    sums = 8 if config.interval_second_moment else 4
+    total = 0
+    for param in params:
+        if param.requires_grad and param.dim() >= 2:
+            rows, cols = matrix_shape(param)
+            total += rows * (cols - config.num_selected(cols)) * (sums + param.element_size())
+    return total
+
+
+__all__ = ["PARAM_BLOCK_ELEMENTS", "accumulator_bytes", "SHARED_SLAB_MAX_NUMEL", "SlabKey", "columns_as_rows", "columns_index",
            "columns_not_in", "device_columns", "host_order", "matrix_shape", "param_columns", "top_k_columns"]
