@@ -144,7 +144,7 @@ def _setting_words(key: str, value) -> str:
     return {
         "topk": f"top-k ratio {value}",
         "interval": "Zen-auto interval" if value == "auto" else f"CPU update every {value} steps",
-        "overlap": "overlapped" if value else "not overlapped",
+        "overlap": "overlap on" if value else "overlap off",  # (on: boundaries may still wait, see reselect)
         "warmup": f"{value} warm-up steps" if value else "no warm-up",
     }[key]
 
@@ -587,7 +587,7 @@ def chart(results: dict, png: Path, only: list | None = None) -> None:
     fig.suptitle(f"all-MiniLM-L6-v2 on {_data_words(s)}: batch {s['batch']}, seq {s['seq']}, lr {s['lr']}, "
                  f"{s['eval_size']} held-out docs, seed {s['seed']}" + (f"\n{shared}" if shared else ""), fontsize=9)
     _legend_below(fig, ax_acc, ax_loss)
-    fig.savefig(png)
+    fig.savefig(png, bbox_inches="tight")  # (the whole legend, however long its labels)
     plt.close(fig)
     print(f"chart: {png}")
 
@@ -710,7 +710,7 @@ def aggregate_chart(summary: dict, png: Path, only: list | None = None) -> None:
                  f"{s['eval_size']} held-out docs; mean over seeds {s['seed']}, band = min..max"
                  + (f"\n{shared}" if shared else ""), fontsize=9)
     _legend_below(fig, ax_acc, ax_loss)
-    fig.savefig(png)
+    fig.savefig(png, bbox_inches="tight")  # (the whole legend, however long its labels)
     plt.close(fig)
     print(f"chart: {png}")
 

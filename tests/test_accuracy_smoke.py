@@ -66,12 +66,12 @@ def test_chart_legends_speak_words_not_run_codes():
         names[3]: "ZenFlow, interval-aware update + per-step second moment",
         names[4]: "ZenFlowReference, interval-aware update, variant 'sqrt' (benchmarks/accuracy_variants.py)",
     }
-    assert title == "ZenFlow: top-k ratio 0.1, CPU update every 4 steps, overlapped, no warm-up"
+    assert title == "ZenFlow: top-k ratio 0.1, CPU update every 4 steps, overlap on, no warm-up"
     labels, _ = accuracy.chart_labels(["adamw", "zenflow:interval=auto,iau=1", "zenflow:warmup=30,overlap=0"])
-    assert labels["zenflow:interval=auto,iau=1"] == ("ZenFlow, interval-aware update, Zen-auto interval, overlapped, "
+    assert labels["zenflow:interval=auto,iau=1"] == ("ZenFlow, interval-aware update, Zen-auto interval, overlap on, "
                                                      "no warm-up")
     assert labels["zenflow:warmup=30,overlap=0"] == ("ZenFlow, DeepSpeed's update rule, CPU update every 4 steps, "
-                                                     "not overlapped, 30 warm-up steps")
+                                                     "overlap off, 30 warm-up steps")
 
 
 def _accuracy_module():
