@@ -314,23 +314,28 @@ class _TwoLayers(torch.nn.Module):
         return (y @ self.b.t() if with_b else y).square().mean()
 
 
-@pytest.mark.parametrize("backwards", [1, 2])
-def test_host_sums_of_members_handed_over_apart_wait_for_each_copy(backwards, emulated_device):
-    """One slab whose members arrive apart (one of the two has no gradient at every other step; with two
-    backwards a step, the later ones go to extra buffers): summing on the host, the accumulate worker reads
-    each member's offloaded columns only after that copy's event (the emulated device reports a read
-    before its copy landed), and the values equal the reference's."""
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("backwards,compiled", [(1, False), (2, False), (2, True)], ids=["eager", "eager-2", "compiled-2"])
+def test_host_sums_of_members_handed_over_apart_wait_for_each_copy(backwards, compiled, emulated_device):
+    """One slab whose members arrive apart (one of the two has no gradient at every other step; compiled with
+    two backwards a step, each backward hands its gradients over and the later ones go to extra buffers, which
+    the step sums): summing on the host, the workers read each offloaded gradient only after its copy's event
+    (the emulated device reports a read before its copy landed), and the values equal the reference's."""
+    import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow")
+
     models = [_TwoLayers(), _TwoLayers()]
     keys = dict(lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True, select_strategy="step",
                 select_interval=4)
     opts = [ZenFlowAdamW(models[0].parameters(), accumulate_on="host", **keys),
             ZenFlowReference(models[1].parameters(), **keys)]
+    runs = ([torch.compile(models[0], backend="zenflow"), torch.compile(models[1], backend="inductor")]
+            if compiled else models)  # (the reference compiled by Inductor: the same forward/backward numerics)
     generator = torch.Generator().manual_seed(1)
     for step in range(8):
         xs = [torch.randn(8, 16, generator=generator) for _ in range(backwards)]
-        for model, opt in zip(models, opts):
+        for run, opt in zip(runs, opts):
             for x in xs:
-                model(x, with_b=step % 2 == 0).backward()
+                run(x, with_b=step % 2 == 0).backward()
             opt.step()
             opt.zero_grad()
     assert opts[0].stats()["accumulate_on"] == "host" and opts[0].stats()["cpu_updates"] == 4
