@@ -42,19 +42,14 @@ from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.host_reads import HostReads, StepReadout
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
+from zenflow_compile.runtime.placement import Placement
 from zenflow_compile.runtime.schedule import Schedule
 from zenflow_compile.runtime.state import columns as column_moves, intake, update, watch
 from zenflow_compile.runtime.state.intake import BucketPlan, rows_taken
-from zenflow_compile.runtime.state.layout import accumulator_bytes, top_k_columns
-from zenflow_compile.runtime.state.members import Member, MemberState, slab_key
-from zenflow_compile.runtime.state.pending import PendingPlacements
+from zenflow_compile.runtime.state.layout import top_k_columns
+from zenflow_compile.runtime.state.members import Member, MemberState
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
-
-# Auto placement of the accumulators (`accumulate_on="auto"`): on the device when they take at most this share
-# of its free memory when the state is first laid out; the rest is left for activations that grow later
-# (longer sequences, a larger batch at evaluation) and the allocator's fragmentation.
-DEVICE_ACCUMULATOR_SHARE = 0.5
 
 # Config keys that say where work runs, not what it computes: a checkpoint resumes across them.
 PLACEMENT_KEYS = ("accumulate_on",)
@@ -76,17 +71,14 @@ class ZenFlowRuntime:
         self.max_grad_norm = max_grad_norm
         self.data_parallel = data_parallel
         self.sharding = sharding  # FSDP2-sharded parameters: runtime/sharding.py (exclusive with data_parallel)
-        self.rank = data_parallel.rank if data_parallel is not None else 0
         self.bucket_numel = reduce_bucket_numel  # gradient hand-off buckets (compiled graphs; reducer)
         self.reducer = (GradReducer(data_parallel, reduce_bucket_numel, self._take_reduced)
                         if data_parallel is not None else None)
-        self.owners: dict[int, int] = {}  # data parallel: pid -> rank holding its host state (set at creation)
-        self.params: dict[int, tuple[torch.Tensor, int]] = {}  # every owned parameter: id -> (param, group)
-        # Optimizer state exists only for parameters that got a gradient: a frozen (or never used) parameter
-        # costs no host memory and no transfers, and is never written.
-        self.members: dict[int, Member] = {}  # pid -> its place in a slab, in registration (pid) order
-        self.slabs: list[Slab] = []
-        self.pending = PendingPlacements()  # matrices laid out at this step's first selection (state/pending.py)
+        # The parameters and where their state is (slabs, members, owners, accumulate_on): runtime/placement.py.
+        self.placement = Placement(config, data_parallel)
+        self._planned_version = 0  # the placement's layout that _plans, host_reads and _watched were made for
+        self.params, self.owners, self.pending = self.placement.params, self.placement.owners, self.placement.pending
+        self.rank = self.placement.rank
         self._plans: dict[tuple, BucketPlan] = {}  # bucket's pids -> plan, for the current slabs
         self._watched = None  # (params, what their watches saw), for the current members
         self.step_count = 0  # t: completed (non-skipped) steps
@@ -105,9 +97,6 @@ class ZenFlowRuntime:
         self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
         self.host_reads = HostReads(self.counters)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
-        # Where the unselected columns' gradients are summed, "device" or "host"; None until the first state is
-        # laid out ("auto" looks at the device's free memory then).
-        self.accumulate_on: Optional[str] = None
         if config.accumulate_on == "device" and data_parallel is not None:
             raise ValueError(
                 "ZenFlowConfig.accumulate_on='device' is not implemented with ZenFlow's own data parallelism "
@@ -126,12 +115,12 @@ class ZenFlowRuntime:
     def add_param(self, param: torch.Tensor, group_index: int) -> int:
         self.check_device(param)
         if self.transfers is None:
-            self.transfers = self.host_reads.transfers = Transfers(param.device)
+            self.transfers = self.host_reads.transfers = self.placement.transfers = Transfers(param.device)
             self.host_work.use_device(self.transfers)
         pid = registry.register_param(param, self)
         self.params[pid] = (param, group_index)
         if param.requires_grad:  # (data parallel: every owner known before any step, see collectives.py)
-            self._owner(pid, param)
+            self.placement.owner(pid, param)
         return pid
 
     def follow_param_groups(self, group_of: dict[int, int]) -> None:
@@ -159,95 +148,36 @@ class ZenFlowRuntime:
             del self.members[pid]
         for member in keep:
             member.group_index = group_of[member.pid]
-        self._replace_slabs(list(slabs.values()), keep, states)
+        self.placement.replace_slabs(list(slabs.values()), keep, states)
+        self._follow_layout()
+
+    @property
+    def members(self) -> dict[int, Member]:
+        return self.placement.members
+
+    @property
+    def slabs(self) -> list[Slab]:
+        return self.placement.slabs
 
     def _member(self, pid: int) -> Member:
         member = self.members.get(pid)
         return member if member is not None else self._create_members([pid])[0]
 
     def _create_members(self, pids: list[int]) -> list[Member]:
-        """State for the parameters of `pids` that have none yet, from their current values (a parameter's state
-        is created at its first gradient), in new slabs; a matrix whose first selection is this step's waits
-        for it, holding only its gradient (`state/pending.py`). Returns every pid's member."""
-        new = []
-        for pid in dict.fromkeys(pids):
-            if pid not in self.members and pid not in self.pending:
-                param, group_index = self.params[pid]
-                owner = self._owner(pid, param)
-                member = Member(param, pid, group_index, owner, owns_host=owner == self.rank)
-                if member.is_matrix and not param.is_contiguous():
-                    raise ValueError(
-                        f"ZenFlowAdamW needs contiguous parameters; got one of shape {tuple(param.shape)} with "
-                        f"strides {param.stride()}. Make it contiguous (param.data = param.data.contiguous()) first.")
-                new.append(member)
-        # Selected at this step (warm-up is over); not with ZenFlow's own data parallelism, whose reducer splits
-        # each gradient by its slab's columns as it arrives.
-        selects_now = self.data_parallel is None and self.step_count >= self.config.full_warm_up_rounds
-        pending = [m for m in new if m.is_matrix and selects_now]
-        if pending:
-            self._accumulates_on_device()  # (decided when the first state is made, as for any other)
-            self.pending.add(pending, lambda member: slab_key(member, 0))
-        laid_out = [m for m in new if m.pid not in self.pending]
-        if laid_out:
-            self._add_slabs(laid_out, [MemberState.fresh(m.param) for m in laid_out])
-        return [self.members[pid] if pid in self.members else self.pending.members[pid] for pid in pids]
+        members = self.placement.create_members(pids, selects_now=self.step_count >= self.config.full_warm_up_rounds)
+        self._follow_layout()
+        return members
 
-    def _add_slabs(self, members: list[Member], states: list[MemberState], together: Optional[list] = None) -> None:
-        """New slabs for `members` (their states laid out), one per key; `together`: per member, a group id
-        (members of different groups never share a slab: those of one old slab stay together)."""
-        groups: dict[tuple, list[int]] = {}
-        for position, member in enumerate(members):
-            k = member.cols if not member.is_matrix else states[position].selected.numel()
-            key = slab_key(member, k)
-            groups.setdefault((key, None if together is None else together[position]), []).append(position)
-        for (key, _), positions in groups.items():
-            slab = Slab(key, [members[p] for p in positions], [states[p] for p in positions], self.transfers,
-                        accumulate_squares=self.config.interval_second_moment,
-                        accumulate_on_device=self._accumulates_on_device(),
-                        upload_early=self.data_parallel is None)
-            self.slabs.append(slab)
-        for member in members:
-            self.members[member.pid] = member
-        # Registration order (ids grow with it): the global norm sums the members in this order.
-        self.members = dict(sorted(self.members.items()))
-        self._layout_changed()
-
-    def _accumulates_on_device(self) -> bool:
-        """Where the unselected columns' gradients are summed, decided once, when the first state is laid out:
-        `accumulate_on`, or for "auto" the device where it is not the host, without ZenFlow's own data
-        parallelism, and where the accumulators of every parameter that trains (fp32, with the gradient's
-        staging buffer and, with interval_second_moment, the squares) take at most `DEVICE_ACCUMULATOR_SHARE`
-        of the device's free memory."""
-        if self.accumulate_on is None:
-            choice = self.config.accumulate_on
-            if choice == "auto":
-                fits = (not self.transfers.device_is_host and self.data_parallel is None
-                        and accumulator_bytes([p for p, _ in self.params.values()], self.config)
-                        <= DEVICE_ACCUMULATOR_SHARE * self.transfers.free_device_bytes())
-                choice = "device" if fits else "host"
-            self.accumulate_on = choice
-        return self.accumulate_on == "device"
-
-    def _replace_slabs(self, old: list[Slab], members: list[Member], states: list[MemberState]) -> None:
-        """`old` slabs give way to new ones for `members` (laid out from `states`)."""
-        gone = {id(slab) for slab in old}
-        together = [id(m.slab) for m in members]
-        self.slabs = [slab for slab in self.slabs if id(slab) not in gone]
-        self._add_slabs(members, states, together)
+    def _follow_layout(self) -> None:
+        """After the placement laid state out: what was planned for the old layout goes."""
+        if self.placement.version != self._planned_version:
+            self._planned_version = self.placement.version
+            self._layout_changed()
 
     def _layout_changed(self) -> None:
         self._plans.clear()
         self.host_reads.forget_layout()
         self._watched = None
-
-    def _owner(self, pid: int, param: torch.Tensor) -> int:
-        """The rank that holds the parameter's host state: decided when the optimizer takes a trainable
-        parameter (else when its state is created), in the same order on every rank."""
-        if self.data_parallel is None:
-            return 0
-        if pid not in self.owners:
-            self.owners[pid] = self.data_parallel.assign_owner(param.numel())
-        return self.owners[pid]
 
     # -- gradients ----------------------------------------------------------------------------------------
     def take_grads(self, pids: list[int], grads: list[torch.Tensor],
@@ -436,11 +366,13 @@ class ZenFlowRuntime:
                 state.selected = self._first_selection(member, readout)
                 if self.data_parallel is not None:
                     column_moves.share_first_selection(member, state, self.data_parallel)
-            self._replace_slabs([old], members, states)
+            self.placement.replace_slabs([old], members, states)
+            self._follow_layout()
             del old, states
         for pending in self.pending.slabs:  # laid out once, selected, straight from the parameters (pending.py)
             states = [MemberState.fresh(m.param, self._first_selection(m, readout)) for m in pending.members]
-            self._add_slabs(pending.members, states, together=[0] * pending.n)
+            self.placement.add_slabs(pending.members, states, together=[0] * pending.n)
+            self._follow_layout()
             self.counters["bytes_device_to_host"] += pending.hand_over(self.grad_slot)
         self.pending.clear()
 
@@ -513,7 +445,8 @@ class ZenFlowRuntime:
             state.applied = current  # what the device holds
             state.selected_written = current[:, state.selected]
             states.append(state)
-        self._replace_slabs(list(old.values()), members, states)
+        self.placement.replace_slabs(list(old.values()), members, states)
+        self._follow_layout()
         for member in members:
             member.watch.remember()
 
@@ -650,7 +583,7 @@ class ZenFlowRuntime:
         # machine the wall times above also count waiting for a core).
         stats["cpu_update_thread_seconds"] = workers.update_worker.busy_cpu_seconds
         stats["accumulate_thread_seconds"] = workers.accumulate_worker.busy_cpu_seconds
-        stats["accumulate_on"] = self.accumulate_on
+        stats["accumulate_on"] = self.placement.accumulate_on
         stats["current_interval"] = self.schedule.steps_accumulated
         stats["update_pending"] = self.update_pending
         # Host memory held for optimizer state (data parallel: this rank's share).
@@ -687,19 +620,18 @@ class ZenFlowRuntime:
             place = {pid: i for i, pid in enumerate(pids)}
             unowned = [place[pid] for pid in entries if pid not in self.owners]
             for index in sorted(set().union(*self.data_parallel.all_gather_object(unowned))):
-                self._owner(pids[index], self.params[pids[index]][0])
+                self.placement.owner(pids[index], self.params[pids[index]][0])
             entries = checkpoint.with_device_parts({pid: entry for pid, entry in entries.items()
                                                     if self.owners[pid] == self.rank}, list(self.params),
                                                    self.data_parallel)
         members, states = [], []
         for pid, entry in entries.items():
-            param, group_index = self.params[pid]
-            owner = self._owner(pid, param)
-            member = Member(param, pid, group_index, owner, owns_host=owner == self.rank)
+            member = self.placement.new_member(pid)
             members.append(member)
             states.append(checkpoint.state_from_entry(member, entry))
         if members:
-            self._add_slabs(members, states)
+            self.placement.add_slabs(members, states)
+            self._follow_layout()
 
     def quiesce(self) -> None:
         """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
@@ -727,8 +659,7 @@ class ZenFlowRuntime:
         self.land_at = saved.get("land_at")
         self.counters.update(saved["counters"])
         # States are re-created from the checkpoint (owners stay this optimizer's: see collectives.py).
-        self.members, self.slabs = {}, []
-        self.pending.clear()
-        self._layout_changed()
+        self.placement.clear()
+        self._follow_layout()
         self.grad_slot = self.acc_slot = 0
         self.host_work.reset()
