@@ -199,6 +199,5 @@ def with_device_parts(owned: dict[int, dict], pids: list[int], data_parallel) ->
     return dict(sorted(entries.items()))
 
 
-__all__ = ["with_device_parts", "export_entry", "state_from_entry", "fresh_entry", "dcp_form", "saved_shape", "expected_shape",
-           "holds_state", "device_part", "Slab"]
-
+__all__ = ["export_entry", "state_from_entry", "fresh_entry", "dcp_form", "saved_shape", "expected_shape",
+           "holds_state", "device_part", "with_device_parts", "Slab"]

@@ -165,9 +165,10 @@ def _update_arriving(slab: Slab, member: torch.Tensor, slot: torch.Tensor, selec
                      members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict) -> MovingColumns:
     """`take_arriving` where the host part is: the arriving columns' CPU AdamW on copies of their rows."""
     row = _host_position(slab)[member, selected[member, slot]]
-    if slab.accumulates_on_device:  # the arriving columns' sums alone, read from the device: no wait for the
-        at = (member.to(slab.device), row.to(slab.device))  # whole interval's copy (its size is what moves)
-        grad, *grad_sq = (slab.transfers.read_to_host(sums[at]) for sums in slab.device_sums())
+    if slab.accumulates_on_device:  # the arriving columns' sums alone, read from the device in one read: no wait
+        at = (member.to(slab.device), row.to(slab.device))  # for the whole interval's copy (its size is what moves)
+        grad, *grad_sq = slab.transfers.read_to_host(torch.cat([sums[at] for sums in slab.device_sums()], 1)).split(
+            slab.R, 1)
     else:
         wait_for_accumulators(slab, acc_slot)
         grad, *grad_sq = (sums[member, row] for sums in slab.host_sums(acc_slot))
@@ -310,14 +311,14 @@ def share_first_selection(member: Member, state: MemberState, data_parallel) -> 
     state.host_columns = order.cpu()
     if member.owns_host:
         return
-    # (the step gradient's columns travel where a departing column's weights do)
-    arrived = _unpack(packed.cpu(), member.rows, columns, columns, weights_dtype=member.param.dtype)
+    rows = packed.cpu()
+    arrived = _unpack(rows, member.rows, columns, columns)
     for name in _STATE:
         getattr(state, name)[:, columns] = getattr(arrived, name).t()
     state.step[columns] = arrived.counts
     if state.step_grad is None:
         state.step_grad = torch.zeros(member.rows, member.cols, dtype=member.param.dtype, device="cpu")
-    state.step_grad[:, columns] = arrived.weights.t()
+    state.step_grad[:, columns] = rows[:, 3 * member.rows + 1:].t()  # (after the packed state: the gradient)
 
 
 def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, changed: torch.Tensor) -> None:

@@ -124,5 +124,6 @@ def accumulator_bytes(params: list[torch.Tensor], config) -> int:
     return total
 
 
-__all__ = ["PARAM_BLOCK_ELEMENTS", "accumulator_bytes", "SHARED_SLAB_MAX_NUMEL", "SlabKey", "columns_as_rows", "columns_index",
-           "columns_not_in", "device_columns", "host_order", "matrix_shape", "param_columns", "top_k_columns"]
+__all__ = ["PARAM_BLOCK_ELEMENTS", "SHARED_SLAB_MAX_NUMEL", "SlabKey", "accumulator_bytes", "columns_as_rows",
+           "columns_index", "columns_not_in", "device_columns", "host_order", "matrix_shape", "param_columns",
+           "top_k_columns"]
