@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 import time
 from typing import Callable, Optional
 
@@ -44,17 +43,14 @@ from zenflow_compile.runtime.host_reads import HostReads, StepReadout
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
 from zenflow_compile.runtime.placement import Placement
 from zenflow_compile.runtime.schedule import Schedule
-from zenflow_compile.runtime.state import columns as column_moves, intake, update, watch
+from zenflow_compile.runtime.state import columns as column_moves, intake, update
 from zenflow_compile.runtime.state.intake import BucketPlan, rows_taken
-from zenflow_compile.runtime.state.layout import top_k_columns
-from zenflow_compile.runtime.state.members import Member, MemberState
+from zenflow_compile.runtime.state.members import Member
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
 
 # Config keys that say where work runs, not what it computes: a checkpoint resumes across them.
 PLACEMENT_KEYS = ("accumulate_on",)
-
-_DTYPE = operator.attrgetter("dtype")
 
 
 def _hyperparameters(group: dict) -> dict:
@@ -75,12 +71,11 @@ class ZenFlowRuntime:
         self.reducer = (GradReducer(data_parallel, reduce_bucket_numel, self._take_reduced)
                         if data_parallel is not None else None)
         # The parameters and where their state is (slabs, members, owners, accumulate_on): runtime/placement.py.
-        self.placement = Placement(config, data_parallel)
-        self._planned_version = 0  # the placement's layout that _plans, host_reads and _watched were made for
+        self.placement = Placement(config, data_parallel, sharded=sharding is not None)
+        self._planned_version = 0  # the placement's layout that _plans and host_reads were made for
         self.params, self.owners, self.pending = self.placement.params, self.placement.owners, self.placement.pending
         self.rank = self.placement.rank
         self._plans: dict[tuple, BucketPlan] = {}  # bucket's pids -> plan, for the current slabs
-        self._watched = None  # (params, what their watches saw), for the current members
         self.step_count = 0  # t: completed (non-skipped) steps
         self.schedule = Schedule(config)  # boundaries and reselections: when they come
         self.update_pending = False  # overlap: a launched CPU update not yet applied to the device
@@ -177,7 +172,6 @@ class ZenFlowRuntime:
     def _layout_changed(self) -> None:
         self._plans.clear()
         self.host_reads.forget_layout()
-        self._watched = None
 
     # -- gradients ----------------------------------------------------------------------------------------
     def take_grads(self, pids: list[int], grads: list[torch.Tensor],
@@ -215,7 +209,8 @@ class ZenFlowRuntime:
             self.host_work.free_grad_buffers(self.grad_slot)
             for slab in self.slabs:
                 intake.start_step(slab, self.grad_slot)
-            self._adopt_casts()
+            self.placement.adopt_casts(self.acc_slot, self.grad_slot, self.check_written_params, self._drain)
+            self._follow_layout()
             self._step_open = True
 
     def _take_reduced(self, member: Member, replicated: Optional[torch.Tensor], host: Optional[torch.Tensor]) -> None:
@@ -298,7 +293,9 @@ class ZenFlowRuntime:
             self.schedule.selection_start = t
         if selecting:
             with self._selection_moves(stall=False):  # (laying the state out: the first step's setup)
-                self._select_first(selecting, readout)
+                sent = self.placement.select_first(selecting, readout, self.acc_slot, self.grad_slot)
+                self.counters["bytes_device_to_host"] += sent
+                self._follow_layout()
         stepped = [(slab, rows_taken(slab)) for slab in self.slabs if slab.members_taken]
         hyperparameters = [_hyperparameters(group) for group in param_groups]
         for slab, rows in stepped:
@@ -352,41 +349,6 @@ class ZenFlowRuntime:
         finally:
             self.selection_seconds += time.perf_counter() - started
 
-    def _select_first(self, selecting: list[Member], readout: StepReadout) -> None:
-        """The first selection of these members (top-k of this step's scores): their state, with this step's
-        gradient, moves into slabs of k selected columns (pending ones are laid out there at once)."""
-        old_slabs = list({id(m.slab): m.slab for m in selecting if m.pid not in self.pending}.values())
-        while old_slabs:  # one slab at a time: the host holds one slab's state twice, never the model's
-            old = old_slabs.pop(0)
-            members = list(old.members)
-            states = [old.export_member(m.index, self.acc_slot, with_step_grad=self.grad_slot) for m in members]
-            for member, state in zip(members, states):
-                if member.pid not in readout.selecting_scores:
-                    continue  # (a member of the same slab without a gradient this step stays unselected)
-                state.selected = self._first_selection(member, readout)
-                if self.data_parallel is not None:
-                    column_moves.share_first_selection(member, state, self.data_parallel)
-            self.placement.replace_slabs([old], members, states)
-            self._follow_layout()
-            del old, states
-        for pending in self.pending.slabs:  # laid out once, selected, straight from the parameters (pending.py)
-            states = [MemberState.fresh(m.param, self._first_selection(m, readout)) for m in pending.members]
-            self.placement.add_slabs(pending.members, states, together=[0] * pending.n)
-            self._follow_layout()
-            self.counters["bytes_device_to_host"] += pending.hand_over(self.grad_slot)
-        self.pending.clear()
-
-    def _first_selection(self, member: Member, readout: StepReadout) -> torch.Tensor:
-        """A matrix's first selected columns: the top-k of this step's scores (Zen-auto: their means too)."""
-        host_scores = readout.selecting_scores[member.pid]
-        selected = top_k_columns(host_scores, self.config.num_selected(member.cols))
-        if self.config.auto_update and selected.numel() < member.cols:
-            unselected = torch.ones(member.cols, dtype=torch.bool, device="cpu")
-            unselected[selected] = False
-            readout.mean_scores[member.pid] = (float(host_scores[selected].mean()),
-                                               float(host_scores[unselected].mean()))
-        return selected
-
     def _check_hyperparameters(self, param_groups: list[dict]) -> None:
         """Before anything changes: values the config cannot work with (param groups change at any time)."""
         if self.config.interval_second_moment:
@@ -396,67 +358,9 @@ class ZenFlowRuntime:
                         f"interval_second_moment needs betas[1] > 0; param group {g} has betas "
                         f"{tuple(group['betas'])}. Set betas[1] > 0, or interval_second_moment=False")
 
-    def _watched_params(self):
-        if self._watched is None:
-            members = list(self.members.values())
-            self._watched = ([m.watch.watched for m in members], [m.watch.seen for m in members])
-        return self._watched
-
     def _adopt_external_writes(self) -> None:
-        """The parameter is the source of truth (docs/semantics.md). Values written into it by anyone else
-        since the optimizer's last write (its version counter or storage changed) become the master. A
-        sharded parameter's state follows the local tensor its DTensor holds now (`follow_local_shard`)."""
-        params, seen = self._watched_params()
-        if watch.watch_keys(params, self.sharding is not None) == seen:
-            return
-        written = [m for m in self.members.values() if m.watch.written_externally()]
-        if not written:
-            return
-        self.check_written_params([m.registered for m in written])
-        for member in written:
-            if member.sharded is not None:
-                member.follow_local_shard()
-        self._drain()  # CPU work in flight reads and writes the host masters
-        cast = [m for m in written if m.param.dtype != m.slab.dtype]
-        for member in written:
-            if member.param.dtype == member.slab.dtype:
-                watch.adopt_param_values(member.slab, member.index)
-        if cast:
-            self._adopt_cast(cast)
-        self._watched = None
-
-    def _adopt_cast(self, cast: list[Member]) -> None:
-        """Parameters cast since the last look (model.to(dtype)): their slabs are laid out again in the new
-        dtypes. As with any write, a parameter's values become the master elementwise where they differ from what
-        the optimizer left in it (in the old dtype): an upcast keeps every master bit, a downcast adopts the
-        values it rounded. What the old buffers hold moves over: the accumulators, a pending CPU update (still
-        applied at the next apply), and any gradient this step's backwards already handed over (the step's
-        first gradient adopts a cast before any arrives; a cast between a backward and the step is adopted at
-        the step)."""
-        old = {id(m.slab): m.slab for m in cast}
-        members = [m for slab in old.values() for m in slab.members]
-        states = []
-        for member in members:
-            slab, i = member.slab, member.index
-            left = watch.left_in_param(slab, i)
-            state = slab.export_member(i, self.acc_slot, with_step_grad=self.grad_slot)
-            current = member.as_columns().detach().cpu()
-            watch.adopt_changed(current, left, state.master)
-            state.applied = current  # what the device holds
-            state.selected_written = current[:, state.selected]
-            states.append(state)
-        self.placement.replace_slabs(list(old.values()), members, states)
+        self.placement.adopt_external_writes(self.acc_slot, self.grad_slot, self.check_written_params, self._drain)
         self._follow_layout()
-        for member in members:
-            member.watch.remember()
-
-    def _adopt_casts(self) -> None:
-        """A parameter cast since the last step (model.to(dtype)) gets its state's buffers in the new dtype
-        before the step's first gradient lands in them (else an upcast's gradient is rounded to the old dtype
-        on the way in); any other write is adopted at the step, as usual."""
-        params, seen = self._watched_params()
-        if list(map(_DTYPE, params)) != [s[-1] for s in seen]:
-            self._adopt_external_writes()
 
     # -- boundaries ---------------------------------------------------------------------------------------
     def _fold_accumulated_grads(self, stepped: Stepped) -> None:

@@ -3,15 +3,18 @@ holding its host state, data parallel), the slabs and each parameter's member in
 waiting for their first selection (`state/pending.py`), and where the unselected columns' gradients are
 summed (`accumulate_on`). The engine asks it to lay state out (a parameter's first gradient, a first
 selection, a cast, a param-group edit, a checkpoint load); `version` counts the layouts (the engine drops
-what it planned for the old one)."""
+what it planned for the old one). Values written into the parameters by anyone else are adopted here too
+(`adopt_external_writes`): the parameter is the source of truth, and a cast lays its state out again."""
 
 from __future__ import annotations
 
-from typing import Optional
+import operator
+from typing import Callable, Optional
 
 import torch
 
-from zenflow_compile.runtime.state.layout import accumulator_bytes
+from zenflow_compile.runtime.state import columns as column_moves, watch
+from zenflow_compile.runtime.state.layout import accumulator_bytes, top_k_columns
 from zenflow_compile.runtime.state.members import Member, MemberState, slab_key
 from zenflow_compile.runtime.state.pending import PendingPlacements
 from zenflow_compile.runtime.state.slab import Slab
@@ -22,11 +25,14 @@ from zenflow_compile.runtime.transfers import Transfers
 # (longer sequences, a larger batch at evaluation) and the allocator's fragmentation.
 DEVICE_ACCUMULATOR_SHARE = 0.5
 
+_DTYPE = operator.attrgetter("dtype")
+
 
 class Placement:
-    def __init__(self, config, data_parallel):
+    def __init__(self, config, data_parallel, sharded: bool = False):
         self.config = config
         self.data_parallel = data_parallel
+        self.sharded = sharded  # FSDP2: a member watches its parameter's DTensor (`watch.watch_keys`)
         self.rank = data_parallel.rank if data_parallel is not None else 0
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.owners: dict[int, int] = {}  # data parallel: pid -> rank holding its host state (set at creation)
@@ -40,6 +46,7 @@ class Placement:
         # laid out ("auto" looks at the device's free memory then).
         self.accumulate_on: Optional[str] = None
         self.version = 0  # layouts of the slabs so far
+        self._watched = None  # (version, params, what their watches saw) for the current members
 
     def owner(self, pid: int, param: torch.Tensor) -> int:
         """The rank that holds the parameter's host state: decided when the optimizer takes a trainable
@@ -113,6 +120,110 @@ class Placement:
         self.pending.clear()
         self.version += 1
 
+    # -- first selection ------------------------------------------------------------------------------------
+    def select_first(self, selecting: list[Member], readout, acc_slot: int, grad_slot: int) -> int:
+        """The first selection of these members (top-k of this step's scores, `readout`: the step's
+        `host_reads.StepReadout`): their state, with this step's gradient, moves into slabs of k selected columns
+        (pending ones are laid out there at once). Returns the bytes their gradients sent to the host."""
+        sent = 0
+        old_slabs = list({id(m.slab): m.slab for m in selecting if m.pid not in self.pending}.values())
+        while old_slabs:  # one slab at a time: the host holds one slab's state twice, never the model's
+            old = old_slabs.pop(0)
+            members = list(old.members)
+            states = [old.export_member(m.index, acc_slot, with_step_grad=grad_slot) for m in members]
+            for member, state in zip(members, states):
+                if member.pid not in readout.selecting_scores:
+                    continue  # (a member of the same slab without a gradient this step stays unselected)
+                state.selected = self._first_selection(member, readout)
+                if self.data_parallel is not None:
+                    column_moves.share_first_selection(member, state, self.data_parallel)
+            self.replace_slabs([old], members, states)
+            del old, states
+        for pending in self.pending.slabs:  # laid out once, selected, straight from the parameters (pending.py)
+            states = [MemberState.fresh(m.param, self._first_selection(m, readout)) for m in pending.members]
+            self.add_slabs(pending.members, states, together=[0] * pending.n)
+            sent += pending.hand_over(grad_slot)
+        self.pending.clear()
+        return sent
+
+    def _first_selection(self, member: Member, readout) -> torch.Tensor:
+        """A matrix's first selected columns: the top-k of this step's scores (Zen-auto: their means too)."""
+        host_scores = readout.selecting_scores[member.pid]
+        selected = top_k_columns(host_scores, self.config.num_selected(member.cols))
+        if self.config.auto_update and selected.numel() < member.cols:
+            unselected = torch.ones(member.cols, dtype=torch.bool, device="cpu")
+            unselected[selected] = False
+            readout.mean_scores[member.pid] = (float(host_scores[selected].mean()),
+                                               float(host_scores[unselected].mean()))
+        return selected
+
+    # -- values written by others ---------------------------------------------------------------------------
+    def _watched_params(self) -> tuple[list, list]:
+        if self._watched is None or self._watched[0] != self.version:
+            members = list(self.members.values())
+            self._watched = (self.version, [m.watch.watched for m in members], [m.watch.seen for m in members])
+        return self._watched[1], self._watched[2]
+
+    def adopt_external_writes(self, acc_slot: int, grad_slot: int,
+                              check_written_params: Callable[[list[torch.Tensor]], None],
+                              drain: Callable[[], None]) -> None:
+        """The parameter is the source of truth (docs/semantics.md). Values written into it by anyone else
+        since the optimizer's last write (its version counter or storage changed) become the master. A
+        sharded parameter's state follows the local tensor its DTensor holds now (`follow_local_shard`).
+        `check_written_params` refuses what the state cannot follow; `drain` waits for the CPU work in flight
+        (it reads and writes the host masters)."""
+        params, seen = self._watched_params()
+        if watch.watch_keys(params, self.sharded) == seen:
+            return
+        written = [m for m in self.members.values() if m.watch.written_externally()]
+        if not written:
+            return
+        check_written_params([m.registered for m in written])
+        for member in written:
+            if member.sharded is not None:
+                member.follow_local_shard()
+        drain()
+        cast = [m for m in written if m.param.dtype != m.slab.dtype]
+        for member in written:
+            if member.param.dtype == member.slab.dtype:
+                watch.adopt_param_values(member.slab, member.index)
+        if cast:
+            self._adopt_cast(cast, acc_slot, grad_slot)
+        self._watched = None
+
+    def adopt_casts(self, acc_slot: int, grad_slot: int, check_written_params, drain) -> None:
+        """A parameter cast since the last step (model.to(dtype)) gets its state's buffers in the new dtype
+        before the step's first gradient lands in them (else an upcast's gradient is rounded to the old dtype
+        on the way in); any other write is adopted at the step, as usual."""
+        params, seen = self._watched_params()
+        if list(map(_DTYPE, params)) != [s[-1] for s in seen]:
+            self.adopt_external_writes(acc_slot, grad_slot, check_written_params, drain)
+
+    def _adopt_cast(self, cast: list[Member], acc_slot: int, grad_slot: int) -> None:
+        """Parameters cast since the last look (model.to(dtype)): their slabs are laid out again in the new
+        dtypes. As with any write, a parameter's values become the master elementwise where they differ from what
+        the optimizer left in it (in the old dtype): an upcast keeps every master bit, a downcast adopts the
+        values it rounded. What the old buffers hold moves over: the accumulators, a pending CPU update (still
+        applied at the next apply), and any gradient this step's backwards already handed over (the step's
+        first gradient adopts a cast before any arrives; a cast between a backward and the step is adopted at
+        the step)."""
+        old = {id(m.slab): m.slab for m in cast}
+        members = [m for slab in old.values() for m in slab.members]
+        states = []
+        for member in members:
+            slab, i = member.slab, member.index
+            left = watch.left_in_param(slab, i)
+            state = slab.export_member(i, acc_slot, with_step_grad=grad_slot)
+            current = member.as_columns().detach().cpu()
+            watch.adopt_changed(current, left, state.master)
+            state.applied = current  # what the device holds
+            state.selected_written = current[:, state.selected]
+            states.append(state)
+        self.replace_slabs(list(old.values()), members, states)
+        for member in members:
+            member.watch.remember()
+
+    # -- where the sums are ---------------------------------------------------------------------------------
     def accumulates_on_device(self) -> bool:
         """Where the unselected columns' gradients are summed, decided once, when the first state is laid out:
         `accumulate_on`, or for "auto" the device where it is not the host, without ZenFlow's own data

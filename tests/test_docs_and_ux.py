@@ -309,7 +309,7 @@ def _resolves(token: str, classes: dict, modules: dict) -> Optional[bool]:
                 return False
             found = getattr(found, name)
         return True
-    if head in classes:  # `Slab.export_member`, `ZenFlowRuntime._adopt_casts`
+    if head in classes:  # `Slab.export_member`, `Placement.adopt_casts`
         return any(_definitions(p, rest[0]) for p in classes[head])
     if head in modules and head not in AMBIGUOUS_MODULES:  # `kernels.cpu_adamw_`, `layout.SHARED_SLAB_MAX_NUMEL`
         return any(_definitions(p, rest[0]) for p in modules[head])

@@ -4,7 +4,7 @@ A matrix whose first gradient arrives once warm-up is over is selected at that s
 laying its state out with no column selected and again once the selection is made, it holds only what the
 selection needs until then, the step's gradient and its column scores, on the device; at `step()` its slab
 is laid out once, with its k selected columns, straight from the parameter
-(`ZenFlowRuntime._select_first`), and the gradient goes in as any first gradient would
+(`Placement.select_first`), and the gradient goes in as any first gradient would
 (`intake.take_first_gradient`).
 
 To the intake a `PendingSlab` is a whole slab (every column on the device, no host part) that holds nothing
