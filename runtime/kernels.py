@@ -16,6 +16,7 @@
   thread, not enough to carry a C++ build.
 - `cpu_adamw_`: the host AdamW of the unselected columns: torch's fused CPU AdamW kernel (measured ~2
   Gparam/s on 2 cores, as fast as DeepSpeedCPUAdam, no JIT build). Swap the kernel here and nowhere else.
+  `cpu_adamw_runs_` takes rows at different update counts, one run of rows per count (`cut_rows`), in one call.
 
 All follow torch.optim.AdamW exactly: decoupled weight decay, then moments, then the bias-corrected step.
 """
@@ -162,3 +163,17 @@ def cpu_adamw_(
         fused=True, amsgrad=False, maximize=False,
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
     )
+
+
+def cut_rows(tensors: list[Optional[torch.Tensor]], lengths: list[int]) -> list[tuple]:
+    """(master, grad, exp_avg, exp_avg_sq, grad_sq) 2-D row tensors cut into runs of `lengths` rows: one tuple
+    per run (for `cpu_adamw_runs_`)."""
+    return list(zip(*(t.split(lengths) if t is not None else [None] * len(lengths) for t in tensors)))
+
+
+def cpu_adamw_runs_(runs: list, steps: torch.Tensor, hyperparameters: dict) -> None:
+    """One fused CPU AdamW over `runs` ((master, grad, exp_avg, exp_avg_sq, grad_sq) each), run i at update
+    count steps[i] (`steps` itself is left as it is)."""
+    masters, grads, exp_avgs, exp_avg_sqs, grad_sqs = (list(column) for column in zip(*runs))
+    cpu_adamw_(masters, grads, exp_avgs, exp_avg_sqs, steps.clone().unbind(0),  # (incremented in place)
+               grad_sqs=None if grad_sqs[0] is None else grad_sqs, **hyperparameters)

@@ -299,12 +299,12 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def ops_per_step(n: int, steps: int) -> list[tuple[dict, collections.Counter, collections.Counter]]:
+def ops_per_step(n: int, steps: int, **keys) -> list[tuple[dict, collections.Counter, collections.Counter]]:
     """Blocks(n) trained eagerly: per step, which counters changed and the ops of `opt.step()` (the hand-off
     of the `.grad`s, the device AdamW, a boundary's apply and reselection)."""
     torch.manual_seed(0)
     model = Blocks(n)
-    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, weight_decay=WD, **KEYS)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, weight_decay=WD, **{**KEYS, **keys})
     out = []
     for step in range(steps):
         loss_of(model, blocks_batch(step)).backward()
@@ -317,16 +317,19 @@ def ops_per_step(n: int, steps: int) -> list[tuple[dict, collections.Counter, co
     return out
 
 
-def test_a_step_costs_a_fixed_number_of_calls_per_slab_whatever_its_members(device):
+@pytest.mark.parametrize("in_flight", [False, True], ids=["wait", "incoming"])
+def test_a_step_costs_a_fixed_number_of_calls_per_slab_whatever_its_members(in_flight, device):
     """Blocks(4) and Blocks(16) have the same slabs (the 16 block weights share one, the 48 [16] vectors
     another). Once every state is laid out (t >= 2: after the warm-up and the first selection, which lay out
     every member anew), opt.step() runs exactly the same aten ops, op by op, for 4 and for 16 blocks: the
     hand-off of the eager `.grad`s, the norm, the device AdamW and, at a boundary, its launch of the CPU
     update (overlapped: pending), at a reselecting boundary the apply of the pending update, the apply of its
-    own and the reselection; the views too (the members' [R, C] views of their parameters are made once per
-    slab). On the emulated device the offloads and uploads are counted too."""
+    own and the reselection (`incoming`, the defaults' schedule: the arriving columns' CPU AdamW and their
+    move while the update runs on, landing one step later); the views too (the members' [R, C] views of their
+    parameters are made once per slab). On the emulated device the offloads and uploads are counted too."""
     steps = 10
-    small, large = ops_per_step(4, steps), ops_per_step(16, steps)
+    keys = dict(overlap_reselect="incoming", landing_lag=1) if in_flight else {}
+    small, large = ops_per_step(4, steps, **keys), ops_per_step(16, steps, **keys)
     kinds = set()
     for t in range(2, steps):
         (changed, calls, views), (changed16, calls16, views16) = small[t], large[t]

@@ -176,22 +176,30 @@ def _update_arriving(slab: Slab, member: torch.Tensor, slot: torch.Tensor, selec
     master, exp_avg, exp_avg_sq = (t[member, row] for t in (  # (copies: advanced indexing)
         slab.host_master, slab.host_exp_avg, slab.host_exp_avg_sq))
     counts = slab.host_counts[member, row]
-    scale_of, steps_of = {}, {}
+    scale_of, steps_of = [0.0] * slab.n, [1.0] * slab.n  # per member (scale 0: no gradient, not updated)
     for scale, taking in members_by_scale.items():
         for i, steps in taking:
-            scale_of[i], steps_of[i] = scale, steps
-    steps = torch.tensor([steps_of[i] for i in member.tolist()], dtype=torch.float32, device="cpu")
+            scale_of[i], steps_of[i] = scale, float(steps)
+    row_scale = torch.tensor(scale_of, device="cpu")[member]
+    steps = torch.tensor(steps_of, device="cpu")[member].unsqueeze(1)
     for sums in (grad, grad_sq):
         if sums is not None:
-            sums.div_(steps.unsqueeze(1))  # the interval's mean, as the update computes it
-    rows_of_scale: dict[float, list[int]] = {}
-    for j, i in enumerate(member.tolist()):
-        rows_of_scale.setdefault(scale_of[i], []).append(j)
-    count_rows = counts.unbind(0)  # (each row's step, incremented in place by the update)
-    for scale, rows in rows_of_scale.items():
-        pick = lambda t: None if t is None else [t[j] for j in rows]
-        kernels.cpu_adamw_(pick(master), pick(grad), pick(exp_avg), pick(exp_avg_sq), pick(count_rows),
-                           grad_sqs=pick(grad_sq), **dict(hyperparameters, lr=hyperparameters["lr"] * scale))
+            sums.div_(steps)  # the interval's mean, as the update computes it
+    # One fused call per lr multiplier over the rows in update-count order, one run per count: the calls do
+    # not grow with the members.
+    state = (master, grad, exp_avg, exp_avg_sq, grad_sq)
+    for scale in row_scale.unique().tolist():
+        if scale == 0.0:
+            continue
+        rows = (row_scale == scale).nonzero().squeeze(1)
+        order = rows[counts[rows].argsort(stable=True)]
+        values, lengths = torch.unique_consecutive(counts[order], return_counts=True)
+        gathered = [None if t is None else t.index_select(0, order) for t in state]
+        kernels.cpu_adamw_runs_(kernels.cut_rows(gathered, lengths.tolist()), values,
+                                dict(hyperparameters, lr=hyperparameters["lr"] * scale))
+        for target, updated in zip((master, exp_avg, exp_avg_sq), (gathered[0], gathered[2], gathered[3])):
+            target.index_copy_(0, order, updated)
+        counts.index_add_(0, order, torch.ones_like(order, dtype=counts.dtype))
     return MovingColumns(member, slot, master, exp_avg, exp_avg_sq, counts)
 
 

@@ -33,20 +33,6 @@ def update_on_device(slab: Slab, rows: Optional[list[int]], *, grad_scale, **hyp
             slab.selected_written[rows] = slab.master[rows].to(slab.dtype)
 
 
-def _cut(tensors: list[Optional[torch.Tensor]], lengths: list[int]) -> list[tuple]:
-    """(master, grad, exp_avg, exp_avg_sq, grad_sq) 2-D row tensors cut into runs of `lengths` rows: one tuple
-    per run."""
-    return list(zip(*(t.split(lengths) if t is not None else [None] * len(lengths) for t in tensors)))
-
-
-def _cpu_adamw_(runs: list, steps: torch.Tensor, hyperparameters: dict) -> None:
-    """One fused CPU AdamW over `runs` ((master, grad, exp_avg, exp_avg_sq, grad_sq) each), run i at update
-    count steps[i]."""
-    masters, grads, exp_avgs, exp_avg_sqs, grad_sqs = (list(column) for column in zip(*runs))
-    kernels.cpu_adamw_(masters, grads, exp_avgs, exp_avg_sqs, steps.clone().unbind(0),  # (incremented in place)
-                       grad_sqs=None if grad_sqs[0] is None else grad_sqs, **hyperparameters)
-
-
 def update_host_columns(slab: Slab, members_by_scale: dict[float, list[tuple[int, int]]], acc_slot: int,
                         hyperparameters: dict) -> None:
     """Update worker, at a boundary: the CPU AdamW of the host columns of the members in
@@ -92,7 +78,7 @@ def host_adamw_(slab: Slab, rows: list[int], everyone: bool, acc: torch.Tensor, 
     runs = [torch.unique_consecutive(counts, return_counts=True) for _, counts in blocks]
     if sum(len(values) for values, _ in runs) * SHORT_RUN_ROWS <= sum(len(c) for _, c in blocks):
         for (view, _), (values, lengths) in zip(blocks, runs):
-            _cpu_adamw_(_cut(views(view), lengths.tolist()), values, hyperparameters)
+            kernels.cpu_adamw_runs_(kernels.cut_rows(views(view), lengths.tolist()), values, hyperparameters)
         return
     distinct, frequency = torch.unique(torch.cat([counts for _, counts in blocks]), return_counts=True)
     common = distinct[frequency.argmax()]
@@ -103,10 +89,10 @@ def host_adamw_(slab: Slab, rows: list[int], everyone: bool, acc: torch.Tensor, 
         values, lengths = torch.unique_consecutive(counts[order], return_counts=True)
         apart.append((view, order, [None if t is None else t.index_select(0, order) for t in views(view)],
                       values, lengths.tolist()))
-    _cpu_adamw_([views(view) for view, _ in blocks], common.expand(len(blocks)), hyperparameters)
+    kernels.cpu_adamw_runs_([views(view) for view, _ in blocks], common.expand(len(blocks)), hyperparameters)
     for view, order, gathered, values, lengths in apart:
         if order.numel():
-            _cpu_adamw_(_cut(gathered, lengths), values, hyperparameters)
+            kernels.cpu_adamw_runs_(kernels.cut_rows(gathered, lengths), values, hyperparameters)
             for target, updated in zip((slab.host_master, slab.host_exp_avg, slab.host_exp_avg_sq),
                                        (gathered[0], gathered[2], gathered[3])):
                 view(target).index_copy_(0, order, updated)
