@@ -133,3 +133,70 @@ def test_training_with_the_project_defaults_equals_the_reference(keys, overlappe
     ref.synchronize()
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.project_defaults
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_training_loop_around_the_defaults_equals_the_reference(compiled, device):
+    """What users do around the step, with the defaults (every boundary reselecting while its CPU update runs
+    on, the update landing one step later): two models trained at once, one with weights loaded after its
+    optimizer was built, global-norm clipping that bites, an lr schedule, a weight decay edited mid-run, and
+    a checkpoint taken right after a boundary (its update in flight) resumed into a fresh model and optimizer.
+    Each model equals the reference step by step; the resumed run equals the uninterrupted one bitwise."""
+    import copy
+
+    import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow")
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1.0 + 0.1 * t))
+
+    def make(seed, cls, model=None):
+        model = model if model is not None else tiny_model(seed=seed)
+        opt = cls(model.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.05)
+        return model, opt, schedule(opt)
+
+    def train(model, opt, sched, batch, run):
+        loss_fn(run, batch).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+    pretrained = tiny_model(seed=3).state_dict()
+    batches, saved_at, runs = make_batches(16), 8, []
+    for seed in (0, 1):
+        ours, theirs = make(seed, ZenFlowAdamW), make(seed, ZenFlowReference)
+        if seed == 0:  # weights loaded after the optimizer was built
+            ours[0].load_state_dict(pretrained)
+            theirs[0].load_state_dict(pretrained)
+        compile_as = lambda model, backend: torch.compile(model, backend=backend) if compiled else model  # noqa: E731
+        runs.append((ours, compile_as(ours[0], "zenflow"), theirs, compile_as(theirs[0], "inductor")))
+    checkpoint = None
+    for i, batch in enumerate(batches):
+        if i == 6:  # a param-group edit between steps
+            for ours, _, theirs, _ in runs:
+                for opt in (ours[1], theirs[1]):
+                    opt.param_groups[0]["weight_decay"] = 0.05
+        for ours, run_ours, theirs, run_theirs in runs:
+            train(*ours, batch, run_ours)
+            train(*theirs, batch, run_theirs)
+            assert ours[1].stats()["grad_norm"] > 0.05  # clipping bites
+            for (name, p), q in zip(ours[0].named_parameters(), theirs[0].parameters()):
+                torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=lambda m: f"step {i} {name}: {m}")
+        if i + 1 == saved_at:
+            model, opt, sched = runs[0][0]
+            assert opt.stats()["update_pending"]  # (the boundary of step 8 is still in flight)
+            checkpoint = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
+    resumed = make(None, ZenFlowAdamW, model=tiny_model(seed=7))
+    resumed[0].load_state_dict(checkpoint[0])
+    resumed[1].load_state_dict(checkpoint[1])
+    resumed[2].load_state_dict(checkpoint[2])
+    run_resumed = torch.compile(resumed[0], backend="zenflow") if compiled else resumed[0]
+    for batch in batches[saved_at:]:
+        train(*resumed, batch, run_resumed)
+    for opt in (runs[0][0][1], resumed[1]):
+        opt.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][0][0].parameters(), resumed[0].parameters()))
+    for ours, _, _, _ in runs:
+        stats = ours[1].stats()
+        assert (stats["cpu_updates"], stats["overlapped_boundaries"], stats["reselections"]) == (4, 4, 4)
