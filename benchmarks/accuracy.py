@@ -563,13 +563,21 @@ def _legend_below(fig, ax_acc, ax_loss) -> None:
     fig.tight_layout(rect=(0, _legend_height(labels) / fig.get_figheight(), 1, 1))
 
 
-def chart(results: dict, png: Path, only: list | None = None) -> None:
+def _pyplot():
+    """matplotlib's pyplot (headless), or None with a note: the tables and JSON never need it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no PNG (pip install matplotlib)")
+        return None
+    return plt
+
+
+def chart(results: dict, png: Path, only: list | None = None) -> None:
+    plt = _pyplot()
+    if plt is None:
         return
     runs = {name: r for name, r in results.get("runs", {}).items() if not only or name in only}
     labels, shared = chart_labels(list(runs))
@@ -686,10 +694,9 @@ def aggregate_table(summary: dict) -> str:
 
 
 def aggregate_chart(summary: dict, png: Path, only: list | None = None) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
+    if plt is None:
+        return
     runs = {name: r for name, r in summary["runs"].items() if not only or name in only}
     labels, shared = chart_labels(list(runs))
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(9, 3.4 + _legend_height(labels.values())), dpi=80)

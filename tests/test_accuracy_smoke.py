@@ -188,6 +188,18 @@ def test_aggregate_pairs_gaps_per_seed_and_averages_the_schedule(tmp_path):
         accuracy.aggregate([files[0], _with_setup(tmp_path / "x.json", files[1], task="tweets")])
 
 
+def test_aggregate_command_writes_its_json_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """`--aggregate` on a base install (no matplotlib): the JSON and the table, and a note instead of the PNG."""
+    accuracy = _accuracy_module()
+    files = [_result_file(tmp_path / f"s{s}.json", s, 0.9, dict(accuracy=0.88)) for s in (0, 1)]
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (an import of it raises ImportError)
+    out = tmp_path / "seeds.json"
+    assert accuracy.main(["--aggregate", *map(str, files), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["runs"]["zenflow:iau=1"]["curve"][0]["gap_points"]["n"] == 2
+    assert "matplotlib is not installed: no PNG" in capsys.readouterr().out
+    assert not out.with_suffix(".png").exists()
+
+
 def _with_setup(path, source, **change):
     data = json.loads(source.read_text())
     data["setup"].update(change)
