@@ -555,8 +555,11 @@ class ZenFlowRuntime:
         differing = sorted(k for k in {*saved["config"], *mine}
                            if k not in PLACEMENT_KEYS and saved["config"].get(k) != mine.get(k))
         if differing:
-            raise ValueError(f"checkpoint was saved with a different ZenFlow config (keys {differing}); "
-                             "construct the optimizer with the saved config to resume exactly")
+            saved_keys = ", ".join(f"{k}={saved['config'].get(k)!r}" for k in differing)
+            these = ", ".join(f"{k}={mine.get(k)!r}" for k in differing)
+            raise ValueError(f"checkpoint was saved with a different ZenFlow config: it has {saved_keys}, this "
+                             f"optimizer {these}. Construct the optimizer with the saved values ({saved_keys}) "
+                             "to resume exactly")
         self.step_count = saved["step_count"]
         self.schedule.load(saved)
         self.update_pending = saved["update_pending"]

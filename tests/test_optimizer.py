@@ -511,7 +511,8 @@ def test_a_checkpoint_saved_before_the_landing_lag_key_existed_resumes():
     for xs, ys in zip(log_a.params, log_b.params):
         assert all(torch.equal(x, y) for x, y in zip(xs, ys))
     sd["zenflow"]["config"]["landing_lag"] = 1  # but a checkpoint that names another value is another config
-    with pytest.raises(ValueError, match="landing_lag"):
+    with pytest.raises(ValueError, match=r"it has landing_lag=1, this optimizer landing_lag=None\. Construct the "
+                                         r"optimizer with the saved values \(landing_lag=1\)"):
         ZenFlowAdamW(tiny_model().parameters(), lr=LR, **keys).load_state_dict(sd)
 
 
