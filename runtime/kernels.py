@@ -16,14 +16,15 @@
   thread, not enough to carry a C++ build.
 - `cpu_adamw_`: the host AdamW of the unselected columns: torch's fused CPU AdamW kernel (measured ~2
   Gparam/s on 2 cores, as fast as DeepSpeedCPUAdam, no JIT build). Swap the kernel here and nowhere else.
-  `cpu_adamw_runs_` takes rows at different update counts, one run of rows per count (`cut_rows`), in one call.
+  `cpu_adamw_runs_` takes rows at different update counts, one run of rows per count (`cut_rows`), in one call;
+  rows out of count order are gathered by count first and written back (`gather_by_count`, `cpu_adamw_gathered_`).
 
 All follow torch.optim.AdamW exactly: decoupled weight decay, then moments, then the bias-corrected step.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.optim.adamw import adamw as _torch_adamw
@@ -177,3 +178,32 @@ def cpu_adamw_runs_(runs: list, steps: torch.Tensor, hyperparameters: dict) -> N
     masters, grads, exp_avgs, exp_avg_sqs, grad_sqs = (list(column) for column in zip(*runs))
     cpu_adamw_(masters, grads, exp_avgs, exp_avg_sqs, steps.clone().unbind(0),  # (incremented in place)
                grad_sqs=None if grad_sqs[0] is None else grad_sqs, **hyperparameters)
+
+
+class RowsByCount(NamedTuple):
+    """Some rows of (master, grad, exp_avg, exp_avg_sq, grad_sq) 2-D row tensors, gathered in update-count
+    order (`gather_by_count`): `order` the rows, `values` / `lengths` their runs of equal count."""
+
+    order: torch.Tensor
+    values: torch.Tensor
+    lengths: list[int]
+    gathered: list[Optional[torch.Tensor]]
+
+
+def gather_by_count(state: list[Optional[torch.Tensor]], rows: torch.Tensor, counts: torch.Tensor) -> RowsByCount:
+    """Copies of rows `rows` of the row tensors `state`, in the order of their update counts `counts[row]`."""
+    order = rows[counts[rows].argsort(stable=True)]
+    values, lengths = torch.unique_consecutive(counts[order], return_counts=True)
+    gathered = [None if t is None else t.index_select(0, order) for t in state]
+    return RowsByCount(order, values, lengths.tolist(), gathered)
+
+
+def cpu_adamw_gathered_(state: list[Optional[torch.Tensor]], taken: RowsByCount, hyperparameters: dict) -> None:
+    """One fused CPU AdamW over the rows `gather_by_count` took from `state`, one run per count, and their new
+    master and moments written back into `state`'s rows."""
+    if not taken.order.numel():
+        return
+    cpu_adamw_runs_(cut_rows(taken.gathered, taken.lengths), taken.values, hyperparameters)
+    for target, updated in zip((state[0], state[2], state[3]), (taken.gathered[0], taken.gathered[2],
+                                                                taken.gathered[3])):
+        target.index_copy_(0, taken.order, updated)

@@ -191,15 +191,9 @@ def _update_arriving(slab: Slab, member: torch.Tensor, slot: torch.Tensor, selec
     for scale in row_scale.unique().tolist():
         if scale == 0.0:
             continue
-        rows = (row_scale == scale).nonzero().squeeze(1)
-        order = rows[counts[rows].argsort(stable=True)]
-        values, lengths = torch.unique_consecutive(counts[order], return_counts=True)
-        gathered = [None if t is None else t.index_select(0, order) for t in state]
-        kernels.cpu_adamw_runs_(kernels.cut_rows(gathered, lengths.tolist()), values,
-                                dict(hyperparameters, lr=hyperparameters["lr"] * scale))
-        for target, updated in zip((master, exp_avg, exp_avg_sq), (gathered[0], gathered[2], gathered[3])):
-            target.index_copy_(0, order, updated)
-        counts.index_add_(0, order, torch.ones_like(order, dtype=counts.dtype))
+        taken = kernels.gather_by_count(state, (row_scale == scale).nonzero().squeeze(1), counts)
+        kernels.cpu_adamw_gathered_(state, taken, dict(hyperparameters, lr=hyperparameters["lr"] * scale))
+        counts.index_add_(0, taken.order, torch.ones_like(taken.order, dtype=counts.dtype))
     return MovingColumns(member, slot, master, exp_avg, exp_avg_sq, counts)
 
 

@@ -82,20 +82,12 @@ def host_adamw_(slab: Slab, rows: list[int], everyone: bool, acc: torch.Tensor, 
         return
     distinct, frequency = torch.unique(torch.cat([counts for _, counts in blocks]), return_counts=True)
     common = distinct[frequency.argmax()]
-    apart = []
-    for view, counts in blocks:
-        odd = (counts != common).nonzero().squeeze(1)
-        order = odd[counts[odd].argsort(stable=True)]
-        values, lengths = torch.unique_consecutive(counts[order], return_counts=True)
-        apart.append((view, order, [None if t is None else t.index_select(0, order) for t in views(view)],
-                      values, lengths.tolist()))
+    # (the rows apart are copied before the common count's call writes over them)
+    apart = [(views(view), kernels.gather_by_count(views(view), (counts != common).nonzero().squeeze(1), counts))
+             for view, counts in blocks]
     kernels.cpu_adamw_runs_([views(view) for view, _ in blocks], common.expand(len(blocks)), hyperparameters)
-    for view, order, gathered, values, lengths in apart:
-        if order.numel():
-            kernels.cpu_adamw_runs_(kernels.cut_rows(gathered, lengths), values, hyperparameters)
-            for target, updated in zip((slab.host_master, slab.host_exp_avg, slab.host_exp_avg_sq),
-                                       (gathered[0], gathered[2], gathered[3])):
-                view(target).index_copy_(0, order, updated)
+    for block, taken in apart:
+        kernels.cpu_adamw_gathered_(block, taken, hyperparameters)
 
 
 def publish_host_weights(slab: Slab) -> None:
