@@ -145,9 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-time-scale", type=float, default=10.0,
                    help="--simulated-device: simulated seconds per second here (default 10)")
     p.add_argument("--sim-reselect", nargs="+", choices=["none", "wait", "incoming"], default=["none"],
-                   help="--simulated-device: rows with a reselection at every boundary, made as overlap_reselect "
-                        "'wait' or 'incoming' does it (the project's defaults select every update_interval "
-                        "steps; default none: no reselection)")
+                   help="--simulated-device: rows with a reselection every --select-interval steps (an int; "
+                        "default: the project's defaults' select_interval), made as overlap_reselect 'wait' or "
+                        "'incoming' makes it (default none: no reselection)")
     p.add_argument("--sim-churn", type=float, default=0.25,
                    help="--simulated-device: share of the selected columns a reselection moves (default 0.25)")
     p.add_argument("--sim-steps", type=int, default=24, help="--simulated-device: measured steps (default 24)")
@@ -640,8 +640,12 @@ def run_simulated(args) -> int:
     sys.path.insert(0, str(HERE))
     import simulated_device
 
+    from zenflow_compile import ZenFlowConfig
+
     regime = simulated_device.Regime(time_scale=args.sim_time_scale, steps=args.sim_steps,
-                                     landing_lag=args.landing_lag, selection_churn=args.sim_churn)
+                                     landing_lag=args.landing_lag, selection_churn=args.sim_churn,
+                                     select_interval=(args.select_interval if isinstance(args.select_interval, int)
+                                                      else ZenFlowConfig().select_interval))
     placements = ("device", "host") if args.accumulate_on in ("both", "auto") else (args.accumulate_on,)
     print(f"bench_offload --simulated-device: the H100 regime (1.1B bf16, fused AdamW step {regime.step_ms:g} ms) "
           f"at 1/{regime.time_scale:g} time, --zenflow-settings {args.zenflow_settings}; host work real")

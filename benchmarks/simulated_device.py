@@ -30,8 +30,9 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
    it finished each slab, merged once they have landed;
    the interval's sums go down slab by slab (device accumulation) and the CPU AdamW of each slab starts on the
    update worker once its sums have landed.
-4. a reselecting boundary (`Regime.overlap_reselect`, every boundary; churn c of the k selected columns change
-   sides), as `ZenFlowRuntime._reselect` makes it on the training thread: "wait" waits for the boundary's own
+4. a reselecting boundary (`Regime.overlap_reselect`: the first boundary at least `Regime.select_interval`
+   steps after the last reselection, as select_strategy "step" makes it; churn c of the k selected columns
+   change sides), as `ZenFlowRuntime._reselect` makes it on the training thread: "wait" waits for the boundary's own
    update and merges it first; "incoming" reads the arriving columns' sums (from the device, or the host's
    once the step's accumulation ended) and runs their CPU AdamW (real work, c x r of the parameters) before
    it launches the update. Then the
@@ -70,9 +71,11 @@ class Regime:
     topk_ratio: float = 0.05
     update_interval: int = 4
     landing_lag: Optional[int] = None  # a boundary's update lands at the end of step b + L (None: the next boundary)
-    # A reselection at every boundary (the project's defaults select every S steps), "wait" or "incoming" as
-    # the runtime makes it (None: no reselection), moving `selection_churn` of each matrix's selected columns.
+    # Reselections every `select_interval` steps (at the first boundary that many steps after the last; the
+    # project's defaults: 8), "wait" or "incoming" as the runtime makes them (None: no reselection), moving
+    # `selection_churn` of each matrix's selected columns.
     overlap_reselect: Optional[str] = None
+    select_interval: int = 8
     selection_churn: float = 0.25
     device_bandwidth: float = 3.35e12  # bytes/s
     link_bandwidth: float = 25e9  # bytes/s, each way
@@ -309,6 +312,7 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
                 apply_previous(i)
             return
         apply_previous(i)
+        reselect = regime.overlap_reselect if (i + 1) % (S * -(-regime.select_interval // S)) == 0 else None
         if accumulate_on == "device":  # each slab's sums down, in slab order
             down.wait_event(compute.record())
             ready = []
@@ -328,7 +332,7 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
                 uploads.append(up.record())
             return uploads
 
-        if regime.overlap_reselect == "incoming":  # the arriving columns' share of the update, first
+        if reselect == "incoming":  # the arriving columns' share of the update, first
             if accumulate_on == "device":  # their sums alone, read from the device on the compute stream
                 compute.run(regime.seconds(moved * 4 / regime.link_bandwidth))
                 compute.synchronize()
@@ -337,12 +341,12 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
             host.cpu_adamw_share(regime.selection_churn * r / (1 - r))
         pending["update"] = host.update_worker.submit(cpu_update)
         pending["land_at"] = None if regime.landing_lag is None else i + regime.landing_lag
-        if regime.overlap_reselect == "wait":  # the boundary's own update, waited for and merged first
+        if reselect == "wait":  # the boundary's own update, waited for and merged first
             apply_previous(i)
-        if regime.overlap_reselect == "wait":  # the moves: blocking copies each way, as the runtime's
+        if reselect == "wait":  # the moves: blocking copies each way, as the runtime's
             compute.run(regime.seconds(2 * move_s))
             compute.synchronize()
-        elif regime.overlap_reselect == "incoming":  # arriving up, blocking; departing down on the D2H stream
+        elif reselect == "incoming":  # arriving up, blocking; departing down on the D2H stream
             compute.run(regime.seconds(move_s))
             compute.synchronize()
             down.wait_event(compute.record())
@@ -372,7 +376,7 @@ def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host"),
         try:
             for reselect, placement in ((m, p) for m in reselects for p in accumulate_on):
                 lag = "" if regime.landing_lag is None else f" lag {regime.landing_lag}"
-                moves = f" reselect {reselect}" if reselect else ""
+                moves = f" reselect {reselect} every {regime.select_interval} steps" if reselect else ""
                 name = (f"zenflow r={ratio:g} S={interval} overlap{lag}{moves} sum on {placement} "
                         "(simulated device)")
                 results[name] = simulate_zenflow(dataclasses.replace(setting, overlap_reselect=reselect), host,
@@ -397,9 +401,10 @@ def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host"),
 
 
 def format_rows(report: dict) -> str:
-    lines = [f"{'system':62s} {'mean step ms':>12s} {'x adamw':>8s} {'stall %':>8s} {'D2H GB/step':>11s}"]
+    width = max(len(row["system"]) for row in report["rows"])
+    lines = [f"{'system':{width}s} {'mean step ms':>12s} {'x adamw':>8s} {'stall %':>8s} {'D2H GB/step':>11s}"]
     for row in report["rows"]:
-        lines.append(f"{row['system']:62s} {row['mean_step_ms']:12.1f} {row['ratio_to_adamw']:8.3f} "
+        lines.append(f"{row['system']:{width}s} {row['mean_step_ms']:12.1f} {row['ratio_to_adamw']:8.3f} "
                      f"{100 * row['stall_fraction']:8.1f} {row['bytes_device_to_host_per_step'] / 1e9:11.3f}")
     return "\n".join(lines)
 

@@ -270,23 +270,29 @@ def test_the_simulated_device_lands_each_update_at_its_lag(lag, landings):
     assert _sums_on_the_device(regime)["landing_steps"] == landings
 
 
-@pytest.mark.parametrize("reselect,landings,ways", [("wait", [3, 7, 11], 2), ("incoming", [7, 11], 1)])
-def test_the_simulated_device_makes_reselections_as_the_runtime(reselect, landings, ways):
-    """A reselection at every boundary: "wait" lands the boundary's own update at once, "incoming" keeps it in
-    flight; the arriving columns' state goes up on the compute stream, the departing columns' comes down on
-    it with "wait" and on the copy stream with "incoming" (a slow link here: each boundary's moves take at
-    least 50 ms of sleep each way, against 2 ms steps)."""
+@pytest.mark.parametrize("reselect,select_interval,landings,ways,reselections", [
+    ("wait", 4, [3, 7, 11], 2, 2), ("incoming", 4, [7, 11], 1, 2), ("wait", 8, [7, 7], 2, 1),
+    ("incoming", 8, [7, 11], 1, 1)])
+def test_the_simulated_device_makes_reselections_as_the_runtime(reselect, select_interval, landings, ways,
+                                                                reselections):
+    """Boundaries at steps 3, 7, 11 (S 4), the window from step 4; a reselection at every boundary
+    (select_interval 4) or at the first boundary 8 steps after the last (step 7): "wait" lands the boundary's
+    own update at once (at step 7 both the previous boundary's and its own), "incoming" keeps it in flight;
+    the arriving columns' state goes up on the compute stream, the departing columns' comes down on it with
+    "wait" and on the copy stream with "incoming" (a slow link here: each boundary's moves take at least 50 ms
+    of sleep each way, against 2 ms steps)."""
     simulated_device = _simulated_device()
     regime = simulated_device.Regime(params=2e8, step_ms=20.0, topk_ratio=0.2, update_interval=4,
-                                     overlap_reselect=reselect, selection_churn=1.0, link_bandwidth=7e8,
-                                     time_scale=10.0, steps=8, warmup=4)
+                                     overlap_reselect=reselect, select_interval=select_interval,
+                                     selection_churn=1.0, link_bandwidth=7e8, time_scale=10.0, steps=8, warmup=4)
     moves_s = regime.seconds(regime.topk_ratio * regime.params * (3 * 4 + 2) / regime.link_bandwidth)
     assert moves_s > 0.05
     result = _sums_on_the_device(regime)
     assert result["landing_steps"] == landings
-    # Two boundaries in the window, each moving `ways` ways on the compute stream, beside 8 steps' forward and
-    # backward (every operation sleeps at least its time).
+    # The window's reselecting boundaries, each moving `ways` ways on the compute stream, beside 8 steps'
+    # forward and backward (every operation sleeps at least its time).
     busy = result["window_s"] - result["idle_s"]
-    assert busy >= 2 * ways * moves_s + 8 * regime.seconds(regime.forward_backward_s)
-    if ways == 1:  # the departing columns' copy is not on the compute stream
-        assert busy < 2 * 2 * moves_s + 8 * regime.seconds(regime.forward_backward_s)
+    assert busy >= reselections * ways * moves_s + 8 * regime.seconds(regime.forward_backward_s)
+    if ways == 1:  # the departing columns' copy is not on the compute stream, nor does a boundary that keeps
+        # its selection move anything
+        assert busy < 2 * reselections * moves_s + 8 * regime.seconds(regime.forward_backward_s)

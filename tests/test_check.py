@@ -210,7 +210,7 @@ def test_on_a_gpu_the_benchmark_runs_the_defaults_schedule_on_both_placements_an
     assert flag("--accumulate-on") == "both"
     assert flag("--trace-dir").endswith("traces")
     assert (flag("--zenflow-settings"), flag("--select-strategy"), flag("--select-interval"),
-            flag("--overlap-reselect"), flag("--landing-lag")) == ("0.05:4", "step", "4", "incoming", "1")
+            flag("--overlap-reselect"), flag("--landing-lag")) == ("0.05:4", "step", "8", "incoming", "1")
 
 
 def test_outside_a_checkout_it_says_to_run_from_a_clone(tmp_path):

@@ -24,7 +24,7 @@ _STRATEGIES = ("auto", "step", "epoch")
 # fine-tunes of benchmarks/accuracy.py (README "Which settings"). Keys set explicitly always win over the preset.
 PRESETS = {
     "project": dict(update_interval=4, overlap_step=True, interval_aware_update=True, select_strategy="step",
-                    select_interval=4, overlap_reselect="incoming", landing_lag=1),
+                    select_interval=8, overlap_reselect="incoming", landing_lag=1),
     "deepspeed": {},
 }
 # Keys that say how an overlapped update behaves: a preset's values apply only where the overlap is on (a user's
@@ -94,7 +94,7 @@ class ZenFlowConfig:
 
     preset (keyword, not stored): which defaults the keys not given take: None or "project" (this project's:
     update_interval=4, overlap_step=True, interval_aware_update=True, select_strategy="step",
-    select_interval=4, overlap_reselect="incoming", landing_lag=1; the last two only where overlap_step is
+    select_interval=8, overlap_reselect="incoming", landing_lag=1; the last two only where overlap_step is
     True), "deepspeed" (DeepSpeed's, the defaults listed below); see PRESETS.
 
     topk_ratio: fraction r in (0, 1] of each matrix's columns updated on the device every step (1: all).
