@@ -143,8 +143,9 @@ def test_a_training_loop_around_the_defaults_equals_the_reference(compiled, devi
     """What users do around the step, with the defaults (every other boundary reselecting while its CPU update
     runs on, the update landing one step later): two models trained at once, one with weights loaded after its
     optimizer was built, global-norm clipping that bites, an lr schedule, a weight decay edited mid-run, and
-    a checkpoint taken right after a reselecting boundary (its update in flight) resumed into a fresh model and optimizer.
-    Each model equals the reference step by step; the resumed run equals the uninterrupted one bitwise."""
+    a checkpoint taken right after a reselecting boundary (its update in flight) resumed into a fresh model and
+    optimizer. Each model equals the reference step by step; the resumed run equals the uninterrupted one
+    bitwise."""
     import copy
 
     import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow")
