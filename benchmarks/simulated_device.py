@@ -275,6 +275,8 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
     accumulations: list[Future] = []
 
     slabs = regime.slabs
+    # A reselecting boundary every this many steps: the first boundary select_interval steps after the last one.
+    reselect_period = S * -(-regime.select_interval // S)
 
     def apply_previous(i: Optional[int] = None):
         update = pending["update"]
@@ -312,7 +314,7 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
                 apply_previous(i)
             return
         apply_previous(i)
-        reselect = regime.overlap_reselect if (i + 1) % (S * -(-regime.select_interval // S)) == 0 else None
+        reselect = regime.overlap_reselect if (i + 1) % reselect_period == 0 else None
         if accumulate_on == "device":  # each slab's sums down, in slab order
             down.wait_event(compute.record())
             ready = []

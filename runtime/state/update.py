@@ -69,23 +69,24 @@ def host_adamw_(slab: Slab, rows: list[int], everyone: bool, acc: torch.Tensor, 
     made in flight) runs are many and short: the rows of the most common count then go through the kernel
     in one tensor per block, and the others are gathered by count, updated apart and written back over
     what that call left in their rows (the same arithmetic, row by row)."""
-    if everyone:
-        blocks = [(lambda t: t.reshape(slab.n * slab.u, slab.R), slab.host_counts.reshape(-1))]
-    else:
-        blocks = [(lambda t, i=i: t[i], slab.host_counts[i]) for i in rows]
     state = (slab.host_master, acc, slab.host_exp_avg, slab.host_exp_avg_sq, squares)
     views = lambda view: [None if t is None else view(t) for t in state]
+    # (block: the row views of `state` one kernel call takes, with the rows' update counts)
+    if everyone:
+        blocks = [(views(lambda t: t.reshape(slab.n * slab.u, slab.R)), slab.host_counts.reshape(-1))]
+    else:
+        blocks = [(views(lambda t, i=i: t[i]), slab.host_counts[i]) for i in rows]
     runs = [torch.unique_consecutive(counts, return_counts=True) for _, counts in blocks]
     if sum(len(values) for values, _ in runs) * SHORT_RUN_ROWS <= sum(len(c) for _, c in blocks):
-        for (view, _), (values, lengths) in zip(blocks, runs):
-            kernels.cpu_adamw_runs_(kernels.cut_rows(views(view), lengths.tolist()), values, hyperparameters)
+        for (block, _), (values, lengths) in zip(blocks, runs):
+            kernels.cpu_adamw_runs_(kernels.cut_rows(block, lengths.tolist()), values, hyperparameters)
         return
     distinct, frequency = torch.unique(torch.cat([counts for _, counts in blocks]), return_counts=True)
     common = distinct[frequency.argmax()]
     # (the rows apart are copied before the common count's call writes over them)
-    apart = [(views(view), kernels.gather_by_count(views(view), (counts != common).nonzero().squeeze(1), counts))
-             for view, counts in blocks]
-    kernels.cpu_adamw_runs_([views(view) for view, _ in blocks], common.expand(len(blocks)), hyperparameters)
+    apart = [(block, kernels.gather_by_count(block, (counts != common).nonzero().squeeze(1), counts))
+             for block, counts in blocks]
+    kernels.cpu_adamw_runs_([block for block, _ in blocks], common.expand(len(blocks)), hyperparameters)
     for block, taken in apart:
         kernels.cpu_adamw_gathered_(block, taken, hyperparameters)
 
