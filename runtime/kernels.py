@@ -143,13 +143,16 @@ def cpu_adamw_(
     eps: float,
     weight_decay: float,
     grad_sqs: Optional[list[torch.Tensor]] = None,
+    grad_divisor: float = 1.0,
 ) -> None:
     """Fused CPU AdamW over host tensors; each `steps[i]` is a float32 scalar tensor it increments.
 
-    `grad_sqs` (interval_second_moment): exp_avg_sq takes grad_sqs[i] where AdamW takes grads[i]**2. The
-    fused kernel squares the gradient itself, so exp_avg_sq is shifted first by (1 - beta2) / beta2 *
-    (grad_sq - grad**2): the kernel's beta2 * v + (1 - beta2) * grad**2 then lands on beta2 * v + (1 - beta2)
-    * grad_sq, at one extra pass over v instead of an unfused AdamW."""
+    `grad_divisor`: the gradients are sums of that many steps; the kernel divides them as it reads them (and
+    leaves the quotient in `grads`): the same values as dividing first, one pass over them fewer.
+    `grad_sqs` (interval_second_moment): exp_avg_sq takes grad_sqs[i] / grad_divisor where AdamW takes
+    (grads[i] / grad_divisor)**2. The fused kernel squares the gradient itself, so exp_avg_sq is shifted first
+    by (1 - beta2) / beta2 * (grad_sq - grad**2): the kernel's beta2 * v + (1 - beta2) * grad**2 then lands on
+    beta2 * v + (1 - beta2) * grad_sq, at one extra pass over v instead of an unfused AdamW."""
     if not params:
         return
     if grad_sqs is not None:
@@ -157,11 +160,12 @@ def cpu_adamw_(
             raise ValueError("interval_second_moment needs betas[1] > 0 (with beta2 = 0 AdamW keeps no second "
                              "moment to size); set betas[1] > 0 or interval_second_moment=False")
         shift = (1.0 - beta2) / beta2
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=-shift)
-        torch._foreach_add_(exp_avg_sqs, grad_sqs, alpha=shift)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=-shift / grad_divisor ** 2)
+        torch._foreach_add_(exp_avg_sqs, grad_sqs, alpha=shift / grad_divisor)
+    grad_scale = None if grad_divisor == 1.0 else torch.tensor(float(grad_divisor), device="cpu")
     _torch_adamw(
         params, grads, exp_avgs, exp_avg_sqs, [], steps,
-        fused=True, amsgrad=False, maximize=False,
+        fused=True, amsgrad=False, maximize=False, grad_scale=grad_scale,
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
     )
 

@@ -229,8 +229,9 @@ class EmulatedStreams:
         # The device memory `free_bytes` reports (what accumulate_on="auto" sizes against): a large device
         # unless a test says otherwise.
         self.free_device_bytes = 1 << 40
-        # (thread name, bytes) of every host access the runtime declares: which thread touches host state.
-        self.host_accesses: list[tuple[str, int]] = []
+        # (thread name, bytes, storage addresses) of every host access the runtime declares: which thread
+        # touches which host state.
+        self.host_accesses: list[tuple[str, int, tuple[int, ...]]] = []
 
     # -- the stream API -------------------------------------------------------------------------------------
     def stream(self) -> _SideStream:
@@ -303,8 +304,10 @@ class EmulatedStreams:
     # -- declarations from the runtime ----------------------------------------------------------------------
     def note_host_access(self, reads=(), writes=()) -> None:
         node = self.hb.point(_actor_of_this_thread(), "host access")
+        touched = (*reads, *writes)
         self.host_accesses.append((threading.current_thread().name,
-                                   sum(t.numel() * t.element_size() for t in (*reads, *writes))))
+                                   sum(t.numel() * t.element_size() for t in touched),
+                                   tuple(t.untyped_storage().data_ptr() for t in touched)))
         for tensor in reads:
             self._require_host_buffer(node, tensor)
             self._host_access(node, tensor, is_write=False)

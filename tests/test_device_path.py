@@ -187,24 +187,36 @@ def test_device_accumulation_sends_the_sums_once_per_interval(dtype, emulated_de
     assert sent["host"] == (steps - 1) * unselected * torch.finfo(dtype).bits // 8
 
 
+@pytest.mark.parametrize("overlap_reselect", ["wait", "incoming"])
 @pytest.mark.parametrize("accumulate_on", ["device", "host"])
-def test_the_training_thread_touches_no_host_state_unless_the_selection_changes(accumulate_on, emulated_device):
+def test_the_training_thread_touches_no_host_state_unless_the_selection_changes(accumulate_on, overlap_reselect,
+                                                                                 emulated_device):
     """Plain steps and update boundaries (overlapped or not) leave the host state to the workers and the copy
-    streams: the training thread declares no host access. A reselection still moves host rows on it."""
+    streams: the training thread declares no host access. A reselection that waits for its update moves host
+    rows on it, one made in flight none; neither touches the gradient buffers (a step's first backward
+    overwrites them)."""
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True,
-                       select_strategy="step", select_interval=6, accumulate_on=accumulate_on)
+                       select_strategy="step", select_interval=6, accumulate_on=accumulate_on,
+                       overlap_reselect=overlap_reselect)
     batches = make_batches(6)
     train_steps(model, opt, batches[:1])  # the first selection lays the state out
     emulated_device.host_accesses.clear()
     train_steps(model, opt, batches[1:5])  # plain steps and boundaries at t = 1 and 3
     assert opt.stats()["cpu_updates"] == 2 and opt.stats()["reselections"] == 0
     training_thread = threading.current_thread().name
-    assert [bytes_ for thread, bytes_ in emulated_device.host_accesses if thread == training_thread] == []
+    assert [bytes_ for thread, bytes_, _ in emulated_device.host_accesses if thread == training_thread] == []
     assert emulated_device.host_accesses  # (the workers' are declared: the record is not empty by accident)
+    emulated_device.host_accesses.clear()
     train_steps(model, opt, batches[5:])  # t = 5: a reselecting boundary
-    assert opt.stats()["reselections"] == 1
-    assert any(thread == training_thread for thread, _ in emulated_device.host_accesses)
+    assert opt.stats()["reselections"] == 1 and opt.stats()["selection_churn"] > 0
+    grad_buffers = {t.untyped_storage().data_ptr() for slab in opt._runtime.slabs for t in slab.host_grads}
+    touched = [set(storages) for thread, _, storages in emulated_device.host_accesses if thread == training_thread]
+    if overlap_reselect == "wait":  # the host rows re-sorted and the host weights rewritten here
+        assert touched
+    else:  # made in flight: the departing columns go down on the copy stream, into their rows at the apply
+        assert touched == []
+    assert not set().union(*touched) & grad_buffers
 
 
 @pytest.mark.parametrize("accumulate_on", ["host", "device"])

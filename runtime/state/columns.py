@@ -103,7 +103,7 @@ def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_paral
     if slab.has_host_part:
         wait_events(slab.upload_done)  # an upload may still read the host weights rewritten below
         slab.upload_done = [None, None]
-        slab.transfers.host_access(writes=[*slab.host_grads, *slab.host_weights])
+        slab.transfers.host_access(writes=slab.host_weights)
     n, C, k, u, R = slab.n, slab.C, slab.k, slab.u, slab.R
     position = _host_position(slab)  # column -> its host row / device slot
     position.scatter_(1, slab.selected_cpu, torch.arange(k, device="cpu").expand(n, k))
@@ -325,21 +325,17 @@ def share_first_selection(member: Member, state: MemberState, data_parallel) -> 
 
 def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, changed: torch.Tensor) -> None:
     """The slab's new column sets after a move; members `changed` ([n] bool) hold their masters in their
-    selected columns from now on; the step's gradients, gathered by the old columns, are dropped (the
-    boundary's update took them)."""
+    selected columns from now on. The step's gradients, gathered by the old columns, are left as they are:
+    the boundary's update took them, and a step's first backward overwrites a member's gradient buffers
+    before anything reads them."""
     slab.selected_cpu, slab.host_columns_cpu = selected, host_columns
     slab.selected.copy_(selected)
     slab.host_columns.copy_(host_columns)
     if slab.selected_written is not None:
         changed = changed.to(slab.device).view(-1, 1, 1)
         slab.selected_written = torch.where(changed, slab.master.to(slab.dtype), slab.selected_written)
-    slab.grad.zero_()
-    slab.offload_done = [[], []]
     for slot_extras in slab.extra_grads:
         slot_extras.clear()
-    slab.transfers.host_access(writes=slab.host_grads)
-    for buffer in slab.host_grads:
-        buffer.zero_()
 
 
 def _host_position(slab: Slab) -> torch.Tensor:

@@ -37,25 +37,23 @@ def update_host_columns(slab: Slab, members_by_scale: dict[float, list[tuple[int
                         hyperparameters: dict) -> None:
     """Update worker, at a boundary: the CPU AdamW of the host columns of the members in
     `members_by_scale` (lr multiplier -> [(member index, steps accumulated)], in member order), from the mean
-    of each member's accumulated gradients; then empty the accumulators and publish the new columns."""
+    of each member's accumulated gradients (the kernel divides the sums: one call per lr multiplier and
+    number of steps); then empty the accumulators and publish the new columns."""
     wait_for_accumulators(slab, acc_slot)
     sums = slab.host_sums(acc_slot)
     acc, squares = sums[0], (sums[1] if slab.accumulate_squares else None)
     for scale, taking in members_by_scale.items():
-        rows = [i for i, _ in taking]
-        steps = [s for _, s in taking]
-        everyone = len(rows) == slab.n
-        if everyone and steps.count(steps[0]) == len(steps):
-            torch._foreach_div_(sums, steps[0])
-        else:
-            for i, s in taking:
-                torch._foreach_div_([t[i] for t in sums], s)
-        host_adamw_(slab, rows, everyone, acc, squares,
-                    dict(hyperparameters, lr=hyperparameters["lr"] * scale))
-        if everyone:
-            slab.host_counts.add_(1)
-        else:
-            slab.host_counts[rows] += 1
+        by_steps: dict[int, list[int]] = {}
+        for i, steps in taking:
+            by_steps.setdefault(steps, []).append(i)
+        for steps, rows in by_steps.items():
+            everyone = len(rows) == slab.n
+            host_adamw_(slab, rows, everyone, acc, squares,
+                        dict(hyperparameters, lr=hyperparameters["lr"] * scale, grad_divisor=steps))
+            if everyone:
+                slab.host_counts.add_(1)
+            else:
+                slab.host_counts[rows] += 1
     if not slab.accumulates_on_device:  # (device accumulation: the next boundary's copy overwrites them)
         torch._foreach_zero_(sums)
     publish_host_weights(slab)
