@@ -33,13 +33,15 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
 4. a reselecting boundary (`Regime.overlap_reselect`: the first boundary at least `Regime.select_interval`
    steps after the last reselection, as select_strategy "step" makes it; churn c of the k selected columns
    change sides), as `ZenFlowRuntime._reselect` makes it on the training thread: "wait" waits for the boundary's own
-   update and merges it first; "incoming" reads the arriving columns' sums (from the device, or the host's
-   once the step's accumulation ended) and runs their CPU AdamW (real work, c x r of the parameters) before
-   it launches the update. Then the
+   update and merges it first; "incoming" makes the arriving columns' step before it launches the update: where
+   the device sums, their host rows go up on the H2D stream and the step runs on the device; else their sums
+   are read from the host's once the step's accumulation ended and their CPU AdamW runs (real work, c x r of
+   the parameters). Then the
    moves (the runtime's `columns._move_device_columns`): the arriving columns' state (fp32 master and
-   moments, and the parameter) up, a blocking copy on the compute stream; the departing columns' down, with
-   "wait" a blocking read (their host rows are rewritten at once), with "incoming" a copy on the D2H stream
-   that nothing waits for until the update has finished (`columns.reselect_in_flight`).
+   moments, and the parameter) up, a blocking copy on the compute stream (with "incoming" and device sums,
+   already up); the departing columns' down, with "wait" a blocking read (their host rows are rewritten at
+   once), with "incoming" a copy on the D2H stream that nothing waits for until the update has finished
+   (`columns.reselect_in_flight`); the new column indices go up in blocking copies (a synchronisation).
 Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
 beyond fused AdamW's, measured on the simulated compute stream. The measured window is whole intervals in the
 steady state: it starts and ends with a CPU update in flight (bench_offload's GPU rows instead start with none
@@ -335,12 +337,13 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
             return uploads
 
         if reselect == "incoming":  # the arriving columns' share of the update, first
-            if accumulate_on == "device":  # their sums alone, read from the device on the compute stream
-                compute.run(regime.seconds(moved * 4 / regime.link_bandwidth))
-                compute.synchronize()
-            else:  # the host's sums, once the step's accumulation ended
+            if accumulate_on == "device":  # their rows up on the H2D stream, their AdamW on the device
+                up.run(regime.seconds(moved * (3 * 4 + 4) / regime.link_bandwidth))
+                compute.wait_event(up.record())
+                compute.run(regime.seconds(moved * (4 * 4 + 3 * 4) / bandwidth))
+            else:  # the host's sums, once the step's accumulation ended, and their CPU AdamW
                 ready[-1]()
-            host.cpu_adamw_share(regime.selection_churn * r / (1 - r))
+                host.cpu_adamw_share(regime.selection_churn * r / (1 - r))
         pending["update"] = host.update_worker.submit(cpu_update)
         pending["land_at"] = None if regime.landing_lag is None else i + regime.landing_lag
         if reselect == "wait":  # the boundary's own update, waited for and merged first
@@ -348,9 +351,10 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
         if reselect == "wait":  # the moves: blocking copies each way, as the runtime's
             compute.run(regime.seconds(2 * move_s))
             compute.synchronize()
-        elif reselect == "incoming":  # arriving up, blocking; departing down on the D2H stream
-            compute.run(regime.seconds(move_s))
-            compute.synchronize()
+        elif reselect == "incoming":  # departing down on the D2H stream; arriving up (host accumulation: blocking)
+            if accumulate_on != "device":
+                compute.run(regime.seconds(move_s))
+            compute.synchronize()  # (the new column indices go up in blocking copies)
             down.wait_event(compute.record())
             down.run(regime.seconds(move_s))
 

@@ -150,24 +150,31 @@ def cpu_adamw_(
     `grad_divisor`: the gradients are sums of that many steps; the kernel divides them as it reads them (and
     leaves the quotient in `grads`): the same values as dividing first, one pass over them fewer.
     `grad_sqs` (interval_second_moment): exp_avg_sq takes grad_sqs[i] / grad_divisor where AdamW takes
-    (grads[i] / grad_divisor)**2. The fused kernel squares the gradient itself, so exp_avg_sq is shifted first
-    by (1 - beta2) / beta2 * (grad_sq - grad**2): the kernel's beta2 * v + (1 - beta2) * grad**2 then lands on
-    beta2 * v + (1 - beta2) * grad_sq, at one extra pass over v instead of an unfused AdamW."""
+    (grads[i] / grad_divisor)**2, through `shift_second_moment_` (one extra pass over v instead of an unfused
+    AdamW)."""
     if not params:
         return
     if grad_sqs is not None:
-        if beta2 == 0.0:
-            raise ValueError("interval_second_moment needs betas[1] > 0 (with beta2 = 0 AdamW keeps no second "
-                             "moment to size); set betas[1] > 0 or interval_second_moment=False")
-        shift = (1.0 - beta2) / beta2
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=-shift / grad_divisor ** 2)
-        torch._foreach_add_(exp_avg_sqs, grad_sqs, alpha=shift / grad_divisor)
+        shift_second_moment_(exp_avg_sqs, grads, grad_sqs, beta2, grad_divisor)
     grad_scale = None if grad_divisor == 1.0 else torch.tensor(float(grad_divisor), device="cpu")
     _torch_adamw(
         params, grads, exp_avgs, exp_avg_sqs, [], steps,
         fused=True, amsgrad=False, maximize=False, grad_scale=grad_scale,
         lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
     )
+
+
+def shift_second_moment_(exp_avg_sqs: list[torch.Tensor], grads: list[torch.Tensor], grad_sqs: list[torch.Tensor],
+                         beta2: float, grad_divisor: float = 1.0) -> None:
+    """interval_second_moment, before an AdamW kernel that squares the gradient itself: exp_avg_sq += (1 - beta2)
+    / beta2 * (grad_sq - grad**2) (both / grad_divisor), so that the kernel's beta2 * v + (1 - beta2) * grad**2
+    lands on beta2 * v + (1 - beta2) * grad_sq."""
+    if beta2 == 0.0:
+        raise ValueError("interval_second_moment needs betas[1] > 0 (with beta2 = 0 AdamW keeps no second "
+                         "moment to size); set betas[1] > 0 or interval_second_moment=False")
+    shift = (1.0 - beta2) / beta2
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=-shift / grad_divisor ** 2)
+    torch._foreach_add_(exp_avg_sqs, grad_sqs, alpha=shift / grad_divisor)
 
 
 def cut_rows(tensors: list[Optional[torch.Tensor]], lengths: list[int]) -> list[tuple]:

@@ -136,6 +136,9 @@ MUTATIONS = [
              ""),
     Mutation("M30", "departing columns' state settled into host rows before its copy down has completed",
              "runtime/state/columns.py", "    wait_events([copy.done])\n", ""),
+    Mutation("M31", "a reselection's arriving columns are read on the device before their upload has landed",
+             "runtime/state/columns.py", "    rows, _ = slab.transfers.to_device(pinned)\n",
+             "    rows, _ = slab.transfers.upload_ahead(pinned)\n"),
 ]
 
 # A mutated line is no longer in its file, so this check fails under every mutation: it would report each one as

@@ -271,16 +271,17 @@ def test_the_simulated_device_lands_each_update_at_its_lag(lag, landings):
 
 
 @pytest.mark.parametrize("reselect,select_interval,landings,ways,reselections", [
-    ("wait", 4, [3, 7, 11], 2, 2), ("incoming", 4, [7, 11], 1, 2), ("wait", 8, [7, 7], 2, 1),
-    ("incoming", 8, [7, 11], 1, 1)])
+    ("wait", 4, [3, 7, 11], 2, 2), ("incoming", 4, [7, 11], 0, 2), ("wait", 8, [7, 7], 2, 1),
+    ("incoming", 8, [7, 11], 0, 1)])
 def test_the_simulated_device_makes_reselections_as_the_runtime(reselect, select_interval, landings, ways,
                                                                 reselections):
     """Boundaries at steps 3, 7, 11 (S 4), the window from step 4; a reselection at every boundary
     (select_interval 4) or at the first boundary 8 steps after the last (step 7): "wait" lands the boundary's
     own update at once (at step 7 both the previous boundary's and its own), "incoming" keeps it in flight;
-    the arriving columns' state goes up on the compute stream, the departing columns' comes down on it with
-    "wait" and on the copy stream with "incoming" (a slow link here: each boundary's moves take at least 50 ms
-    of sleep each way, against 2 ms steps)."""
+    with "wait" the arriving columns' state goes up and the departing columns' comes down on the compute
+    stream, with "incoming" (sums on the device) on the copy streams, the compute stream waiting for the
+    upload (a slow link here: each boundary's moves take at least 50 ms of sleep each way, against 2 ms
+    steps)."""
     simulated_device = _simulated_device()
     regime = simulated_device.Regime(params=2e8, step_ms=20.0, topk_ratio=0.2, update_interval=4,
                                      overlap_reselect=reselect, select_interval=select_interval,
@@ -293,6 +294,8 @@ def test_the_simulated_device_makes_reselections_as_the_runtime(reselect, select
     # forward and backward (every operation sleeps at least its time).
     busy = result["window_s"] - result["idle_s"]
     assert busy >= reselections * ways * moves_s + 8 * regime.seconds(regime.forward_backward_s)
-    if ways == 1:  # the departing columns' copy is not on the compute stream, nor does a boundary that keeps
-        # its selection move anything
-        assert busy < 2 * reselections * moves_s + 8 * regime.seconds(regime.forward_backward_s)
+    if reselect == "incoming":  # the compute stream moves nothing itself, nor does a boundary that keeps its
+        # selection move anything, but the arriving rows' upload is waited for
+        assert busy < reselections * moves_s + 8 * regime.seconds(regime.forward_backward_s)
+        upload_s = regime.seconds(regime.topk_ratio * regime.params * (3 * 4 + 4) / regime.link_bandwidth)
+        assert result["window_s"] >= reselections * upload_s + 8 * regime.seconds(regime.forward_backward_s)

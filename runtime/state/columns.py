@@ -4,8 +4,9 @@ number of calls per slab (k and u stay). One primitive moves the device side (`_
 host side depends on when the move is made: `reselect`, at a boundary whose CPU update was applied (the host
 rows re-sorted by update count; data parallel, the arriving columns' rows broadcast by their owner), or
 `reselect_in_flight`, while that update runs on (the arriving columns' share of it made first by
-`take_arriving`, each departing column parked until `settle_departing` puts it into the host row its
-member's arriving column left). Data parallel, the owner of a slab's host part broadcasts the arriving
+`take_arriving`, on the device where it sums them, each departing column parked until `settle_departing`
+puts it into the host row its member's arriving column left). Host state goes up in one pinned copy per
+slab (`_upload`). Data parallel, the owner of a slab's host part broadcasts the arriving
 columns' state to the other ranks (`_rows_from_owner`)."""
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class MovingColumns(NamedTuple):
     exp_avg_sq: torch.Tensor
     counts: torch.Tensor  # [m] fp32
     weights: Optional[torch.Tensor] = None  # [m, R] param dtype: what the parameter holds (departing columns)
+    on_device: bool = False  # the state tensors are on the device (else on the host)
 
 
 class DepartingCopy(NamedTuple):
@@ -148,53 +150,90 @@ def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_paral
 def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
                   members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict,
                   data_parallel=None) -> Optional[MovingColumns]:
-    """Before this boundary's CPU update is launched, with no CPU work in flight: the CPU AdamW of the
-    columns `selected` ([n, k]) brings onto the device, on copies of their host rows (the launched update
-    redoes them, unused), so they arrive current while the others' update runs on. `members_by_scale` as
-    in `update_host_columns`. Returns their state, for `reselect_in_flight` (None: no column arrives).
-    Data parallel: made by the owner of the slab's host part, broadcast to every rank."""
+    """Before this boundary's CPU update is launched, with no CPU work in flight: the AdamW step of the
+    columns `selected` ([n, k]) brings onto the device, from their current host rows and the interval's sums
+    (the launched update redoes those rows, unused), so they arrive current while the others' update runs on.
+    Where the device sums them, that step runs on the device: their rows go up in one copy and nothing is read
+    back; else on the host, from the host's sums. `members_by_scale` as in `update_host_columns`. Returns their
+    state, for `reselect_in_flight` (None: no column arrives). Data parallel: made by the owner of the slab's
+    host part, broadcast to every rank."""
     member, slot = columns_not_in(selected, slab.selected_cpu).nonzero(as_tuple=True)
     if not member.numel():
         return None
-    arriving = (_update_arriving(slab, member, slot, selected, acc_slot, members_by_scale, hyperparameters)
-                if slab.has_host_part else None)
+    arriving = None
+    if slab.has_host_part:
+        row = _host_position(slab)[member, selected[member, slot]]
+        state = MovingColumns(member, slot, *(getattr(slab, "host_" + name)[member, row] for name in _STATE),
+                              slab.host_counts[member, row])  # (copies: advanced indexing)
+        scale_of, steps_of = [0.0] * slab.n, [1.0] * slab.n  # per member (scale 0: no gradient, not updated)
+        for scale, taking in members_by_scale.items():
+            for i, steps in taking:
+                scale_of[i], steps_of[i] = scale, float(steps)
+        row_scale = torch.tensor(scale_of, device="cpu")[member]
+        steps = torch.tensor(steps_of, device="cpu")[member].unsqueeze(1)
+        update = _update_arriving_on_device if slab.accumulates_on_device else _update_arriving_on_host
+        arriving = update(slab, state, row, acc_slot, row_scale, steps, hyperparameters)
     return arriving if data_parallel is None else _rows_from_owner(slab, data_parallel, member, slot, arriving)
 
 
-def _update_arriving(slab: Slab, member: torch.Tensor, slot: torch.Tensor, selected: torch.Tensor, acc_slot: int,
-                     members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict) -> MovingColumns:
-    """`take_arriving` where the host part is: the arriving columns' CPU AdamW on copies of their rows."""
-    row = _host_position(slab)[member, selected[member, slot]]
-    if slab.accumulates_on_device:  # the arriving columns' sums alone, read from the device in one read: no wait
-        at = (member.to(slab.device), row.to(slab.device))  # for the whole interval's copy (its size is what moves)
-        grad, *grad_sq = slab.transfers.read_to_host(torch.cat([sums[at] for sums in slab.device_sums()], 1)).split(
-            slab.R, 1)
-    else:
-        wait_for_accumulators(slab, acc_slot)
-        grad, *grad_sq = (sums[member, row] for sums in slab.host_sums(acc_slot))
+def _update_arriving_on_host(slab: Slab, state: MovingColumns, row: torch.Tensor, acc_slot: int,
+                             row_scale: torch.Tensor, steps: torch.Tensor, hyperparameters: dict) -> MovingColumns:
+    """`take_arriving` from the host's sums: the CPU AdamW of the arriving columns on copies of their rows, one
+    fused call per lr multiplier over the rows in update-count order (the calls do not grow with the members)."""
+    wait_for_accumulators(slab, acc_slot)
+    grad, *grad_sq = (sums[state.member, row] for sums in slab.host_sums(acc_slot))
     grad_sq = grad_sq[0] if grad_sq else None
-    master, exp_avg, exp_avg_sq = (t[member, row] for t in (  # (copies: advanced indexing)
-        slab.host_master, slab.host_exp_avg, slab.host_exp_avg_sq))
-    counts = slab.host_counts[member, row]
-    scale_of, steps_of = [0.0] * slab.n, [1.0] * slab.n  # per member (scale 0: no gradient, not updated)
-    for scale, taking in members_by_scale.items():
-        for i, steps in taking:
-            scale_of[i], steps_of[i] = scale, float(steps)
-    row_scale = torch.tensor(scale_of, device="cpu")[member]
-    steps = torch.tensor(steps_of, device="cpu")[member].unsqueeze(1)
     for sums in (grad, grad_sq):
         if sums is not None:
             sums.div_(steps)  # the interval's mean, as the update computes it
-    # One fused call per lr multiplier over the rows in update-count order, one run per count: the calls do
-    # not grow with the members.
-    state = (master, grad, exp_avg, exp_avg_sq, grad_sq)
+    rows = (state.master, grad, state.exp_avg, state.exp_avg_sq, grad_sq)
     for scale in row_scale.unique().tolist():
         if scale == 0.0:
             continue
-        taken = kernels.gather_by_count(state, (row_scale == scale).nonzero().squeeze(1), counts)
-        kernels.cpu_adamw_gathered_(state, taken, dict(hyperparameters, lr=hyperparameters["lr"] * scale))
-        counts.index_add_(0, taken.order, torch.ones_like(taken.order, dtype=counts.dtype))
-    return MovingColumns(member, slot, master, exp_avg, exp_avg_sq, counts)
+        taken = kernels.gather_by_count(rows, (row_scale == scale).nonzero().squeeze(1), state.counts)
+        kernels.cpu_adamw_gathered_(rows, taken, dict(hyperparameters, lr=hyperparameters["lr"] * scale))
+        state.counts.index_add_(0, taken.order, torch.ones_like(taken.order, dtype=state.counts.dtype))
+    return state
+
+
+def _update_arriving_on_device(slab: Slab, state: MovingColumns, row: torch.Tensor, acc_slot: int,
+                               row_scale: torch.Tensor, steps: torch.Tensor, hyperparameters: dict) -> MovingColumns:
+    """`take_arriving` from the device's sums: the arriving columns' rows go up (one copy on the upload stream)
+    and take their AdamW step there, each column a member of k = 1 for the slab kernel, one call per lr
+    multiplier. The training thread reads nothing back and runs no CPU AdamW."""
+    up = _upload(slab, state)
+    m, R = len(state.member), slab.R
+    at = (state.member.to(slab.device), row.to(slab.device))
+    sums = [s[at] for s in slab.device_sums()]  # [m, R] each (copies: advanced indexing)
+    divisor = steps.to(slab.device)
+    for s in sums:
+        s.div_(divisor)  # the interval's mean, as the update computes it
+    grad = sums[0].view(m, R, 1)
+    master, exp_avg, exp_avg_sq = (t.contiguous().view(m, R, 1) for t in (up.master, up.exp_avg, up.exp_avg_sq))
+    counts = up.counts.contiguous().view(m, 1)
+    if len(sums) > 1:  # interval_second_moment: the second moment takes the mean of the squares
+        kernels.shift_second_moment_([exp_avg_sq], [grad], [sums[1].view(m, R, 1)], hyperparameters["beta2"])
+    for scale in row_scale.unique().tolist():
+        if scale == 0.0:
+            continue
+        taking = (row_scale == scale).nonzero().squeeze(1).to(slab.device)
+        kernels.adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, rows=taking,
+                            **dict(hyperparameters, lr=hyperparameters["lr"] * scale))
+    return MovingColumns(state.member, state.place, master.view(m, R), exp_avg.view(m, R), exp_avg_sq.view(m, R),
+                         counts.view(m), on_device=True)
+
+
+def _upload(slab: Slab, moving: MovingColumns) -> MovingColumns:
+    """Host columns' state on the device: `_pack`ed into a pinned buffer, one copy up on the upload stream
+    that the compute stream waits for (no host synchronisation). Already on the device: as it is."""
+    if moving.on_device or slab.transfers.device_is_host:
+        return moving
+    packed = _pack([moving.master, moving.exp_avg, moving.exp_avg_sq], moving.counts)
+    pinned = slab.transfers.host_zeros(packed.shape, packed.dtype)
+    slab.transfers.host_access(writes=[pinned])
+    pinned.copy_(packed)
+    rows, _ = slab.transfers.to_device(pinned)
+    return _unpack(rows, slab.R, moving.member, moving.place)._replace(on_device=True)
 
 
 def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[MovingColumns]) -> int:
@@ -256,6 +295,7 @@ def _move_device_columns(slab: Slab, stay: torch.Tensor, departing_member: torch
     slot) is written in. Returns the departing columns' state (by (departing_member, departing_slot)),
     `_pack`ed on the device, gathered before any write: the caller says when it comes to the host. Device
     tensors change in place, in a fixed number of calls."""
+    arriving = _upload(slab, arriving)
     on_device = lambda *index: tuple(i.to(slab.device) for i in index)
     departing_at, arriving_at = on_device(departing_member, departing_slot), on_device(arriving.member,
                                                                                       arriving.place)
@@ -266,9 +306,9 @@ def _move_device_columns(slab: Slab, stay: torch.Tensor, departing_member: torch
         device_state = getattr(slab, name)
         by_column = device_state.transpose(1, 2)  # [n, k, R]: a column per row, like the host
         device_state.copy_(device_state.gather(2, columns_index(stay, slab.R)))
-        by_column.index_put_(arriving_at, getattr(arriving, name).to(slab.device))
+        by_column.index_put_(arriving_at, getattr(arriving, name))
     counts = slab.counts.gather(1, stay)
-    counts[arriving_at] = arriving.counts.to(slab.device)
+    counts[arriving_at] = arriving.counts
     slab.counts.copy_(counts)
     return outgoing
 
