@@ -77,10 +77,10 @@ class DepartingCopy(NamedTuple):
     done: object  # the copy's event (None: already there)
 
 
-def _pack(state: list[torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
-    """Columns' master, exp_avg, exp_avg_sq ([m, R] each) and counts ([m]) as one [m, 3R + 1] fp32 tensor:
-    one copy or broadcast moves them all."""
-    return torch.cat([*state, counts.unsqueeze(1)], 1)
+def _pack(state: list[torch.Tensor], counts: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Columns' master, exp_avg, exp_avg_sq ([m, R] each) and counts ([m]) as one [m, 3R + 1] fp32 tensor (into
+    `out` if given): one copy or broadcast moves them all."""
+    return torch.cat([*state, counts.unsqueeze(1)], 1, out=out)
 
 
 def _unpack(rows: torch.Tensor, R: int, member: torch.Tensor, place: torch.Tensor,
@@ -171,8 +171,10 @@ def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
                 scale_of[i], steps_of[i] = scale, float(steps)
         row_scale = torch.tensor(scale_of, device="cpu")[member]
         steps = torch.tensor(steps_of, device="cpu")[member].unsqueeze(1)
-        update = _update_arriving_on_device if slab.accumulates_on_device else _update_arriving_on_host
-        arriving = update(slab, state, row, acc_slot, row_scale, steps, hyperparameters)
+        if slab.accumulates_on_device:
+            arriving = _update_arriving_on_device(slab, state, row, row_scale, steps, hyperparameters)
+        else:
+            arriving = _update_arriving_on_host(slab, state, row, acc_slot, row_scale, steps, hyperparameters)
     return arriving if data_parallel is None else _rows_from_owner(slab, data_parallel, member, slot, arriving)
 
 
@@ -196,8 +198,8 @@ def _update_arriving_on_host(slab: Slab, state: MovingColumns, row: torch.Tensor
     return state
 
 
-def _update_arriving_on_device(slab: Slab, state: MovingColumns, row: torch.Tensor, acc_slot: int,
-                               row_scale: torch.Tensor, steps: torch.Tensor, hyperparameters: dict) -> MovingColumns:
+def _update_arriving_on_device(slab: Slab, state: MovingColumns, row: torch.Tensor, row_scale: torch.Tensor,
+                               steps: torch.Tensor, hyperparameters: dict) -> MovingColumns:
     """`take_arriving` from the device's sums: the arriving columns' rows go up (one copy on the upload stream)
     and take their AdamW step there, each column a member of k = 1 for the slab kernel, one call per lr
     multiplier. The training thread reads nothing back and runs no CPU AdamW."""
@@ -228,10 +230,9 @@ def _upload(slab: Slab, moving: MovingColumns) -> MovingColumns:
     that the compute stream waits for (no host synchronisation). Already on the device: as it is."""
     if moving.on_device or slab.transfers.device_is_host:
         return moving
-    packed = _pack([moving.master, moving.exp_avg, moving.exp_avg_sq], moving.counts)
-    pinned = slab.transfers.host_zeros(packed.shape, packed.dtype)
+    pinned = slab.transfers.host_zeros((len(moving.member), 3 * slab.R + 1), torch.float32)
     slab.transfers.host_access(writes=[pinned])
-    pinned.copy_(packed)
+    _pack([moving.master, moving.exp_avg, moving.exp_avg_sq], moving.counts, out=pinned)
     rows, _ = slab.transfers.to_device(pinned)
     return _unpack(rows, slab.R, moving.member, moving.place)._replace(on_device=True)
 
