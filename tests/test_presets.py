@@ -104,8 +104,10 @@ def test_turning_the_overlap_off_turns_off_the_presets_overlap_keys():
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("keys, overlapped", [({}, 4), (dict(select_interval=4), 4), (dict(overlap_reselect="wait"), 2),
-                                               (dict(overlap_reselect="wait", select_interval=4), 0)],
-                         ids=["defaults", "select_interval=4", "wait", "wait,select_interval=4"])
+                                               (dict(overlap_reselect="wait", select_interval=4), 0),
+                                               (dict(interval_second_moment=True), 4)],
+                         ids=["defaults", "select_interval=4", "wait", "wait,select_interval=4",
+                              "interval_second_moment"])
 def test_training_with_the_project_defaults_equals_the_reference(keys, overlapped, compiled, device):
     """A user's `ZenFlowAdamW(params, lr=..., weight_decay=...)` with no ZenFlow key (or one or two): equal
     to the reference given the same, step by step. 16 steps make 4 boundaries; with the defaults every other
