@@ -43,7 +43,7 @@ class HostReads:
             return StepReadout(norm=0.0, scale=1.0)
         sums = [slab.scores.sum(1) if rows is None else slab.scores.sum(1)[rows] for slab, rows in stepped]
         per_member = torch.cat(sums)
-        order = self._norm_order(stepped, per_member.device)
+        order = self._norm_order(stepped)
         parts = [(per_member if order is None else per_member[order]).sum().float().reshape(1)]
         if grad_scale is not None:
             parts.append(grad_scale.to(parts[0].device).float().reshape(1))
@@ -67,7 +67,7 @@ class HostReads:
             offset += m.cols
         return readout
 
-    def _norm_order(self, stepped: Stepped, device: torch.device) -> Optional[torch.Tensor]:
+    def _norm_order(self, stepped: Stepped) -> Optional[torch.Tensor]:
         """The permutation that puts the stepped members' squared norms (slab by slab) in registration order
         (None: they are), made once per layout and set of stepped members."""
         key = tuple((id(slab), rows if rows is None else tuple(rows)) for slab, rows in stepped)
@@ -75,7 +75,7 @@ class HostReads:
             pids = [slab.members[i].pid for slab, rows in stepped for i in (range(slab.n) if rows is None else rows)]
             order = sorted(range(len(pids)), key=pids.__getitem__)
             self._norm_orders[key] = (None if order == list(range(len(order)))
-                                      else torch.tensor(order, device=device))
+                                      else self.transfers.indices_to_device([torch.tensor(order, device="cpu")])[0])
         return self._norm_orders[key]
 
     def read(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -35,13 +35,13 @@ from zenflow_compile.triton_kernels._triton import triton_available
 
 def device_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   counts: torch.Tensor, params: list[torch.Tensor], columns: torch.Tensor, *,
-                  rows: Optional[list[int]], whole: bool, grad_scale, lr: float, beta1: float, beta2: float,
-                  eps: float, weight_decay: float, master_rows: Optional[list[torch.Tensor]] = None) -> None:
+                  rows: Optional[list[int]], index: Optional[torch.Tensor], whole: bool, grad_scale, lr: float,
+                  beta1: float, beta2: float, eps: float, weight_decay: float,
+                  master_rows: Optional[list[torch.Tensor]] = None) -> None:
     """AdamW of a slab's selected columns ([n, R, k] state, [n, k] per-column counts), written into columns
     `columns` ([n, k]) of the members' parameters ([R, C] views); `rows`: the members that take part (None:
-    all); `whole`: the columns are all of each parameter's, in order; `master_rows`: `master.unbind(0)`, if the
-    caller keeps it."""
-    index = None if rows is None else torch.tensor(rows, device=master.device)
+    all), `index` the same on the device; `whole`: the columns are all of each parameter's, in order;
+    `master_rows`: `master.unbind(0)`, if the caller keeps it."""
     adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, rows=index, grad_scale=grad_scale, lr=lr, beta1=beta1,
                 beta2=beta2, eps=eps, weight_decay=weight_decay)
     if rows is not None:

@@ -207,6 +207,21 @@ class Transfers:
         self.use_upload(target, done)
         return target, done
 
+    def indices_to_device(self, indices: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Small host-made integer or bool tensors (indices, masks) on the device, in their dtypes and shapes:
+        packed into one pinned buffer, one upload the compute stream waits for. A pageable `.to(device)`
+        would block the training thread until the compute stream drains, once per tensor."""
+        if self.device_is_host:
+            return list(indices)
+        if any(t.is_floating_point() or t.is_complex() for t in indices):
+            raise TypeError("indices_to_device takes integer and bool tensors")
+        sizes = [t.numel() for t in indices]
+        pinned = self.host_zeros((sum(sizes),), torch.int64)
+        self.host_access(writes=[pinned])
+        torch.cat([t.reshape(-1).to(torch.int64) for t in indices], out=pinned)
+        packed, _ = self.to_device(pinned)
+        return [part.view(t.shape).to(t.dtype) for part, t in zip(packed.split(sizes), indices)]
+
     def upload_ahead(self, pinned: torch.Tensor):
         """Queue the upload of host `pinned` (from any host thread) without making the compute stream wait:
         `use_upload` does, before the first kernel that reads the target. Returns (target, event)."""

@@ -36,6 +36,7 @@ import queue
 import random
 import threading
 import time
+import traceback
 import weakref
 from dataclasses import dataclass, field
 from typing import Optional
@@ -256,8 +257,10 @@ class EmulatedStreams:
         return self.free_device_bytes
 
     def device_empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        # (the emulated device memory is host memory, whatever the default device)
-        return torch.full(shape, float("nan"), dtype=dtype, device="cpu")  # what a read before the copy lands sees
+        # (the emulated device memory is host memory, whatever the default device). What a read before the copy
+        # lands sees: NaN, or for integers an index out of any range.
+        fill = float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min if dtype != torch.bool else True
+        return torch.full(shape, fill, dtype=dtype, device="cpu")
 
     def copy_(self, targets, sources, stream: _SideStream) -> None:
         """Queue the copies on `stream`: checked now, landing after a delay."""
@@ -414,6 +417,47 @@ def emulated_async_device(delay_ms: Optional[float] = None):
         finally:
             emulated.close()
     emulated.check()
+
+
+class PageableUploads(torch.overrides.TorchFunctionMode):
+    """Records the calls of the thread that enters it which, on a GPU, copy a host-made tensor to the device
+    from pageable memory and block that thread until the compute stream has drained: `Tensor.to(<device>)`,
+    `Tensor.cuda()`, `torch.tensor` / `torch.as_tensor` with a device. On the emulated device the device is
+    the CPU, so such a call copies nothing here; the runtime's uploads go through `Transfers` (pinned
+    buffers, events) instead. The string "cpu" names the host (the runtime makes its host tensors with
+    `device="cpu"`, whatever the default device), so it is not an upload. `calls`: (function, where in the
+    runtime it was made)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, str]] = []
+        self._thread = threading.get_ident()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if threading.get_ident() == self._thread and self._uploads(func, args, kwargs):
+            self.calls.append((getattr(func, "__name__", str(func)), _runtime_caller()))
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _uploads(func, args, kwargs) -> bool:
+        names_device = lambda d: d is not None and not isinstance(d, torch.dtype) and d != "cpu"
+        if func in (torch.tensor, torch.as_tensor):
+            return names_device(kwargs.get("device"))
+        if func is torch.Tensor.cuda:
+            return True
+        if func is torch.Tensor.to:
+            return names_device(kwargs.get("device")) or any(
+                isinstance(a, (torch.device, str)) and names_device(a) for a in args[1:])
+        return False
+
+
+def _runtime_caller() -> str:
+    """file:line of the innermost frame in the runtime."""
+    for frame in reversed(traceback.extract_stack()):
+        if f"{os.sep}runtime{os.sep}" in frame.filename:
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return "?"
 
 
 def _byte_span(tensor: torch.Tensor) -> tuple[int, int]:

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from emulated_device import EmulatedStreams, OrderingViolation
-from helpers import loss_fn, make_batches, max_param_diff, tiny_model, train_steps, value_tolerance
+from emulated_device import EmulatedStreams, OrderingViolation, PageableUploads
+from helpers import TinyRepeated, loss_fn, make_batches, max_param_diff, tiny_model, train_steps, value_tolerance
 from zenflow_compile import ZenFlowAdamW
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime import transfers
@@ -192,34 +192,100 @@ def test_device_accumulation_sends_the_sums_once_per_interval(dtype, emulated_de
 def test_the_training_thread_touches_no_host_state_unless_the_selection_changes(accumulate_on, overlap_reselect,
                                                                                  emulated_device):
     """Plain steps and update boundaries (overlapped or not) leave the host state to the workers and the copy
-    streams: the training thread declares no host access. A reselection that waits for its update moves host
-    rows on it, one made in flight none; neither touches the gradient buffers (a step's first backward
-    overwrites them)."""
+    streams: the training thread touches none of it (it writes only small staging buffers of indices). A
+    reselection that waits for its update moves host rows on it, one made in flight none; neither touches the
+    gradient buffers (a step's first backward overwrites them)."""
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True,
                        select_strategy="step", select_interval=6, accumulate_on=accumulate_on,
                        overlap_reselect=overlap_reselect)
     batches = make_batches(6)
     train_steps(model, opt, batches[:1])  # the first selection lays the state out
-    emulated_device.host_accesses.clear()
-    train_steps(model, opt, batches[1:5])  # plain steps and boundaries at t = 1 and 3
-    assert opt.stats()["cpu_updates"] == 2 and opt.stats()["reselections"] == 0
-    training_thread = threading.current_thread().name
-    assert [bytes_ for thread, bytes_, _ in emulated_device.host_accesses if thread == training_thread] == []
-    assert emulated_device.host_accesses  # (the workers' are declared: the record is not empty by accident)
-    emulated_device.host_accesses.clear()
-    train_steps(model, opt, batches[5:])  # t = 5: a reselecting boundary
-    assert opt.stats()["reselections"] == 1 and opt.stats()["selection_churn"] > 0
     storage = lambda tensors: {t.untyped_storage().data_ptr() for t in tensors}
     grad_buffers = storage(t for slab in opt._runtime.slabs for t in slab.host_grads)
     host_state = storage(t for slab in opt._runtime.slabs for t in slab.host_buffers())
-    touched = set().union(*(storages for thread, _, storages in emulated_device.host_accesses
-                            if thread == training_thread))
+    training_thread = threading.current_thread().name
+    touched_here = lambda: set().union(*(storages for thread, _, storages in emulated_device.host_accesses
+                                         if thread == training_thread))
+    emulated_device.host_accesses.clear()
+    train_steps(model, opt, batches[1:5])  # plain steps and boundaries at t = 1 and 3
+    assert opt.stats()["cpu_updates"] == 2 and opt.stats()["reselections"] == 0
+    assert not touched_here() & (host_state | grad_buffers)
+    assert {s for _, _, storages in emulated_device.host_accesses for s in storages} & host_state  # (the workers')
+    emulated_device.host_accesses.clear()
+    train_steps(model, opt, batches[5:])  # t = 5: a reselecting boundary
+    assert opt.stats()["reselections"] == 1 and opt.stats()["selection_churn"] > 0
+    touched = touched_here()
     if overlap_reselect == "wait":  # the host rows re-sorted and the host weights rewritten here
         assert touched & host_state
     else:  # made in flight: the arriving columns go up through a staging buffer of their own, the departing
         assert not touched & host_state  # ones down on the copy stream, into their rows at the apply
     assert not touched & grad_buffers
+
+
+def _train_after_the_layout(device: str, accumulate_on: str, overlap_reselect: str, guard) -> dict:
+    """TinyRepeated on `device`: the first step lays the state out; then 13 steps and `synchronize()`, each
+    inside `guard` (plain steps, boundaries, landings, reselecting boundaries at t = 5 and 11, and at t = 2,
+    5, 8, 11 a member of the blocks' slab without a gradient: its slab updated in part). Returns stats()."""
+    torch.manual_seed(0)
+    model = TinyRepeated().to(device)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True,
+                       select_strategy="step", select_interval=6, accumulate_on=accumulate_on,
+                       overlap_reselect=overlap_reselect)
+    batches = make_batches(14, device=device)
+    train_steps(model, opt, batches[:1])
+    for t, batch in enumerate(batches[1:], start=1):
+        loss_fn(model, batch).backward()
+        if t % 3 == 2:
+            model.blocks[1][0].weight.grad = None
+        with guard:
+            opt.step()
+        opt.zero_grad()
+    with guard:
+        opt.synchronize()
+    return opt.stats()
+
+
+@pytest.mark.parametrize("overlap_reselect", ["wait", "incoming"])
+@pytest.mark.parametrize("accumulate_on", ["host", "device"])
+def test_after_the_layout_no_step_makes_a_pageable_upload(accumulate_on, overlap_reselect, emulated_device):
+    """Once the first selection has laid the state out, what the runtime computes on the host for the device
+    (a reselection's indices and column sets, the members a partial step updates) goes up in pinned copies the
+    compute stream waits for: on a GPU a pageable `.to(device)` blocks the training thread until the compute
+    stream drains, once per tensor."""
+    uploads = PageableUploads()
+    stats = _train_after_the_layout("cpu", accumulate_on, overlap_reselect, uploads)
+    assert uploads.calls == []
+    assert stats["reselections"] == 2 and stats["selection_churn"] > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("overlap_reselect", ["wait", "incoming"])
+@pytest.mark.parametrize("accumulate_on", ["host", "device"])
+def test_after_the_layout_the_training_thread_synchronises_only_to_read(accumulate_on, overlap_reselect,
+                                                                         monkeypatch):
+    """The same steps on CUDA under `torch.cuda.set_sync_debug_mode("error")`: any call that synchronises with
+    a stream raises, except the step's counted blocking reads (`Transfers.read_to_host`)."""
+    read_to_host = Transfers.read_to_host
+
+    def counted_read(self, tensor):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return read_to_host(self, tensor)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(Transfers, "read_to_host", counted_read)
+
+    class SyncsRaise:
+        def __enter__(self):
+            torch.cuda.set_sync_debug_mode("error")
+
+        def __exit__(self, *exc):
+            torch.cuda.set_sync_debug_mode(0)
+
+    stats = _train_after_the_layout("cuda", accumulate_on, overlap_reselect, SyncsRaise())
+    assert stats["reselections"] == 2 and stats["selection_churn"] > 0
 
 
 @pytest.mark.parametrize("accumulate_on", ["host", "device"])

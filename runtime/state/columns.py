@@ -117,7 +117,7 @@ def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_paral
     incoming = host_columns = None
     if slab.has_host_part:
         step = torch.empty(n, C, device="cpu")
-        step.scatter_(1, slab.selected_cpu, slab.counts.cpu())
+        step.scatter_(1, slab.selected_cpu, slab.transfers.read_to_host(slab.counts))
         step.scatter_(1, slab.host_columns_cpu, slab.host_counts)
         host_columns = host_order(step, selected)
         incoming = MovingColumns(arriving_member, arriving_slot,
@@ -129,9 +129,10 @@ def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_paral
     # (member, new host row) of each departing column with its device slot
     departing_member, departing_row = on_device.gather(1, host_columns).nonzero(as_tuple=True)
     departing_slot = position[departing_member, host_columns[departing_member, departing_row]]
-    outgoing = _unpack(slab.transfers.read_to_host(
-        _move_device_columns(slab, staying_slot, departing_member, departing_slot, incoming)),
-        R, departing_member, departing_slot)
+    at = _on_device(slab, staying_slot, departing_member, departing_slot, incoming, selected, host_columns,
+                    arriving.any(1))
+    outgoing = _unpack(slab.transfers.read_to_host(_move_device_columns(slab, at, incoming)),
+                       R, departing_member, departing_slot)
     if slab.has_host_part:
         keep = position.gather(1, host_columns).masked_fill(on_device.gather(1, host_columns), 0)  # [n, u]
         for name in _STATE:
@@ -139,7 +140,7 @@ def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_paral
             scratch.reorder_rows_(host_state, keep)
             host_state.view(n * u, R).index_copy_(0, departing_member * u + departing_row, getattr(outgoing, name))
         slab.host_counts.copy_(step.gather(1, host_columns))
-    _take_selection(slab, selected, host_columns, arriving.any(1))
+    _take_selection(slab, selected, host_columns, at)
     if slab.has_host_part:  # (the accumulators are empty: the boundary's update took them)
         for weights in slab.host_weights:
             weights.copy_(slab.host_master)
@@ -165,12 +166,12 @@ def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
         row = _host_position(slab)[member, selected[member, slot]]
         state = MovingColumns(member, slot, *(getattr(slab, "host_" + name)[member, row] for name in _STATE),
                               slab.host_counts[member, row])  # (copies: advanced indexing)
-        scale_of, steps_of = [0.0] * slab.n, [1.0] * slab.n  # per member (scale 0: no gradient, not updated)
+        scale_of, steps_of = [0.0] * slab.n, [1] * slab.n  # per member (scale 0: no gradient, not updated)
         for scale, taking in members_by_scale.items():
             for i, steps in taking:
-                scale_of[i], steps_of[i] = scale, float(steps)
+                scale_of[i], steps_of[i] = scale, steps
         row_scale = torch.tensor(scale_of, device="cpu")[member]
-        steps = torch.tensor(steps_of, device="cpu")[member].unsqueeze(1)
+        steps = torch.tensor(steps_of, device="cpu")[member].unsqueeze(1)  # int64
         if slab.accumulates_on_device:
             arriving = _update_arriving_on_device(slab, state, row, row_scale, steps, hyperparameters)
         else:
@@ -187,7 +188,7 @@ def _update_arriving_on_host(slab: Slab, state: MovingColumns, row: torch.Tensor
     grad_sq = grad_sq[0] if grad_sq else None
     for sums in (grad, grad_sq):
         if sums is not None:
-            sums.div_(steps)  # the interval's mean, as the update computes it
+            sums.div_(steps.float())  # the interval's mean, as the update computes it
     rows = (state.master, grad, state.exp_avg, state.exp_avg_sq, grad_sq)
     for scale in row_scale.unique().tolist():
         if scale == 0.0:
@@ -205,21 +206,19 @@ def _update_arriving_on_device(slab: Slab, state: MovingColumns, row: torch.Tens
     multiplier. The training thread reads nothing back and runs no CPU AdamW."""
     up = _upload(slab, state)
     m, R = len(state.member), slab.R
-    at = (state.member.to(slab.device), row.to(slab.device))
-    sums = [s[at] for s in slab.device_sums()]  # [m, R] each (copies: advanced indexing)
-    divisor = steps.to(slab.device)
+    scales = [scale for scale in row_scale.unique().tolist() if scale != 0.0]
+    taking = [(row_scale == scale).nonzero().squeeze(1) for scale in scales]
+    member, row, divisor, *taking = slab.transfers.indices_to_device([state.member, row, steps, *taking])
+    sums = [s[member, row] for s in slab.device_sums()]  # [m, R] each (copies: advanced indexing)
     for s in sums:
-        s.div_(divisor)  # the interval's mean, as the update computes it
+        s.div_(divisor.float())  # the interval's mean, as the update computes it
     grad = sums[0].view(m, R, 1)
     master, exp_avg, exp_avg_sq = (t.contiguous().view(m, R, 1) for t in (up.master, up.exp_avg, up.exp_avg_sq))
     counts = up.counts.contiguous().view(m, 1)
     if len(sums) > 1:  # interval_second_moment: the second moment takes the mean of the squares
         kernels.shift_second_moment_([exp_avg_sq], [grad], [sums[1].view(m, R, 1)], hyperparameters["beta2"])
-    for scale in row_scale.unique().tolist():
-        if scale == 0.0:
-            continue
-        taking = (row_scale == scale).nonzero().squeeze(1).to(slab.device)
-        kernels.adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, rows=taking,
+    for scale, rows in zip(scales, taking):
+        kernels.adamw_slab_(grad, master, exp_avg, exp_avg_sq, counts, rows=rows,
                             **dict(hyperparameters, lr=hyperparameters["lr"] * scale))
     return MovingColumns(state.member, state.place, master.view(m, R), exp_avg.view(m, R), exp_avg_sq.view(m, R),
                          counts.view(m), on_device=True)
@@ -256,14 +255,15 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
     old_slot = torch.zeros(n, C, dtype=torch.long, device="cpu")
     old_slot.scatter_(1, old_selected, torch.arange(k, device="cpu").expand(n, k))
     stay = old_slot.gather(1, selected)  # (an arriving column's entry is overwritten)
+    at = _on_device(slab, stay, departing_member, departing_slot, arriving, selected, host_columns, leaving.any(1))
     in_param = slab.master.to(slab.dtype) if slab.selected_written is None else slab.selected_written
-    weights = in_param.transpose(1, 2)[departing_member.to(slab.device), departing_slot.to(slab.device)]
-    departing = _move_device_columns(slab, stay, departing_member, departing_slot, arriving)
+    weights = in_param.transpose(1, 2)[at.departing_member, at.departing_slot]
+    departing = _move_device_columns(slab, at, arriving)
     if slab.has_host_part:  # (data parallel: the owner alone has host rows to settle them into)
         # Copied down on the copy stream, not read here: nothing needs them before the update has finished.
         rows, done = slab.transfers.copy_to_host(torch.cat([departing, weights.float()], 1))
         slab.departing = DepartingCopy(departing_member, row, rows, done)
-    _take_selection(slab, selected, host_columns, leaving.any(1))
+    _take_selection(slab, selected, host_columns, at)
     # The members whose columns changed hold their masters in every selected column from now on.
     kernels.write_columns_(slab.params, slab.selected, slab.master.to(slab.dtype) if slab.selected_written is None
                            else slab.selected_written)
@@ -289,26 +289,44 @@ def settle_departing(slab: Slab) -> None:
     slab.uploaded = None  # (an upload made before these rows changed: the apply uploads them again)
 
 
-def _move_device_columns(slab: Slab, stay: torch.Tensor, departing_member: torch.Tensor,
-                         departing_slot: torch.Tensor, arriving: MovingColumns) -> torch.Tensor:
+class MoveIndices(NamedTuple):
+    """A move's indices on the device (`_on_device`): each new slot i of member j takes old slot stay[j, i];
+    the departing columns by (member, old slot), the arriving ones by (member, new slot); the new column
+    sets; which members' columns changed."""
+
+    stay: torch.Tensor  # [n, k]
+    departing_member: torch.Tensor  # [m]
+    departing_slot: torch.Tensor
+    arriving_member: torch.Tensor  # [m]
+    arriving_place: torch.Tensor
+    selected: torch.Tensor  # [n, k]
+    host_columns: torch.Tensor  # [n, u]
+    changed: torch.Tensor  # [n] bool
+
+
+def _on_device(slab: Slab, stay: torch.Tensor, departing_member: torch.Tensor, departing_slot: torch.Tensor,
+               arriving: MovingColumns, selected: torch.Tensor, host_columns: torch.Tensor,
+               changed: torch.Tensor) -> MoveIndices:
+    """A move's host-made indices on the device in one copy (no host synchronisation)."""
+    return MoveIndices(*slab.transfers.indices_to_device(
+        [stay, departing_member, departing_slot, arriving.member, arriving.place, selected, host_columns, changed]))
+
+
+def _move_device_columns(slab: Slab, at: MoveIndices, arriving: MovingColumns) -> torch.Tensor:
     """The device side of a move, the same for every reselection: each new slot i of member j takes old slot
-    stay[j, i] (an arriving column's entry is any), then the arriving columns' state (`arriving`, place = new
-    slot) is written in. Returns the departing columns' state (by (departing_member, departing_slot)),
-    `_pack`ed on the device, gathered before any write: the caller says when it comes to the host. Device
-    tensors change in place, in a fixed number of calls."""
+    at.stay[j, i] (an arriving column's entry is any), then the arriving columns' state (`arriving`) is
+    written in. Returns the departing columns' state, `_pack`ed on the device, gathered before any write: the
+    caller says when it comes to the host. Device tensors change in place, in a fixed number of calls."""
     arriving = _upload(slab, arriving)
-    on_device = lambda *index: tuple(i.to(slab.device) for i in index)
-    departing_at, arriving_at = on_device(departing_member, departing_slot), on_device(arriving.member,
-                                                                                      arriving.place)
-    stay = stay.to(slab.device)
+    departing_at, arriving_at = (at.departing_member, at.departing_slot), (at.arriving_member, at.arriving_place)
     outgoing = _pack([getattr(slab, name).transpose(1, 2)[departing_at] for name in _STATE],
                      slab.counts[departing_at])
     for name in _STATE:
         device_state = getattr(slab, name)
         by_column = device_state.transpose(1, 2)  # [n, k, R]: a column per row, like the host
-        device_state.copy_(device_state.gather(2, columns_index(stay, slab.R)))
+        device_state.copy_(device_state.gather(2, columns_index(at.stay, slab.R)))
         by_column.index_put_(arriving_at, getattr(arriving, name))
-    counts = slab.counts.gather(1, stay)
+    counts = slab.counts.gather(1, at.stay)
     counts[arriving_at] = arriving.counts
     slab.counts.copy_(counts)
     return outgoing
@@ -364,17 +382,17 @@ def share_first_selection(member: Member, state: MemberState, data_parallel) -> 
     state.step_grad[:, columns] = rows[:, 3 * member.rows + 1:].t()  # (after the packed state: the gradient)
 
 
-def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, changed: torch.Tensor) -> None:
-    """The slab's new column sets after a move; members `changed` ([n] bool) hold their masters in their
-    selected columns from now on. The step's gradients, gathered by the old columns, are left as they are:
-    the boundary's update took them, and a step's first backward overwrites a member's gradient buffers
-    before anything reads them."""
+def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, at: MoveIndices) -> None:
+    """The slab's new column sets after a move (`selected`, `host_columns` on the host, `at` on the device);
+    members whose columns changed hold their masters in their selected columns from now on. The step's
+    gradients, gathered by the old columns, are left as they are: the boundary's update took them, and a
+    step's first backward overwrites a member's gradient buffers before anything reads them."""
     slab.selected_cpu, slab.host_columns_cpu = selected, host_columns
-    slab.selected.copy_(selected)
-    slab.host_columns.copy_(host_columns)
+    slab.selected.copy_(at.selected)
+    slab.host_columns.copy_(at.host_columns)
     if slab.selected_written is not None:
-        changed = changed.to(slab.device).view(-1, 1, 1)
-        slab.selected_written = torch.where(changed, slab.master.to(slab.dtype), slab.selected_written)
+        slab.selected_written = torch.where(at.changed.view(-1, 1, 1), slab.master.to(slab.dtype),
+                                            slab.selected_written)
     for slot_extras in slab.extra_grads:
         slot_extras.clear()
 
