@@ -32,16 +32,15 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
    update worker once its sums have landed.
 4. a reselecting boundary (`Regime.overlap_reselect`: the first boundary at least `Regime.select_interval`
    steps after the last reselection, as select_strategy "step" makes it; churn c of the k selected columns
-   change sides), as `ZenFlowRuntime._reselect` makes it on the training thread: "wait" waits for the boundary's own
-   update and merges it first; "incoming" makes the arriving columns' step before it launches the update: where
-   the device sums, their host rows go up on the H2D stream and the step runs on the device; else their sums
-   are read from the host's once the step's accumulation ended and their CPU AdamW runs (real work, c x r of
-   the parameters). Then the
-   moves (the runtime's `columns._move_device_columns`): the arriving columns' state (fp32 master and
-   moments, and the parameter) up, a blocking copy on the compute stream (with "incoming" and device sums,
-   already up); the departing columns' down, with "wait" a blocking read (their host rows are rewritten at
-   once), with "incoming" a copy on the D2H stream that nothing waits for until the update has finished
-   (`columns.reselect_in_flight`); the new column indices go up in blocking copies (a synchronisation).
+   change sides), as `ZenFlowRuntime._reselect` makes it on the training thread: the arriving columns' step
+   is made before the update is launched: where the device sums, their host rows go up on the H2D stream and
+   the step runs on the device; else their sums are read from the host's once the step's accumulation ended
+   and their CPU AdamW runs (real work, c x r of the parameters). Then the moves (`columns.reselect_in_flight`),
+   while the update runs on: where the host sums, the arriving columns' state (fp32 master and moments) up on
+   the H2D stream, the compute stream waiting for it (where the device sums, already up); the departing
+   columns' down on the D2H stream; the move's indices up in one small pinned copy (not modelled).
+   "incoming" lets the update land as at any boundary (nothing waits for the departing columns until it has
+   finished); "wait" lands it right after the moves, once the departing columns are down.
 Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
 beyond fused AdamW's, measured on the simulated compute stream. The measured window is whole intervals in the
 steady state: it starts and ends with a CPU update in flight (bench_offload's GPU rows instead start with none
@@ -336,7 +335,7 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
                 uploads.append(up.record())
             return uploads
 
-        if reselect == "incoming":  # the arriving columns' share of the update, first
+        if reselect is not None:  # the arriving columns' share of the update, first
             if accumulate_on == "device":  # their rows up on the H2D stream, their AdamW on the device
                 up.run(regime.seconds(moved * (3 * 4 + 4) / regime.link_bandwidth))
                 compute.wait_event(up.record())
@@ -346,17 +345,16 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
                 host.cpu_adamw_share(regime.selection_churn * r / (1 - r))
         pending["update"] = host.update_worker.submit(cpu_update)
         pending["land_at"] = None if regime.landing_lag is None else i + regime.landing_lag
-        if reselect == "wait":  # the boundary's own update, waited for and merged first
-            apply_previous(i)
-        if reselect == "wait":  # the moves: blocking copies each way, as the runtime's
-            compute.run(regime.seconds(2 * move_s))
-            compute.synchronize()
-        elif reselect == "incoming":  # departing down on the D2H stream; arriving up (host accumulation: blocking)
-            if accumulate_on != "device":
-                compute.run(regime.seconds(move_s))
-            compute.synchronize()  # (the new column indices go up in blocking copies)
-            down.wait_event(compute.record())
+        if reselect is not None:  # the moves, while the update runs on; their indices up in one pinned copy
+            if accumulate_on != "device":  # the arriving columns' state up, the compute stream waiting for it
+                up.run(regime.seconds(move_s))
+                compute.wait_event(up.record())
+            down.wait_event(compute.record())  # the departing columns' state down, on the D2H stream
             down.run(regime.seconds(move_s))
+            departed = down.record()
+            if reselect == "wait":  # the update lands right after the moves, the departing rows settled first
+                departed.wait()
+                apply_previous(i)
 
     try:
         result = _run_loop(regime, step, compute, finish=apply_previous,

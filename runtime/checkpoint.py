@@ -1,8 +1,9 @@
 """A parameter's checkpoint entry <-> its `MemberState`: the optimizer state in the parameter's natural layout.
 
 Entry of a matrix ([R, C] = [shape[0], rest]): fp32 `master`, `exp_avg`, `exp_avg_sq` [R, C], per-column
-update counts `step` [C], `selected` (bool [C]), the interval's `accumulator` (and `square_accumulator`) over
-the host columns, `steps_accumulated`, Zen-auto's sums `zen_auto`, and while a CPU update has not reached the
+update counts `step` [C], `selected` (bool [C]), `host_row` (int64 [C]: each host column's row in the host
+layout, -1 for a selected one; a resumed run lays its rows out in that order, so it goes on bitwise as the
+saving run would have), the interval's `accumulator` (and `square_accumulator`) over the host columns, `steps_accumulated`, Zen-auto's sums `zen_auto`, and while a CPU update has not reached the
 device `unapplied`; `device_columns`: the host columns as the device holds them, where that is not the
 master cast (while an update is pending, or after a cast). A vector's entry holds
 its master, moments (its shape) and count ([1]). After a cast, until the device update rewrites them,
@@ -56,15 +57,31 @@ def _entry(member: Member, acc_slot: int) -> dict:
     if slab.accumulate_squares:
         entry["square_accumulator"] = (state.square_accumulator if state.square_accumulator is not None
                                        else torch.zeros(member.rows, member.cols, device="cpu"))
+    entry["host_row"] = _host_rows(slab.host_columns_cpu[i], member.cols)
     if slab.u:
+        host = slab.host_columns_cpu[i]
         # What the device holds for the host columns, where it is not the master cast: until a pending update
         # is applied (overlap), or after a cast.
-        host = slab.host_columns_cpu[i]
         if state.unapplied or not torch.equal(state.applied[:, host], state.master[:, host].to(slab.dtype)):
             entry["device_columns"] = state.applied
         if state.unapplied:
             entry["unapplied"] = True
     return entry
+
+
+def _host_rows(host_columns: torch.Tensor, cols: int) -> torch.Tensor:
+    """[C]: the host row of each of `host_columns` ([u], in row order), -1 for the other (selected) columns."""
+    rows = torch.full((cols,), -1, dtype=torch.long, device="cpu")
+    return rows.scatter_(0, host_columns, torch.arange(len(host_columns), device="cpu"))
+
+
+def _host_columns(entry: dict) -> "torch.Tensor | None":
+    """The host columns in row order that an entry's `host_row` gives (None: it gives none, the counts decide)."""
+    host_row = entry.get("host_row")
+    if host_row is None:
+        return None
+    selected = int((host_row < 0).sum())
+    return torch.argsort(host_row, stable=True)[selected:].clone()
 
 
 def _selection_entry(member: Member) -> dict:
@@ -101,6 +118,7 @@ def _state(member: Member, entry: dict) -> MemberState:
         state.unapplied = bool(entry.get("unapplied", False))
         return state
     state = MemberState(*(entry[k].float() for k in ("master", "exp_avg", "exp_avg_sq", "step")), selected)
+    state.host_columns = _host_columns(entry)
     state.accumulator = entry["accumulator"].float()
     if "square_accumulator" in entry:
         state.square_accumulator = entry["square_accumulator"].float()
@@ -123,7 +141,8 @@ def fresh_entry(values: torch.Tensor, accumulate_squares: bool) -> dict:
     entry = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
                  step=torch.zeros(cols, device="cpu"), selected=torch.zeros(cols, dtype=torch.bool, device="cpu"),
                  steps_accumulated=0,
-                 zen_auto=torch.zeros(2, dtype=torch.float64, device="cpu"), accumulator=torch.zeros_like(master))
+                 zen_auto=torch.zeros(2, dtype=torch.float64, device="cpu"), accumulator=torch.zeros_like(master),
+                 host_row=torch.full((cols,), -1, dtype=torch.long, device="cpu"))
     if accumulate_squares:
         entry["square_accumulator"] = torch.zeros_like(master)
     return entry
@@ -174,8 +193,11 @@ def device_part(entry: dict, owner: int) -> dict:
     mask = entry["selected"]
     selected = mask.nonzero().flatten()
     step = entry["step"].float()
+    host_columns = _host_columns(entry)
+    if host_columns is None:
+        host_columns = host_order(step.unsqueeze(0), selected.unsqueeze(0))[0]
     part = dict(selected=mask.clone(), steps_accumulated=entry["steps_accumulated"], zen_auto=entry["zen_auto"],
-                host_owner=owner, host_columns=host_order(step.unsqueeze(0), selected.unsqueeze(0))[0],
+                host_owner=owner, host_columns=host_columns,
                 selected_master=entry["master"][:, mask], selected_exp_avg=entry["exp_avg"][:, mask],
                 selected_exp_avg_sq=entry["exp_avg_sq"][:, mask], selected_step=step[mask],
                 unapplied=bool(entry.get("unapplied", False)))

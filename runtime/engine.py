@@ -7,9 +7,9 @@ the step's decisions in this order:
 global norm (skip if non-finite, else clip coefficient) -> first selection at t == W -> device AdamW on the
 selected columns and vectors -> hand the unselected columns' gradient to the accumulate worker -> update
 boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
-reselection (after waiting for and applying the boundary's own update, so state moves fully current; with
-overlap_reselect="incoming", the arriving columns' share of that update is made before it is launched and
-the rest stays in flight: `columns.reselect_in_flight`).
+reselection (the arriving columns' share of the boundary's update is made before it is launched, the columns
+move while the rest runs on: `columns.reselect_in_flight`; it lands as any boundary's with
+overlap_reselect="incoming", right after the move with "wait").
 The CPU workers, and every wait for them, are `runtime/host_work.py`'s; what a failure leaves,
 `runtime/failures.py`'s.
 
@@ -88,7 +88,6 @@ class ZenFlowRuntime:
                              bytes_device_to_host=0, bytes_host_to_device=0, selection_churn=0.0,
                              overlapped_boundaries=0)  # boundaries whose CPU update ran on into the next steps
         self.selection_seconds = 0.0  # the training thread's time moving state for (re)selections (not saved)
-        self.row_scratch = column_moves.RowScratch()  # what reselections reorder host rows through
         self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
         self.host_reads = HostReads(self.counters)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
@@ -319,16 +318,18 @@ class ZenFlowRuntime:
             host_scores = self.host_reads.scores(reselecting) if warmed_up and schedule.may_reselect(t) else None
             reselect = host_scores is not None and schedule.should_reselect(reselecting, host_scores)
             chosen = schedule.chosen_selections(reselecting, host_scores) if reselect else []
-            # overlap_reselect="incoming": the boundary's update stays in flight for the columns that stay on
-            # the host; the arriving columns get theirs before it is launched.
-            in_flight = reselect and cfg.overlap_step and cfg.overlap_reselect == "incoming"
-            arriving = [(slab, selected) for (slab, _), selected in zip(reselecting, chosen)] if in_flight else []
-            overlap = cfg.overlap_step and warmed_up and (in_flight or not reselect)
+            # A reselection: the arriving columns get their share of the boundary's update before it is launched,
+            # the columns move while it runs, and it lands as any boundary's (overlap_reselect="incoming") or
+            # right after the move ("wait", or no overlap).
+            arriving = [(slab, selected) for (slab, _), selected in zip(reselecting, chosen)]
+            overlap = cfg.overlap_step and warmed_up and (not reselect or cfg.overlap_reselect == "incoming")
             arrived = self._update_boundary(t, hyperparameters, overlap=overlap, arriving=arriving)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
                 with self._selection_moves():
-                    self._reselect(t, reselecting, chosen, arrived if in_flight else None)
+                    self._reselect(t, reselecting, chosen, arrived)
+                    if not overlap:
+                        self._apply_host_columns()
         elif self.update_pending and t == self.land_at:  # landing_lag: the update lands at the end of b + L
             self._apply_host_columns()
 
@@ -381,9 +382,10 @@ class ZenFlowRuntime:
     def _update_boundary(self, t: int, hyperparameters: list[dict], overlap: bool,
                          arriving: list[tuple[Slab, torch.Tensor]]) -> list:
         """Apply the previous boundary's update if it is still pending, launch this boundary's (with overlap it
-        lands at the end of step t + landing_lag, or at the next boundary if that comes first). `arriving`: the
-        slabs reselecting while it runs on, with their new selections: their arriving columns are updated
-        first, from this step's accumulators; returns that state, slab by slab (`columns.take_arriving`)."""
+        lands at the end of step t + landing_lag, or at the next boundary if that comes first; without, now,
+        or after the reselection when there is one). `arriving`: the slabs reselecting while it runs on, with
+        their new selections: their arriving columns are updated first, from this step's accumulators;
+        returns that state, slab by slab (`columns.take_arriving`)."""
         if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
             self._apply_host_columns()
         # Device accumulation: the interval's sums go down into the accumulators the update will read (the
@@ -402,10 +404,10 @@ class ZenFlowRuntime:
         self.host_work.launch_update(self.slabs, self.acc_slot, hyperparameters, self.config.interval_aware_update)
         self.schedule.interval_started(list(self.members.values()))
         self.acc_slot ^= 1
-        self.update_pending = overlap
+        self.update_pending = True
         self.land_at = t + self.config.landing_lag if overlap and self.config.landing_lag is not None else None
         self.counters["overlapped_boundaries"] += overlap
-        if not overlap:
+        if not overlap and not arriving:
             self._apply_host_columns()
         return arrived
 
@@ -417,14 +419,13 @@ class ZenFlowRuntime:
         self.update_pending = False
         self.land_at = None
 
-    def _reselect(self, t: int, slabs: list, chosen: list[torch.Tensor], arrived: Optional[list]) -> None:
-        """The chosen selections take effect. `arrived` (slab by slab, from `_update_boundary`): the
-        reselection is made while this boundary's CPU update runs on, with the arriving columns' state."""
+    def _reselect(self, t: int, slabs: list, chosen: list[torch.Tensor], arrived: list) -> None:
+        """The chosen selections take effect while this boundary's CPU update runs on, with the arriving
+        columns' state (`arrived`, slab by slab, from `_update_boundary`)."""
         moved = total = 0
-        for index, ((slab, rows), selected) in enumerate(zip(slabs, chosen)):
+        for (slab, rows), selected, arriving in zip(slabs, chosen, arrived):
             total += slab.k * (slab.n if rows is None else len(rows))
-            moved += (column_moves.reselect_in_flight(slab, selected, arrived[index]) if arrived is not None
-                      else column_moves.reselect(slab, selected, self.row_scratch, data_parallel=self.data_parallel))
+            moved += column_moves.reselect_in_flight(slab, selected, arriving)
         self._layout_changed()
         self.schedule.reselected(t)
         self.counters["reselections"] += 1

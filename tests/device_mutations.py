@@ -102,10 +102,6 @@ MUTATIONS = [
              "        wait_events(slab.upload_done)  # an upload may still be reading the host weights\n"
              "        slab.transfers.host_access(writes=slab.host_weights)\n",
              "        slab.transfers.host_access(writes=slab.host_weights)\n"),
-    Mutation("M20", "a reselection rewrites host buffers an upload may still read",
-             "runtime/state/columns.py",
-             "        wait_events(slab.upload_done)  # an upload may still read the host weights rewritten below\n",
-             ""),
     Mutation("M22", "the CPU update starts without joining the accumulate task it follows",
              "runtime/host_work.py", "        self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)",
              "        self._update = self.update_worker.submit(cpu_update)"),
@@ -139,6 +135,9 @@ MUTATIONS = [
     Mutation("M31", "a reselection's arriving columns are read on the device before their upload has landed",
              "runtime/state/columns.py", "    rows, _ = slab.transfers.to_device(pinned)\n",
              "    rows, _ = slab.transfers.upload_ahead(pinned)\n"),
+    Mutation("M32", "host-made indices are read on the device before their upload has landed",
+             "runtime/transfers.py", "        packed, _ = self.to_device(pinned)\n",
+             "        packed, _ = self.upload_ahead(pinned)\n"),
 ]
 
 # A mutated line is no longer in its file, so this check fails under every mutation: it would report each one as

@@ -109,9 +109,9 @@ def test_an_interrupted_step_refuses_to_go_on_and_a_checkpoint_brings_it_back(mo
     assert max_param_diff(list(model.parameters()), _reference_params(batches)) <= ATOL
 
 
-# "incoming" (the project's defaults): a reselecting boundary updates its arriving columns before it launches the
-# rest; where the host sums them, on the training thread with the CPU AdamW, so the injected failure is raised
-# there, as the step's own error (where the device sums them, their step runs on the device: the worker fails).
+# A reselecting boundary ("wait" or "incoming") updates its arriving columns before it launches the rest; where the
+# host sums them, on the training thread with the CPU AdamW, so the injected failure is raised there, as the step's
+# own error (where the device sums them, their step runs on the device: the worker fails).
 @pytest.mark.parametrize("in_flight", [False, True], ids=["wait", "incoming"])
 def test_a_worker_failure_is_recovered_from_a_checkpoint_and_the_failed_optimizer_can_be_freed(monkeypatch, in_flight,
                                                                                                 device):
@@ -120,7 +120,7 @@ def test_a_worker_failure_is_recovered_from_a_checkpoint_and_the_failed_optimize
     model = tiny_model()
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **keys)
     _train(model, opt, batches, range(2))
-    on_training_thread = in_flight and opt.stats()["accumulate_on"] == "host"
+    on_training_thread = opt.stats()["accumulate_on"] == "host"
     first_error = "injected host failure" if on_training_thread else "ZenFlow CPU worker failed.*injected host failure"
     checkpoint = _checkpoint(model, opt)
     _fail_once(monkeypatch, zenflow_compile.runtime.kernels, "cpu_adamw_", ValueError, "injected host failure")

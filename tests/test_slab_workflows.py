@@ -31,7 +31,6 @@ import zenflow_compile
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime.engine import ZenFlowRuntime
 from zenflow_compile.runtime.state import intake
-from zenflow_compile.runtime.state.columns import RowScratch
 from zenflow_compile.runtime.state.layout import SHARED_SLAB_MAX_NUMEL, top_k_columns
 from zenflow_compile.runtime.state.slab import Slab
 
@@ -262,27 +261,6 @@ def test_a_reselection_rewrites_the_slab_in_place(device):
 
     run_pair(a, b, opt, ref, range(10), blocks_batch, before_step=before, after_step=after)
     assert sorted(seen) == [4, 8]
-
-
-@pytest.mark.parametrize("chunk_elements", [1, 2 * 5 * 3, 1 << 24], ids=["member-by-member", "two-members", "whole"])
-def test_host_rows_are_reordered_in_place_through_a_reused_scratch(chunk_elements, monkeypatch):
-    """A reselection reorders each member's host rows through one scratch buffer kept between reselections
-    (a fresh slab-sized buffer costs more in page faults than the copy), a few members at a time: the rows
-    land as an index_select would put them, in the same tensor, and the scratch is not reallocated."""
-    monkeypatch.setattr(RowScratch, "CHUNK_ELEMENTS", chunk_elements)
-    generator = torch.Generator().manual_seed(0)
-    state = torch.randn(7, 5, 3, generator=generator)  # [n, u, R]
-    scratch = RowScratch()
-    for _ in range(2):
-        order = torch.stack([torch.randperm(5, generator=generator) for _ in range(7)])
-        expected = torch.stack([state[i].index_select(0, order[i]) for i in range(7)])
-        pointer = state.data_ptr()
-        scratch.reorder_rows_(state, order)
-        assert torch.equal(state, expected) and state.data_ptr() == pointer
-        buffer = scratch.buffer.data_ptr()
-    scratch.reorder_rows_(state, order)
-    assert scratch.buffer.data_ptr() == buffer
-    scratch.reorder_rows_(torch.empty(7, 5, 0), order)  # an FSDP2 rank holding none of the rows
 
 
 class CountOps(TorchDispatchMode):

@@ -1,13 +1,12 @@
 """Columns changing sides: a reselection moves each arriving column's state (master, moments, update count)
 from its host row onto the device and each departing column's back into a host row, in place, in a fixed
-number of calls per slab (k and u stay). One primitive moves the device side (`_move_device_columns`); the
-host side depends on when the move is made: `reselect`, at a boundary whose CPU update was applied (the host
-rows re-sorted by update count; data parallel, the arriving columns' rows broadcast by their owner), or
-`reselect_in_flight`, while that update runs on (the arriving columns' share of it made first by
-`take_arriving`, on the device where it sums them, each departing column parked until `settle_departing`
-puts it into the host row its member's arriving column left). Host state goes up in one pinned copy per
-slab (`_upload`). Data parallel, the owner of a slab's host part broadcasts the arriving
-columns' state to the other ranks (`_rows_from_owner`)."""
+number of calls per slab (k and u stay), while the boundary's CPU update runs on: the arriving columns' share
+of it is made first (`take_arriving`, on the device where it sums them), the device side moves
+(`_move_device_columns`), and each departing column is parked until `settle_departing` puts it into the host
+row its member's arriving column left (`reselect_in_flight`). The host rows stay out of update-count order
+(`update.host_adamw_` takes them in any order). Host state goes up in one pinned copy per slab (`_upload`),
+the move's indices in another (`_on_device`). Data parallel, the owner of a slab's host part broadcasts the
+arriving columns' state to the other ranks (`_rows_from_owner`)."""
 
 from __future__ import annotations
 
@@ -23,34 +22,6 @@ from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import wait_events
 
 _STATE = ("master", "exp_avg", "exp_avg_sq")
-
-
-class RowScratch:
-    """A host buffer, kept between reselections, that host rows are reordered through. A fresh buffer the
-    size of a slab's state would cost more in page faults than the copies themselves (measured on the CPU:
-    0.3-1.9 s against 0.05 s for 380 MB of rows), so it is reused, and bounded: a slab is reordered a few
-    members at a time."""
-
-    CHUNK_ELEMENTS = 1 << 24  # 64 MB of fp32 rows, or one member's rows where those are more
-
-    def __init__(self):
-        self.buffer = torch.empty(0, device="cpu")
-
-    def reorder_rows_(self, state: torch.Tensor, order: torch.Tensor) -> None:
-        """state[i] = state[i][order[i]] for every member i of `state` ([n, u, R]; `order` [n, u])."""
-        n, u, R = state.shape
-        if not state.numel():  # (a rank holding none of the rows: FSDP2)
-            return
-        members = max(1, self.CHUNK_ELEMENTS // (u * R))
-        for start in range(0, n, members):
-            stop = min(n, start + members)
-            rows = (order[start:stop] + torch.arange(stop - start, device="cpu").unsqueeze(1) * u).reshape(-1)
-            block = state[start:stop].view(-1, R)
-            if self.buffer.numel() < block.numel():
-                self.buffer = torch.empty(block.numel(), dtype=state.dtype, device="cpu")
-            reordered = self.buffer[:block.numel()].view(-1, R)
-            torch.index_select(block, 0, rows, out=reordered)
-            block.copy_(reordered)
 
 
 class MovingColumns(NamedTuple):
@@ -88,64 +59,6 @@ def _unpack(rows: torch.Tensor, R: int, member: torch.Tensor, place: torch.Tenso
     """`_pack`'s rows (on the host) as MovingColumns; `weights_dtype`: [m, R] weights follow the counts."""
     weights = None if weights_dtype is None else rows[:, 3 * R + 1:].to(weights_dtype)
     return MovingColumns(member, place, rows[:, :R], rows[:, R:2 * R], rows[:, 2 * R:3 * R], rows[:, 3 * R], weights)
-
-
-def reselect(slab: Slab, selected: torch.Tensor, scratch: RowScratch, data_parallel=None) -> int:
-    """Make `selected` ([n, k], ascending rows) the device-resident columns, moving state with its columns,
-    in place (k and u stay). Called at a boundary whose CPU update was applied: accumulators are empty and
-    no worker reads these buffers. Only the columns that change sides cross; the staying host rows are
-    copied whole into the new host order (a row is a column: a contiguous copy) through `scratch`, the host
-    buffer they are reordered through. No [n, R, C] copy of the state is made. Data parallel: the owner of
-    the slab's host part broadcasts the arriving columns' rows and the new host order (only it knows the
-    update counts that order them). Returns how many columns changed sides."""
-    arriving = columns_not_in(selected, slab.selected_cpu)
-    moved = 2 * int(arriving.sum())
-    if moved == 0:
-        return 0  # every member keeps its columns: the layout stands
-    if slab.has_host_part:
-        wait_events(slab.upload_done)  # an upload may still read the host weights rewritten below
-        slab.upload_done = [None, None]
-        slab.transfers.host_access(writes=slab.host_weights)
-    n, C, k, u, R = slab.n, slab.C, slab.k, slab.u, slab.R
-    position = _host_position(slab)  # column -> its host row / device slot
-    position.scatter_(1, slab.selected_cpu, torch.arange(k, device="cpu").expand(n, k))
-    on_device = torch.zeros(n, C, dtype=torch.bool, device="cpu").scatter_(1, slab.selected_cpu, True)
-    # (member, new slot) of each arriving column with its host row
-    arriving_member, arriving_slot = (~on_device.gather(1, selected)).nonzero(as_tuple=True)
-    arriving_row = position[arriving_member, selected[arriving_member, arriving_slot]]
-    staying_slot = position.gather(1, selected).masked_fill(~on_device.gather(1, selected), 0)
-    incoming = host_columns = None
-    if slab.has_host_part:
-        step = torch.empty(n, C, device="cpu")
-        step.scatter_(1, slab.selected_cpu, slab.transfers.read_to_host(slab.counts))
-        step.scatter_(1, slab.host_columns_cpu, slab.host_counts)
-        host_columns = host_order(step, selected)
-        incoming = MovingColumns(arriving_member, arriving_slot,
-                                 *(getattr(slab, "host_" + name)[arriving_member, arriving_row] for name in _STATE),
-                                 slab.host_counts[arriving_member, arriving_row])
-    if data_parallel is not None:
-        incoming, host_columns = _from_owner(slab, data_parallel, arriving_member, arriving_slot, incoming,
-                                             host_columns)
-    # (member, new host row) of each departing column with its device slot
-    departing_member, departing_row = on_device.gather(1, host_columns).nonzero(as_tuple=True)
-    departing_slot = position[departing_member, host_columns[departing_member, departing_row]]
-    at = _on_device(slab, staying_slot, departing_member, departing_slot, incoming, selected, host_columns,
-                    arriving.any(1))
-    outgoing = _unpack(slab.transfers.read_to_host(_move_device_columns(slab, at, incoming)),
-                       R, departing_member, departing_slot)
-    if slab.has_host_part:
-        keep = position.gather(1, host_columns).masked_fill(on_device.gather(1, host_columns), 0)  # [n, u]
-        for name in _STATE:
-            host_state = getattr(slab, "host_" + name)
-            scratch.reorder_rows_(host_state, keep)
-            host_state.view(n * u, R).index_copy_(0, departing_member * u + departing_row, getattr(outgoing, name))
-        slab.host_counts.copy_(step.gather(1, host_columns))
-    _take_selection(slab, selected, host_columns, at)
-    if slab.has_host_part:  # (the accumulators are empty: the boundary's update took them)
-        for weights in slab.host_weights:
-            weights.copy_(slab.host_master)
-        slab.weights_slot = 0
-    return moved
 
 
 def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
@@ -332,18 +245,6 @@ def _move_device_columns(slab: Slab, at: MoveIndices, arriving: MovingColumns) -
     return outgoing
 
 
-def _from_owner(slab: Slab, data_parallel, arriving_member: torch.Tensor, arriving_slot: torch.Tensor,
-                incoming: Optional[MovingColumns], host_columns: Optional[torch.Tensor]
-                ) -> tuple[MovingColumns, torch.Tensor]:
-    """Data parallel: the arriving columns' state and the new host order, which only the owner of the slab's
-    host part holds (`incoming`, `host_columns`; None elsewhere), on every rank: two broadcasts."""
-    incoming = _rows_from_owner(slab, data_parallel, arriving_member, arriving_slot, incoming)
-    order = (host_columns.to(slab.device) if slab.has_host_part else
-             torch.empty(slab.n, slab.u, dtype=torch.long, device=slab.device))
-    data_parallel.broadcast(order, slab.key.owner)
-    return incoming, order.cpu()
-
-
 def _rows_from_owner(slab: Slab, data_parallel, member: torch.Tensor, place: torch.Tensor,
                      moving: Optional[MovingColumns]) -> MovingColumns:
     """Data parallel: columns' state, which only the owner of the slab's host part holds (`moving`; None
@@ -403,5 +304,5 @@ def _host_position(slab: Slab) -> torch.Tensor:
     return position.scatter_(1, slab.host_columns_cpu, torch.arange(slab.u, device="cpu").expand(slab.n, slab.u))
 
 
-__all__ = ["DepartingCopy", "MovingColumns", "RowScratch", "reselect", "reselect_in_flight", "settle_departing",
-           "share_first_selection", "take_arriving"]
+__all__ = ["DepartingCopy", "MovingColumns", "reselect_in_flight", "settle_departing", "share_first_selection",
+           "take_arriving"]

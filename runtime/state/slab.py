@@ -205,7 +205,7 @@ class Slab:
     def _host_order(self, selected: torch.Tensor, counts: torch.Tensor, states: list[MemberState]) -> torch.Tensor:
         """[n, u]: each member's unselected columns, ordered by update count (stable: ties by column)."""
         given = [s.host_columns for s in states]
-        if all(g is not None for g in given):
+        if all(g is not None and len(g) in (0, self.u) for g in given):
             if given and given[0].numel():
                 return torch.stack(given)
             return torch.zeros(self.n, self.u, dtype=torch.long, device="cpu")
