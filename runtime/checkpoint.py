@@ -171,6 +171,19 @@ def saved_shape(entry: dict) -> "tuple[int, ...] | None":
     return None
 
 
+def host_row_problem(entry: dict) -> "str | None":
+    """Why an entry's `host_row` is not an order of its unselected columns (each of them a row 0..u-1 once, -1
+    for the selected ones), or None (it is, or the entry has none)."""
+    host_row, selected = entry.get("host_row"), entry.get("selected")
+    if host_row is None or selected is None:
+        return None
+    on_host = host_row >= 0
+    if (host_row.shape != selected.shape or not torch.equal(on_host, ~selected.bool())
+            or not torch.equal(host_row[on_host].sort().values, torch.arange(int(on_host.sum()), device="cpu"))):
+        return "its host_row is not an order of its unselected columns (each of them a row 0..u-1 once, -1 else)"
+    return None
+
+
 def expected_shape(param: torch.Tensor) -> tuple[int, ...]:
     """The shape of the state `param` (or a sharded one's local rows) takes: its own for a vector, [rows,
     columns] for a matrix."""
@@ -221,5 +234,6 @@ def with_device_parts(owned: dict[int, dict], pids: list[int], data_parallel) ->
     return dict(sorted(entries.items()))
 
 
-__all__ = ["export_entry", "state_from_entry", "fresh_entry", "dcp_form", "saved_shape", "expected_shape",
+__all__ = ["export_entry", "state_from_entry", "fresh_entry", "dcp_form", "saved_shape", "host_row_problem",
+           "expected_shape",
            "holds_state", "device_part", "with_device_parts", "Slab"]

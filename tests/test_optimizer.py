@@ -516,6 +516,41 @@ def test_a_checkpoint_saved_before_the_landing_lag_key_existed_resumes():
         ZenFlowAdamW(tiny_model().parameters(), lr=LR, **keys).load_state_dict(sd)
 
 
+def test_a_checkpoint_saved_before_the_host_row_order_was_saved_resumes():
+    """A checkpoint without `host_row` (each host column's row) lays the host rows out in update-count order:
+    it loads, and the run goes on as the saving one, to the rounding that a row's place in the CPU AdamW's
+    fused call may change (the order is saved so that a resume is bitwise)."""
+    keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True, select_strategy="step", select_interval=2,
+                overlap_reselect="incoming")
+    batches = make_batches(14)
+    a = tiny_model()
+    oa = ZenFlowAdamW(a.parameters(), lr=LR, **keys)
+    train_steps(a, oa, batches[:8])  # reselections made in flight: rows out of count order
+    assert oa.stats()["reselections"] >= 3
+    sd = _roundtrip(oa.state_dict())
+    matrices = {i: entry for i, entry in sd["state"].items() if "selected" in entry}
+    assert matrices and all(entry["host_row"].shape == entry["selected"].shape for entry in matrices.values())
+    b = tiny_model(seed=1)
+    b.load_state_dict(a.state_dict())
+    ob = ZenFlowAdamW(b.parameters(), lr=LR, **keys)
+    # A damaged order (two host columns on one row) is refused, naming the entry, before anything changes.
+    i, entry = next(iter(matrices.items()))
+    intact = entry["host_row"].clone()
+    on_host = (intact >= 0).nonzero().flatten()
+    entry["host_row"][on_host[1]] = intact[on_host[0]]
+    with pytest.raises(ValueError, match=rf"checkpoint entry of parameter {i} of param group 0 is damaged: its "
+                                         r"host_row is not an order of its unselected columns.*Nothing was loaded"):
+        ob.load_state_dict(sd)
+    assert ob.state_dict()["state"] == {} and ob.state_dict()["zenflow"]["step_count"] == 0
+    for entry in matrices.values():
+        del entry["host_row"]
+    ob.load_state_dict(sd)
+    log_a, log_b = train_steps(a, oa, batches[8:]), train_steps(b, ob, batches[8:])
+    for xs, ys in zip(log_a.params, log_b.params):
+        assert max_param_diff(xs, ys) <= value_tolerance(1e-6, 0)["atol"]
+    assert ob.stats()["reselections"] == oa.stats()["reselections"]
+
+
 # ------------------------------------------------------------------------------------- non-finite
 def _flat_state(sd):
     out = {}

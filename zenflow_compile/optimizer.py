@@ -534,7 +534,7 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         entries = {self.param_id(param): state_dict["state"][keys[i]] for i, param in enumerate(params)
                    if id(param) in self._param_ids and keys[i] in state_dict["state"]}
         # Checked before anything changes: a refused load leaves the optimizer as it was.
-        self._check_entries_complete(zenflow.get("data_parallel"), entries, self._shape_problem(params, keys, entries))
+        self._check_entries_complete(zenflow.get("data_parallel"), entries, self._entries_problem(params, keys, entries))
         if self._runtime.failed:  # a worker failure or an interrupted step: loading replaces every state
             self._runtime.settle_after_failure()
         else:
@@ -553,9 +553,10 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             self._follow_param_groups()
             self._mark_state()
 
-    def _shape_problem(self, params: list, keys: list, entries: dict) -> Optional[str]:
+    def _entries_problem(self, params: list, keys: list, entries: dict) -> Optional[str]:
         """Why the entries cannot be loaded into these parameters (the first whose saved state has another
-        shape than the parameter's, e.g. a checkpoint of a model with another classification head), or None."""
+        shape than the parameter's, e.g. a checkpoint of a model with another classification head, or whose host
+        row order is damaged), or None."""
         for i, param in enumerate(params):
             entry = entries.get(self._param_ids.get(id(param)))
             if entry is None or not checkpoint.holds_state(entry):
@@ -563,9 +564,14 @@ class ZenFlowAdamW(torch.optim.Optimizer):
             local = sharded.local_shard(param)  # (sharded: this rank's rows of both)
             saved = checkpoint.saved_shape(sharded.local_entry(entry) if self._runtime.sharding else entry)
             wanted = checkpoint.expected_shape(local)
+            name = f" ({keys[i]!r})" if isinstance(keys[i], str) else ""
+            damaged = checkpoint.host_row_problem(entry)
+            if damaged is not None:
+                return (f"ZenFlowAdamW.load_state_dict: the checkpoint entry of {self._place(param)}{name} is "
+                        f"damaged: {damaged}. Nothing was loaded. Fix: load an intact checkpoint; or delete the "
+                        f"entry's 'host_row' (state_dict['state'][{keys[i]!r}]) to lay its rows out by update count")
             if saved is None or saved == wanted:
                 continue
-            name = f" ({keys[i]!r})" if isinstance(keys[i], str) else ""
             layout = "" if wanted == tuple(local.shape) else f", whose state is [rows, columns] {wanted}"
             return (f"ZenFlowAdamW.load_state_dict: the checkpoint holds state of shape {saved} for "
                     f"{self._place(param)}{name}, which has shape {tuple(local.shape)} in this model{layout}: the "
