@@ -3,8 +3,9 @@
 Entry of a matrix ([R, C] = [shape[0], rest]): fp32 `master`, `exp_avg`, `exp_avg_sq` [R, C], per-column
 update counts `step` [C], `selected` (bool [C]), `host_row` (int64 [C]: each host column's row in the host
 layout, -1 for a selected one; a resumed run lays its rows out in that order, so it goes on bitwise as the
-saving run would have), the interval's `accumulator` (and `square_accumulator`) over the host columns, `steps_accumulated`, Zen-auto's sums `zen_auto`, and while a CPU update has not reached the
-device `unapplied`; `device_columns`: the host columns as the device holds them, where that is not the
+saving run would have), the interval's `accumulator` (and `square_accumulator`) over the host columns,
+`steps_accumulated`, Zen-auto's sums `zen_auto`, and while a CPU update has not reached the device
+`unapplied`; `device_columns`: the host columns as the device holds them, where that is not the
 master cast (while an update is pending, or after a cast). A vector's entry holds
 its master, moments (its shape) and count ([1]). After a cast, until the device update rewrites them,
 `device_selected` ([R, k] in the parameter's dtype): the selected columns as the device holds them. Data parallel, a matrix whose host part another rank owns:
@@ -57,9 +58,9 @@ def _entry(member: Member, acc_slot: int) -> dict:
     if slab.accumulate_squares:
         entry["square_accumulator"] = (state.square_accumulator if state.square_accumulator is not None
                                        else torch.zeros(member.rows, member.cols, device="cpu"))
-    entry["host_row"] = _host_rows(slab.host_columns_cpu[i], member.cols)
+    host = slab.host_columns_cpu[i]
+    entry["host_row"] = _host_rows(host, member.cols)
     if slab.u:
-        host = slab.host_columns_cpu[i]
         # What the device holds for the host columns, where it is not the master cast: until a pending update
         # is applied (overlap), or after a cast.
         if state.unapplied or not torch.equal(state.applied[:, host], state.master[:, host].to(slab.dtype)):
@@ -235,5 +236,4 @@ def with_device_parts(owned: dict[int, dict], pids: list[int], data_parallel) ->
 
 
 __all__ = ["export_entry", "state_from_entry", "fresh_entry", "dcp_form", "saved_shape", "host_row_problem",
-           "expected_shape",
-           "holds_state", "device_part", "with_device_parts", "Slab"]
+           "expected_shape", "holds_state", "device_part", "with_device_parts", "Slab"]

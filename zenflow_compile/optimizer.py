@@ -534,7 +534,8 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         entries = {self.param_id(param): state_dict["state"][keys[i]] for i, param in enumerate(params)
                    if id(param) in self._param_ids and keys[i] in state_dict["state"]}
         # Checked before anything changes: a refused load leaves the optimizer as it was.
-        self._check_entries_complete(zenflow.get("data_parallel"), entries, self._entries_problem(params, keys, entries))
+        self._check_entries_complete(zenflow.get("data_parallel"), entries,
+                                     self._entries_problem(params, keys, entries))
         if self._runtime.failed:  # a worker failure or an interrupted step: loading replaces every state
             self._runtime.settle_after_failure()
         else:
