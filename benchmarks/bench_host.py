@@ -7,10 +7,13 @@
 What is measured (on the host, no GPU needed; the GPU's part of the offload is DMA into pinned memory):
   accumulate   the runtime's per-step host work: `AccumulateBatch.run` (acc += coef * offloaded grad) over
                every matrix, once per step of the interval (bf16/fp16 gradients converted chunk by chunk)
-  adamw        the CPU AdamW kernel alone on the host columns: `update.host_adamw_` (the fused CPU AdamW over
-               the host rows, as the runtime's update task calls it)
-  update       the runtime's whole boundary update, the calls of its update task in order: the mean gradient
-               + update.host_adamw_ + zeroing the accumulator + publish_host_weights (cast for upload)
+  adamw        the CPU AdamW kernel alone on the host rows: `kernels.cpu_adamw_` (Inductor's kernel of the
+               runtime's row AdamW), the accumulator as the gradient, no cast
+  update       the runtime's whole boundary update, the calls of its update task in order
+               (`update.update_host_columns`: the AdamW of the mean gradient with the cast for the upload in one
+               pass, then zeroing the accumulator)
+  update_apart the same with half of the host rows at other update counts, at random places (as reselections
+               made in flight leave them): the kernel takes each row's count, so the rate should not move
   ds_cpu_adam  DeepSpeed's DeepSpeedCPUAdam.step() on the same master and gradient tensors (its own moments);
                the op is built once, outside any timing (a --smoke run never builds it)
   torch_fused  torch.optim.AdamW(fused=True).step() on the same tensors (its own moments), called directly
@@ -46,7 +49,7 @@ from typing import Callable, Optional
 
 import torch
 
-from zenflow_compile.runtime import cpu_affinity
+from zenflow_compile.runtime import cpu_affinity, kernels
 from zenflow_compile.runtime.state import intake, update as slab_update
 from zenflow_compile.runtime.state.members import Member, MemberState, slab_key
 from zenflow_compile.runtime.state.slab import Slab
@@ -60,6 +63,7 @@ DEFAULT_INTERVAL = 4  # steps per interval for the per-interval figures (the siz
 TARGET_FRACTION_OF_BOUND = 0.8
 SIZING_MODEL_SIZES = (0.5e9, 1e9, 2e9, 4e9, 8e9)
 SIZING_STEP_TIMES = (0.05, 0.1, 0.2, 0.5, 1.0)
+ROWS = ("accumulate", "adamw", "update", "update_apart", "ds_cpu_adam", "torch_fused")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -72,6 +76,7 @@ def min_bytes_per_param(row: str, grad_bytes: int) -> int:
         "torch_fused": 16 + 12,
         # one fused pass could: read acc, master, m, v; write master, m, v, zeroed acc, the cast weights
         "update": 16 + 12 + 4 + grad_bytes,
+        "update_apart": 16 + 12 + 4 + grad_bytes,
     }[row]
 
 
@@ -140,6 +145,13 @@ class HostWork:
                      weight_decay=HYPER["weight_decay"])
         self.torch_fused = torch.optim.AdamW(self.params, fused=True, **hyper)
         self.ds = ds_optimizer_class(self.params, adamw_mode=True, **hyper) if ds_optimizer_class else None
+        generator = torch.Generator().manual_seed(1)
+        self.counts_apart = []
+        for s in states:
+            counts = s.host_counts.clone()
+            apart = torch.rand(counts.shape, generator=generator) < 0.5
+            counts[apart] += torch.randint(1, 9, counts.shape, generator=generator).float()[apart]
+            self.counts_apart.append(counts)
 
     def accumulate(self) -> None:
         """One step's host accumulation (the accumulate worker's task)."""
@@ -148,15 +160,30 @@ class HostWork:
         self.step += 1
 
     def adamw(self) -> None:
-        """The CPU AdamW of the host rows, `update.host_adamw_` (accumulator as the gradient, no division)."""
+        """The CPU AdamW kernel over every slab's host rows (accumulator as the gradient, no division, no cast)."""
         for s in self.states:
-            slab_update.host_adamw_(s, list(range(s.n)), True, s.accumulators[0], None, HYPER)
+            rows = lambda t: t.view(-1, s.R)
+            ones = torch.ones(s.n * s.u)
+            kernels.cpu_adamw_(rows(s.host_master), rows(s.accumulators[0]), rows(s.host_exp_avg),
+                               rows(s.host_exp_avg_sq), s.host_counts.view(-1), lr_scale=ones, divisor=ones, **HYPER)
 
     def update(self) -> None:
         """The runtime's boundary update task, call for call (`update.update_host_columns`, as
         `HostWork.launch_update` in runtime/host_work.py calls it)."""
         for s in self.states:
             slab_update.update_host_columns(s, {1: [(i, self.interval) for i in range(s.n)]}, 0, HYPER)
+
+    def update_apart(self) -> None:
+        """`update` with half of the host rows at 8 other update counts, at random places."""
+        self._swap_counts()
+        try:
+            self.update()
+        finally:
+            self._swap_counts()
+
+    def _swap_counts(self) -> None:
+        for i, s in enumerate(self.states):
+            s.host_counts, self.counts_apart[i] = self.counts_apart[i], s.host_counts
 
     def ds_cpu_adam(self) -> None:
         self.ds.step()
@@ -232,6 +259,7 @@ def make_places(threads: Optional[int], reserve: float) -> list[Place]:
 def measure(work: HostWork, bandwidth: Bandwidth, place: Place, repeats: int) -> dict:
     """Median seconds per row over `repeats` rounds; each round runs every row once, in turn."""
     ops = {"accumulate": work.accumulate, "adamw": work.adamw, "update": work.update,
+           "update_apart": work.update_apart,
            "torch_fused": work.torch_fused_step, "copy": bandwidth.copy, "add": bandwidth.add,
            "add_inplace": bandwidth.add_inplace, "scale_inplace": bandwidth.scale_inplace,
            "addcmul_inplace": bandwidth.addcmul_inplace}
@@ -250,7 +278,7 @@ def measure(work: HostWork, bandwidth: Bandwidth, place: Place, repeats: int) ->
 def analyse(work: HostWork, grad_bytes: int, timings: dict, bandwidth: Bandwidth) -> dict:
     bw = bandwidth.gbps(timings)
     rows = {}
-    for name in ("accumulate", "adamw", "update", "ds_cpu_adam", "torch_fused"):
+    for name in ROWS:
         if name not in timings:
             continue
         seconds = timings[name]["median_s"]
@@ -427,11 +455,11 @@ def main(argv=None) -> int:
 
 def format_results(results: list[dict]) -> str:
     header = f"{'grads':>5} {'params':>7}  {'place':<38} {'GB/s':>5}  " + "".join(
-        f"{name:>17}" for name in ("accumulate", "adamw", "update", "ds_cpu_adam", "torch_fused"))
+        f"{name:>17}" for name in ROWS)
     lines = ["Gparam/s (fraction of the memory-bandwidth bound for the bytes the row must move):", header]
     for r in results:
         cells = []
-        for name in ("accumulate", "adamw", "update", "ds_cpu_adam", "torch_fused"):
+        for name in ROWS:
             row = r["rows"].get(name)
             cells.append(f"{row['gparams_per_s']:6.2f} ({row['fraction_of_bound']:4.0%})" if row else "-")
         place = f"{r['place']} [{r['threads']}t]"

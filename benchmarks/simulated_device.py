@@ -142,21 +142,42 @@ def measure_host_rates(numel: int = 32_000_000, repeats: int = 5) -> tuple[float
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        state = [torch.zeros(numel) for _ in range(4)]
-        step = torch.zeros(())
-        grad = torch.zeros(numel, dtype=torch.bfloat16)
+        state = HostRows(numel)
+        grad = torch.zeros(state.master.numel(), dtype=torch.bfloat16)
+        state.update()  # (the kernel is compiled once, outside the timing)
         update, accumulate = [], []
         for _ in range(repeats):
             started = time.perf_counter()
-            kernels.cpu_adamw_([state[0]], [state[1]], [state[2]], [state[3]], [step], lr=1e-4, beta1=0.9,
-                               beta2=0.999, eps=1e-8, weight_decay=0.01)
+            state.update()
             update.append(time.perf_counter() - started)
             started = time.perf_counter()
-            kernels.accumulate_scaled_many_([state[1]], [grad], 1.0)
+            kernels.accumulate_scaled_many_([state.grad.view(-1)], [grad], 1.0)
             accumulate.append(time.perf_counter() - started)
-        return numel / statistics.median(update), numel / statistics.median(accumulate)
+        return state.master.numel() / statistics.median(update), state.master.numel() / statistics.median(accumulate)
     finally:
         torch.set_num_threads(previous)
+
+
+class HostRows:
+    """Host rows as the runtime keeps them (fp32 master, gradient sums and moments [rows, ROW], bf16 upload
+    buffer, a count per row), for the runtime's CPU AdamW (`kernels.cpu_adamw_`)."""
+
+    ROW = 1024
+
+    def __init__(self, numel: int):
+        rows = max(1, -(-numel // self.ROW))
+        self.master, self.grad, self.exp_avg, self.exp_avg_sq = (torch.zeros(rows, self.ROW) for _ in range(4))
+        self.weights = torch.zeros(rows, self.ROW, dtype=torch.bfloat16)
+        self.counts = torch.zeros(rows)
+        self.ones = torch.ones(rows)
+
+    def update(self, start: int = 0, stop: Optional[int] = None) -> None:
+        """The CPU AdamW of rows start:stop, with the cast for the upload."""
+        part = slice(start, stop)
+        kernels.cpu_adamw_(self.master[part], self.grad[part], self.exp_avg[part], self.exp_avg_sq[part],
+                           self.counts[part], lr_scale=self.ones[part], divisor=self.ones[part],
+                           weights=self.weights[part], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                           compiled=True)  # (each part stands for a slab of real size, which takes the compiled kernel)
 
 
 class HostWork:
@@ -167,8 +188,7 @@ class HostWork:
         unselected = (1 - regime.topk_ratio) * regime.params / regime.time_scale
         self.update_numel = max(1, int(unselected * update_rate_here / regime.host_update_rate))
         self.accumulate_numel = max(1, int(unselected * accumulate_rate_here / regime.host_accumulate_rate))
-        self.state = [torch.zeros(self.update_numel) for _ in range(4)]
-        self.step = torch.zeros(())
+        self.rows = HostRows(self.update_numel)
         self.acc = torch.zeros(self.accumulate_numel)
         self.grad = torch.zeros(self.accumulate_numel, dtype=torch.bfloat16)
         # The workers on the cores the runtime gives them (pt_reserved_cores_perc 0.5, its default), the
@@ -181,16 +201,12 @@ class HostWork:
 
     def cpu_adamw(self, part: int = 0, parts: int = 1) -> None:
         """The CPU AdamW of share `part` of `parts` (a slab's rows) of the host state."""
-        size = -(-self.update_numel // parts)
-        piece = [t[part * size:(part + 1) * size] for t in self.state]
-        kernels.cpu_adamw_(*([t] for t in piece), [self.step], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                           weight_decay=0.01)
+        size = -(-len(self.rows.counts) // parts)
+        self.rows.update(part * size, (part + 1) * size)
 
     def cpu_adamw_share(self, share: float) -> None:
         """The CPU AdamW of `share` of the unselected columns' parameters (a reselection's arriving columns)."""
-        piece = [t[:max(1, int(share * self.update_numel))] for t in self.state]
-        kernels.cpu_adamw_(*([t] for t in piece), [self.step], lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8,
-                           weight_decay=0.01)
+        self.rows.update(0, max(1, int(share * len(self.rows.counts))))
 
     def accumulate(self) -> None:
         kernels.accumulate_scaled_many_([self.acc], [self.grad], 1.0)

@@ -101,8 +101,8 @@ class HostWork:
     # -- the CPU update -------------------------------------------------------------------------------------
     def launch_update(self, slabs: list[Slab], acc_slot: int, hyperparameters: list[dict],
                       interval_aware: bool) -> None:
-        """One task on the update worker: per slab, one fused CPU AdamW per lr multiplier
-        (`members_by_scale`), with each param group's `hyperparameters` at launch. A matrix that got no
+        """One task on the update worker: per slab, one CPU AdamW over its host rows (each member's lr
+        multiplier and steps: `members_by_scale`), with each param group's `hyperparameters` at launch. A matrix that got no
         gradient all interval is skipped. The slabs updated are marked `unapplied` on every rank: their new
         columns reach the device at the next `apply_update`."""
         work = []

@@ -14,20 +14,25 @@
   `grad.float() * coef` allocates and streams two full-size temporaries). This is the path of a device without
   room for the accumulators (`accumulate_on="host"`); a one-pass native kernel measured 1.3-1.5x faster on one
   thread, not enough to carry a C++ build.
-- `cpu_adamw_`: the host AdamW of the unselected columns: torch's fused CPU AdamW kernel (measured ~2
-  Gparam/s on 2 cores, as fast as DeepSpeedCPUAdam, no JIT build). Swap the kernel here and nowhere else.
-  `cpu_adamw_runs_` takes rows at different update counts, one run of rows per count (`cut_rows`), in one call;
-  rows out of count order are gathered by count first and written back (`gather_by_count`, `cpu_adamw_gathered_`).
+- `cpu_adamw_`: the host AdamW of the unselected columns, the math written once in torch (`_adamw_rows`) and
+  compiled by Inductor into one pass over the host rows, each row at its own update count, lr multiplier and
+  divisor, with the cast of the new masters for the upload in the same pass. Reselections leave rows at other
+  counts in any place: torch's fused CPU AdamW takes one count per tensor, and gathering the rows apart by
+  count made the update 2-10x slower at 5-50% of the rows apart; this kernel runs at the same rate in any
+  order (bench_host `update` / `update_apart`) and as fast as torch's fused kernel plus a cast in count order.
+  Calls under `COMPILED_MIN_NUMEL` elements run the same function unfused (the compile is not worth it there).
+  Swap the kernel here and nowhere else.
 
 All follow torch.optim.AdamW exactly: decoupled weight decay, then moments, then the bias-corrected step.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import warnings
+from typing import Optional
 
 import torch
-from torch.optim.adamw import adamw as _torch_adamw
+from torch.utils._python_dispatch import _disable_current_modes
 
 from zenflow_compile.triton_kernels import adamw_slab_, column_sq_norms
 from zenflow_compile.triton_kernels._triton import triton_available
@@ -130,38 +135,110 @@ def _accumulate_converted_(acc: torch.Tensor, grad: torch.Tensor, coef: float,
             flat_square[start:end].addcmul_(chunk, chunk, value=coef * coef)
 
 
-def cpu_adamw_(
-    params: list[torch.Tensor],
-    grads: list[torch.Tensor],
-    exp_avgs: list[torch.Tensor],
-    exp_avg_sqs: list[torch.Tensor],
-    steps: list[torch.Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    grad_sqs: Optional[list[torch.Tensor]] = None,
-    grad_divisor: float = 1.0,
-) -> None:
-    """Fused CPU AdamW over host tensors; each `steps[i]` is a float32 scalar tensor it increments.
+def _adamw_rows(master, grad, exp_avg, exp_avg_sq, weights, counts, lr_scale, divisor, hyperparameters, grad_sq):
+    """AdamW of [rows, R] fp32 state, each row at its own count, lr multiplier (0: the row takes no step) and
+    divisor ([rows] each); `hyperparameters`: float64 (lr, beta1, beta2, eps, weight_decay). In
+    torch.optim.AdamW's order, its scalars computed in float64 as torch computes its Python floats; compiled
+    by Inductor into one pass over the rows (`weights`, optional, takes the new masters in its dtype)."""
+    lr, beta1, beta2, eps, weight_decay = hyperparameters.unbind(0)
+    taking = lr_scale != 0
+    counts.add_(taking.to(counts.dtype))
+    n = counts.double().clamp(min=1)
+    row_lr = lr * lr_scale.double()
+    # (per row, returned so that Inductor computes them once per row, not once per element)
+    rows = torch.stack([1 - row_lr * weight_decay, row_lr / (1 - beta1 ** n), (1 - beta2 ** n).sqrt()], 1).float()
+    decay, step_size, bc2_sqrt = rows[:, 0:1], rows[:, 1:2], rows[:, 2:3]
+    divisor = divisor.float().unsqueeze(1)
+    taking = taking.unsqueeze(1)
+    g = grad / divisor
+    p = master * decay
+    m = exp_avg.lerp(g, (1 - beta1).float())
+    if grad_sq is None:
+        v = exp_avg_sq * beta2.float() + (1 - beta2).float() * g * g
+    else:
+        v = exp_avg_sq * beta2.float() + (1 - beta2).float() * (grad_sq / divisor)
+    p = p - step_size * m / (v.sqrt() / bc2_sqrt + eps.float())
+    p = torch.where(taking, p, master)
+    master.copy_(p)
+    exp_avg.copy_(torch.where(taking, m, exp_avg))
+    exp_avg_sq.copy_(torch.where(taking, v, exp_avg_sq))
+    if weights is not None:
+        weights.copy_(p.to(weights.dtype))
+    return rows
 
-    `grad_divisor`: the gradients are sums of that many steps; the kernel divides them as it reads them (and
-    leaves the quotient in `grads`): the same values as dividing first, one pass over them fewer.
-    `grad_sqs` (interval_second_moment): exp_avg_sq takes grad_sqs[i] / grad_divisor where AdamW takes
-    (grads[i] / grad_divisor)**2, through `shift_second_moment_` (one extra pass over v instead of an unfused
-    AdamW)."""
-    if not params:
+
+class _CompiledRows:
+    """`_adamw_rows` compiled once per process (any row count: dynamic shapes), with Inductor's C++ wrapper,
+    which lets go of the GIL while the kernel runs (its Python wrapper holds it: an update on a worker thread
+    would stop the training thread for its whole length), and the thread count read where it runs (the
+    worker's own). Where Inductor cannot build it (no C++ compiler), the same function runs unfused, with one
+    warning: the same arithmetic, several passes slower."""
+
+    def __init__(self):
+        options = {"cpp_wrapper": True}
+        if hasattr(torch._inductor.config.cpp, "dynamic_threads"):
+            options["cpp.dynamic_threads"] = True
+        self.compiled = torch.compile(_adamw_rows, fullgraph=True, dynamic=True, options=options)
+        self.failed = None
+
+    def __call__(self, *args):
+        if self.failed is None:
+            try:
+                # (a user's torch function or dispatch mode around `opt.step()` is not traceable in general, and
+                # this kernel is the optimizer's, not the user's computation: it runs outside them)
+                with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes():
+                    return self.compiled(*args)
+            except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as error:
+                if isinstance(error, RuntimeError) and not isinstance(error, torch._dynamo.exc.TorchDynamoException) \
+                        and "torch.compile" not in str(error):
+                    raise  # (the kernel's own error, not the compiler's)
+                self.failed = error
+                warnings.warn(f"ZenFlow: torch.compile could not build the CPU AdamW ("
+                              f"{type(error).__name__}: {str(error).strip().splitlines()[0]}); it runs unfused, "
+                              "several times slower. Where the cause is a missing C++ compiler, install one (g++) "
+                              "and Python's headers, which torch.compile needs on the CPU.", RuntimeWarning,
+                              stacklevel=3)
+        _unfused_rows(*args)
+
+
+_rows_kernel = _CompiledRows()
+
+# Host rows smaller than this (elements per call, a 1024 x 1024 matrix) take `_adamw_rows` unfused: the compiled
+# kernel costs a process seconds at its first call (the compile, or 4-5 s to load it from Inductor's cache),
+# which small models never win back (one core here: 64K elements 0.43 ms unfused, 0.16 ms compiled; 1M
+# elements 26 ms and 1.1 ms). A large model's matrices are above it.
+COMPILED_MIN_NUMEL = 1 << 20
+
+
+def _unfused_rows(*args) -> None:
+    with torch.no_grad():
+        _adamw_rows(*args)
+
+
+def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               counts: torch.Tensor, *, lr_scale: torch.Tensor, divisor: torch.Tensor, lr: float, beta1: float,
+               beta2: float, eps: float, weight_decay: float, weights: Optional[torch.Tensor] = None,
+               grad_sq: Optional[torch.Tensor] = None, compiled: Optional[bool] = None) -> None:
+    """The CPU AdamW of host rows, in place: fp32 [rows, R] `master`, `exp_avg`, `exp_avg_sq` and the
+    gradient sums `grad`, each row at its own update count (`counts` fp32 [rows], incremented for the rows that
+    step), its own lr multiplier (`lr_scale` [rows]; 0: the row does not step) and its own divisor (`divisor`
+    [rows]: the gradient is a sum of that many steps). Rows in any order: one pass, one call.
+    `weights`: [rows, R] in the parameters' dtype, written with every row's new master (the upload buffer).
+    `grad_sq` (interval_second_moment): exp_avg_sq takes grad_sq / divisor where AdamW takes (grad /
+    divisor)**2. The bias corrections are computed per row in float64 (as torch computes its Python floats)
+    and rounded to fp32. `compiled`: Inductor's kernel or the unfused function (None: by size,
+    `COMPILED_MIN_NUMEL`)."""
+    if not master.numel():  # (an empty shard's columns: their counts still advance, as every rank's do)
+        counts.add_((lr_scale != 0).to(counts.dtype))
         return
-    if grad_sqs is not None:
-        shift_second_moment_(exp_avg_sqs, grads, grad_sqs, beta2, grad_divisor)
-    grad_scale = None if grad_divisor == 1.0 else torch.tensor(float(grad_divisor), device="cpu")
-    _torch_adamw(
-        params, grads, exp_avgs, exp_avg_sqs, [], steps,
-        fused=True, amsgrad=False, maximize=False, grad_scale=grad_scale,
-        lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-    )
+    hyperparameters = torch.tensor([lr, beta1, beta2, eps, weight_decay], dtype=torch.float64, device="cpu")
+    if compiled is None:
+        compiled = master.numel() >= COMPILED_MIN_NUMEL
+    kernel = _rows_kernel if compiled else _unfused_rows
+    # (`detach`: the same memory, without the view's base, which the compiled kernel would otherwise guard on
+    # and be compiled again for each new base shape)
+    kernel(*(None if t is None else t.detach() for t in (master, grad, exp_avg, exp_avg_sq, weights, counts)),
+           lr_scale.detach(), divisor.detach(), hyperparameters, None if grad_sq is None else grad_sq.detach())
 
 
 def shift_second_moment_(exp_avg_sqs: list[torch.Tensor], grads: list[torch.Tensor], grad_sqs: list[torch.Tensor],
@@ -175,46 +252,3 @@ def shift_second_moment_(exp_avg_sqs: list[torch.Tensor], grads: list[torch.Tens
     shift = (1.0 - beta2) / beta2
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=-shift / grad_divisor ** 2)
     torch._foreach_add_(exp_avg_sqs, grad_sqs, alpha=shift / grad_divisor)
-
-
-def cut_rows(tensors: list[Optional[torch.Tensor]], lengths: list[int]) -> list[tuple]:
-    """(master, grad, exp_avg, exp_avg_sq, grad_sq) 2-D row tensors cut into runs of `lengths` rows: one tuple
-    per run (for `cpu_adamw_runs_`)."""
-    return list(zip(*(t.split(lengths) if t is not None else [None] * len(lengths) for t in tensors)))
-
-
-def cpu_adamw_runs_(runs: list, steps: torch.Tensor, hyperparameters: dict) -> None:
-    """One fused CPU AdamW over `runs` ((master, grad, exp_avg, exp_avg_sq, grad_sq) each), run i at update
-    count steps[i] (`steps` itself is left as it is)."""
-    masters, grads, exp_avgs, exp_avg_sqs, grad_sqs = (list(column) for column in zip(*runs))
-    cpu_adamw_(masters, grads, exp_avgs, exp_avg_sqs, steps.clone().unbind(0),  # (incremented in place)
-               grad_sqs=None if grad_sqs[0] is None else grad_sqs, **hyperparameters)
-
-
-class RowsByCount(NamedTuple):
-    """Some rows of (master, grad, exp_avg, exp_avg_sq, grad_sq) 2-D row tensors, gathered in update-count
-    order (`gather_by_count`): `order` the rows, `values` / `lengths` their runs of equal count."""
-
-    order: torch.Tensor
-    values: torch.Tensor
-    lengths: list[int]
-    gathered: list[Optional[torch.Tensor]]
-
-
-def gather_by_count(state: list[Optional[torch.Tensor]], rows: torch.Tensor, counts: torch.Tensor) -> RowsByCount:
-    """Copies of rows `rows` of the row tensors `state`, in the order of their update counts `counts[row]`."""
-    order = rows[counts[rows].argsort(stable=True)]
-    values, lengths = torch.unique_consecutive(counts[order], return_counts=True)
-    gathered = [None if t is None else t.index_select(0, order) for t in state]
-    return RowsByCount(order, values, lengths.tolist(), gathered)
-
-
-def cpu_adamw_gathered_(state: list[Optional[torch.Tensor]], taken: RowsByCount, hyperparameters: dict) -> None:
-    """One fused CPU AdamW over the rows `gather_by_count` took from `state`, one run per count, and their new
-    master and moments written back into `state`'s rows."""
-    if not taken.order.numel():
-        return
-    cpu_adamw_runs_(cut_rows(taken.gathered, taken.lengths), taken.values, hyperparameters)
-    for target, updated in zip((state[0], state[2], state[3]), (taken.gathered[0], taken.gathered[2],
-                                                                taken.gathered[3])):
-        target.index_copy_(0, taken.order, updated)

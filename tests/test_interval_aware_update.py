@@ -173,25 +173,6 @@ def test_accumulate_squares_kernel_in_float64(dtype):
         torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)
 
 
-def test_cpu_adamw_with_grad_squares_equals_the_reference_step():
-    from zenflow_compile.reference import adamw_
-    from zenflow_compile.runtime import kernels
-
-    torch.manual_seed(3)
-    grad, master = torch.randn(6, 4), torch.randn(6, 4)
-    grad_sq = grad.square() + torch.rand(6, 4)  # >= grad**2, as a mean of squares is
-    exp_avg, exp_avg_sq = torch.randn(6, 4) * 0.1, torch.rand(6, 4) * 0.1
-    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1)
-    ours = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
-    count = torch.tensor(4.0)
-    kernels.cpu_adamw_([ours[0]], [grad], [ours[1]], [ours[2]], [count], grad_sqs=[grad_sq], **hyper)
-    ref = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
-    adamw_(*ref, torch.tensor([4]), grad, *hyper.values(), grad_sq=grad_sq)
-    for name, got, want in zip(("master", "exp_avg", "exp_avg_sq"), ours, ref):
-        torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-5, msg=lambda msg: f"{name}: {msg}")
-    assert float(count) == 5.0
-
-
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_second_moment_with_gradient_accumulation_and_bf16_equals_reference(compiled, device):
     """Two backwards per step (the host parts are summed before they are squared) and a bf16 model (the

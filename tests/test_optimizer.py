@@ -18,7 +18,7 @@ import torch
 import zenflow_compile
 from zenflow_compile import ZenFlowAdamW, ZenFlowConfig
 from zenflow_compile.reference import ZenFlowReference
-from zenflow_compile.runtime.state import update as slab_update
+from zenflow_compile.runtime import kernels
 
 from helpers import (TinyRepeated, bf16_ulp_distance, loss_fn, make_batches, max_param_diff, seeded_generator, snapshot,
                      tiny_model, train_steps, value_tolerance)
@@ -28,7 +28,7 @@ LR = 1e-2
 # fp32 tolerance vs torch.optim.AdamW and vs the reference. The runtime does the same arithmetic in another
 # order: the global norm (clip coefficient) is a sum of per-column scores instead of torch's norm of
 # per-tensor norms, the device update uses per-column bias-correction tensors (float64 -> fp32 casts) where
-# torch uses Python-float scalars, the host columns go through torch's fused CPU AdamW (vectorised, other
+# torch uses Python-float scalars, the host columns go through Inductor's CPU AdamW kernel (vectorised, other
 # FMA contraction), and accumulated gradients are summed in another order. Each of these is an fp32 ulp or
 # two; over 8-12 steps the measured max diff is ~5e-7 (params are O(0.1..1)), so 1e-6 / 1e-5 is tight
 # enough to catch any real semantic difference (a wrong lr, count or mean is >= 1e-4 after one step).
@@ -221,15 +221,13 @@ def test_equals_reference(case, dtype, accumulate_on, device):
     assert zen.stats()["accumulate_on"] == accumulate_on
 
 
-@pytest.mark.parametrize("short_run_rows", [0, 1 << 30], ids=["by-runs", "common-count-then-the-rest"])
-@pytest.mark.parametrize("case", ["step3", "auto-strategy", "epoch", "grad-accumulation-auto", "incoming-step2",
-                                  "incoming-auto-iau-sm", "incoming-accumulation-groups-clip"])
-def test_both_host_update_paths_equal_reference(case, short_run_rows, monkeypatch):
-    """The CPU AdamW of the host rows takes runs of equal update count one fused call each, or (runs too short:
-    rows out of count order after reselections made in flight) the most common count in one call and the
-    other rows apart. The small models above take one path by their size; here each case takes each path."""
-    monkeypatch.setattr(slab_update, "SHORT_RUN_ROWS", short_run_rows)
-    check_equals_reference(case, torch.float32)
+@pytest.mark.parametrize("case", ["step3", "incoming-step2", "incoming-auto-iau-sm", "incoming-accumulation-groups-clip"])
+def test_the_compiled_cpu_adamw_equals_reference(case, monkeypatch):
+    """The small models here take the CPU AdamW unfused (`kernels.COMPILED_MIN_NUMEL`); a model of real size takes
+    Inductor's kernel of the same function: here each case takes it, reselections in flight included (host
+    rows out of count order)."""
+    monkeypatch.setattr(kernels, "COMPILED_MIN_NUMEL", 0)
+    check_equals_reference(case, torch.float32, accumulate_on="host")
 
 
 def check_equals_reference(case, dtype, **runtime_keys):

@@ -4,7 +4,7 @@ number of calls per slab (k and u stay), while the boundary's CPU update runs on
 of it is made first (`take_arriving`, on the device where it sums them), the device side moves
 (`_move_device_columns`), and each departing column is parked until `settle_departing` puts it into the host
 row its member's arriving column left (`reselect_in_flight`). The host rows stay out of update-count order
-(`update.host_adamw_` takes them in any order). Host state goes up in one pinned copy per slab (`_upload`),
+(`kernels.cpu_adamw_` takes them in any order). Host state goes up in one pinned copy per slab (`_upload`),
 the move's indices in another (`_on_device`). Data parallel, the owner of a slab's host part broadcasts the
 arriving columns' state to the other ranks (`_rows_from_owner`)."""
 
@@ -83,7 +83,7 @@ def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
         for scale, taking in members_by_scale.items():
             for i, steps in taking:
                 scale_of[i], steps_of[i] = scale, steps
-        row_scale = torch.tensor(scale_of, device="cpu")[member]
+        row_scale = torch.tensor(scale_of, dtype=torch.float64, device="cpu")[member]
         steps = torch.tensor(steps_of, device="cpu")[member].unsqueeze(1)  # int64
         if slab.accumulates_on_device:
             arriving = _update_arriving_on_device(slab, state, row, row_scale, steps, hyperparameters)
@@ -94,21 +94,12 @@ def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
 
 def _update_arriving_on_host(slab: Slab, state: MovingColumns, row: torch.Tensor, acc_slot: int,
                              row_scale: torch.Tensor, steps: torch.Tensor, hyperparameters: dict) -> MovingColumns:
-    """`take_arriving` from the host's sums: the CPU AdamW of the arriving columns on copies of their rows, one
-    fused call per lr multiplier over the rows in update-count order (the calls do not grow with the members)."""
+    """`take_arriving` from the host's sums: the CPU AdamW of the arriving columns on copies of their rows
+    (one call, each row with its own count, lr multiplier and divisor)."""
     wait_for_accumulators(slab, acc_slot)
     grad, *grad_sq = (sums[state.member, row] for sums in slab.host_sums(acc_slot))
-    grad_sq = grad_sq[0] if grad_sq else None
-    for sums in (grad, grad_sq):
-        if sums is not None:
-            sums.div_(steps.float())  # the interval's mean, as the update computes it
-    rows = (state.master, grad, state.exp_avg, state.exp_avg_sq, grad_sq)
-    for scale in row_scale.unique().tolist():
-        if scale == 0.0:
-            continue
-        taken = kernels.gather_by_count(rows, (row_scale == scale).nonzero().squeeze(1), state.counts)
-        kernels.cpu_adamw_gathered_(rows, taken, dict(hyperparameters, lr=hyperparameters["lr"] * scale))
-        state.counts.index_add_(0, taken.order, torch.ones_like(taken.order, dtype=state.counts.dtype))
+    kernels.cpu_adamw_(state.master, grad, state.exp_avg, state.exp_avg_sq, state.counts, lr_scale=row_scale,
+                       divisor=steps.squeeze(1).float(), grad_sq=grad_sq[0] if grad_sq else None, **hyperparameters)
     return state
 
 
@@ -156,7 +147,7 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
     takes the host row its member's arriving column leaves, its state kept aside (`departing`) until that
     update has finished (`settle_departing`). Device tensors change in place, in a fixed number of calls.
     The host rows are left out of count order (re-sorting them would copy the whole host state;
-    `host_adamw_` takes rows in any order). Returns how many columns changed sides."""
+    `kernels.cpu_adamw_` takes rows in any order). Returns how many columns changed sides."""
     if arriving is None:
         return 0
     old_selected, n, C, k = slab.selected_cpu, slab.n, slab.C, slab.k

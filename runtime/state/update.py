@@ -1,6 +1,6 @@
 """A slab's AdamW: the device update of its selected columns (every step), the CPU update of its host rows
-(at a boundary, on the update worker, from the interval's mean gradient) and its result published into the
-pinned weights buffer and applied to the members' parameters."""
+(at a boundary, on the update worker, from the interval's mean gradient, its result cast into the pinned
+weights buffer in the same pass) and that result applied to the members' parameters."""
 
 from __future__ import annotations
 
@@ -13,10 +13,6 @@ from zenflow_compile.runtime.state.columns import settle_departing
 from zenflow_compile.runtime.state.intake import wait_for_accumulators
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import wait_events
-
-# Runs of equal update count shorter than this on average (host rows out of count order) are updated apart
-# from the most common count: one fused call per run would cost more than gathering them.
-SHORT_RUN_ROWS = 64
 
 
 def update_on_device(slab: Slab, rows: Optional[list[int]], *, grad_scale, **hyperparameters) -> None:
@@ -37,67 +33,27 @@ def update_on_device(slab: Slab, rows: Optional[list[int]], *, grad_scale, **hyp
 def update_host_columns(slab: Slab, members_by_scale: dict[float, list[tuple[int, int]]], acc_slot: int,
                         hyperparameters: dict) -> None:
     """Update worker, at a boundary: the CPU AdamW of the host columns of the members in
-    `members_by_scale` (lr multiplier -> [(member index, steps accumulated)], in member order), from the mean
-    of each member's accumulated gradients (the kernel divides the sums: one call per lr multiplier and
-    number of steps); then empty the accumulators and publish the new columns."""
+    `members_by_scale` (lr multiplier -> [(member index, steps accumulated)]), from the mean of each member's
+    accumulated gradients, in one call over the slab's rows whatever their order and counts; the new masters
+    are cast into the free weights buffer in the same pass (for the next upload: queued at once with
+    `upload_early`, so that it has landed by the apply). Then the accumulators are emptied."""
     wait_for_accumulators(slab, acc_slot)
     sums = slab.host_sums(acc_slot)
-    acc, squares = sums[0], (sums[1] if slab.accumulate_squares else None)
+    free = slab.weights_slot ^ 1
+    wait_events([slab.upload_done[free]])  # (an upload may still read the buffer the update writes)
+    slab.transfers.host_access(writes=[slab.host_weights[free]])
+    lr_scale = torch.zeros(slab.n, 1, dtype=torch.float64, device="cpu")  # (0: the member takes no step)
+    divisor = torch.ones(slab.n, 1, device="cpu")
     for scale, taking in members_by_scale.items():
-        by_steps: dict[int, list[int]] = {}
         for i, steps in taking:
-            by_steps.setdefault(steps, []).append(i)
-        for steps, rows in by_steps.items():
-            everyone = len(rows) == slab.n
-            host_adamw_(slab, rows, everyone, acc, squares,
-                        dict(hyperparameters, lr=hyperparameters["lr"] * scale, grad_divisor=steps))
-            if everyone:
-                slab.host_counts.add_(1)
-            else:
-                slab.host_counts[rows] += 1
+            lr_scale[i], divisor[i] = scale, steps
+    rows = lambda t: t.view(slab.n * slab.u, slab.R)
+    kernels.cpu_adamw_(rows(slab.host_master), rows(sums[0]), rows(slab.host_exp_avg), rows(slab.host_exp_avg_sq),
+                       slab.host_counts.view(-1), lr_scale=lr_scale.expand(-1, slab.u).reshape(-1),
+                       divisor=divisor.expand(-1, slab.u).reshape(-1), weights=rows(slab.host_weights[free]),
+                       grad_sq=rows(sums[1]) if slab.accumulate_squares else None, **hyperparameters)
     if not slab.accumulates_on_device:  # (device accumulation: the next boundary's copy overwrites them)
         torch._foreach_zero_(sums)
-    publish_host_weights(slab)
-
-
-def host_adamw_(slab: Slab, rows: list[int], everyone: bool, acc: torch.Tensor, squares: Optional[torch.Tensor],
-                hyperparameters: dict) -> None:
-    """The CPU AdamW of the host columns of members `rows` (gradient `acc`), each row stepping with its own
-    update count. Rows in count order form a few runs of equal count: one fused-AdamW tensor each (the
-    whole slab is one [n * u, R] tensor whose runs may span members). Out of order (after reselections
-    made in flight) runs are many and short: the rows of the most common count then go through the kernel
-    in one tensor per block, and the others are gathered by count, updated apart and written back over
-    what that call left in their rows (the same arithmetic, row by row)."""
-    state = (slab.host_master, acc, slab.host_exp_avg, slab.host_exp_avg_sq, squares)
-    views = lambda view: [None if t is None else view(t) for t in state]
-    # (block: the row views of `state` one kernel call takes, with the rows' update counts)
-    if everyone:
-        blocks = [(views(lambda t: t.reshape(slab.n * slab.u, slab.R)), slab.host_counts.reshape(-1))]
-    else:
-        blocks = [(views(lambda t, i=i: t[i]), slab.host_counts[i]) for i in rows]
-    runs = [torch.unique_consecutive(counts, return_counts=True) for _, counts in blocks]
-    if sum(len(values) for values, _ in runs) * SHORT_RUN_ROWS <= sum(len(c) for _, c in blocks):
-        for (block, _), (values, lengths) in zip(blocks, runs):
-            kernels.cpu_adamw_runs_(kernels.cut_rows(block, lengths.tolist()), values, hyperparameters)
-        return
-    distinct, frequency = torch.unique(torch.cat([counts for _, counts in blocks]), return_counts=True)
-    common = distinct[frequency.argmax()]
-    # (the rows apart are copied before the common count's call writes over them)
-    apart = [(block, kernels.gather_by_count(block, (counts != common).nonzero().squeeze(1), counts))
-             for block, counts in blocks]
-    kernels.cpu_adamw_runs_([block for block, _ in blocks], common.expand(len(blocks)), hyperparameters)
-    for block, taken in apart:
-        kernels.cpu_adamw_gathered_(block, taken, hyperparameters)
-
-
-def publish_host_weights(slab: Slab) -> None:
-    """After a CPU update: cast the new masters into the free weights buffer for the next upload. With
-    `upload_early`, the upload is queued at once (on the update worker), so that by the apply it has
-    landed and the merge does not wait for it."""
-    free = slab.weights_slot ^ 1
-    wait_events([slab.upload_done[free]])
-    slab.transfers.host_access(writes=[slab.host_weights[free]])
-    slab.host_weights[free].copy_(slab.host_master)
     slab.weights_slot = free
     if slab.upload_early:
         slab.uploaded = slab.transfers.upload_ahead(slab.host_weights[free])
@@ -136,5 +92,4 @@ def apply_host_columns(slab: Slab, data_parallel=None) -> int:
     return uploaded
 
 
-__all__ = ["SHORT_RUN_ROWS", "apply_host_columns", "host_adamw_", "publish_host_weights", "update_host_columns",
-           "update_on_device"]
+__all__ = ["apply_host_columns", "update_host_columns", "update_on_device"]
