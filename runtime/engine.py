@@ -171,6 +171,7 @@ class ZenFlowRuntime:
     def _layout_changed(self) -> None:
         self._plans.clear()
         self.host_reads.forget_layout()
+        self.host_work.prepare(self.slabs)
 
     # -- gradients ----------------------------------------------------------------------------------------
     def take_grads(self, pids: list[int], grads: list[torch.Tensor],

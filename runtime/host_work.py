@@ -17,6 +17,7 @@ from typing import Optional
 
 from torch.profiler import record_function
 
+from zenflow_compile.runtime import kernels
 from zenflow_compile.runtime.failures import Failure
 from zenflow_compile.runtime.state import intake, update
 from zenflow_compile.runtime.state.slab import Slab
@@ -51,6 +52,7 @@ class HostWork:
         # The accumulate worker's wait for the gradients' copies to land, part of its busy time: tells a
         # worker slowed by the copies from one slowed by its own memory traffic.
         self.copy_wait_seconds = 0.0
+        self._prepared: set = set()  # CPU AdamW variants built (`prepare`)
 
     @property
     def workers(self) -> tuple[CpuWorker, CpuWorker]:
@@ -99,6 +101,20 @@ class HostWork:
         self.wait(self.accumulate_worker.submit(fold))
 
     # -- the CPU update -------------------------------------------------------------------------------------
+    def prepare(self, slabs: list[Slab]) -> None:
+        """After a layout: the update worker builds the compiled CPU AdamW the slabs' updates will take (their
+        weights' dtype and square sums; Dynamo keys it on the thread count too, so on the worker that runs
+        them) while the next steps run: the first boundary does not wait for the compile. (The arriving
+        columns' step where the host sums runs on the training thread: its variant is built at the first
+        reselection.)"""
+        compiled = [slab for slab in slabs if slab.has_host_part and slab.is_matrix
+                    and slab.n * slab.u * slab.R >= kernels.COMPILED_MIN_NUMEL]
+        variants = {(slab.dtype, slab.accumulate_squares) for slab in compiled}
+        new = sorted(variants - self._prepared, key=str)
+        if new:
+            self._prepared.update(new)
+            self.update_worker.submit(lambda: [kernels.prepare_cpu_adamw(*variant) for variant in new])
+
     def launch_update(self, slabs: list[Slab], acc_slot: int, hyperparameters: list[dict],
                       interval_aware: bool) -> None:
         """One task on the update worker: per slab, one CPU AdamW over its host rows (each member's lr

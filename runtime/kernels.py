@@ -135,12 +135,12 @@ def _accumulate_converted_(acc: torch.Tensor, grad: torch.Tensor, coef: float,
             flat_square[start:end].addcmul_(chunk, chunk, value=coef * coef)
 
 
-def _adamw_rows(master, grad, exp_avg, exp_avg_sq, weights, counts, lr_scale, divisor, hyperparameters, grad_sq):
+def _adamw_rows(master, grad, exp_avg, exp_avg_sq, weights, counts, lr_scale, divisor, lr, beta1, beta2, eps,
+                weight_decay, grad_sq):
     """AdamW of [rows, R] fp32 state, each row at its own count, lr multiplier (0: the row takes no step) and
-    divisor ([rows] each); `hyperparameters`: float64 (lr, beta1, beta2, eps, weight_decay). In
+    divisor ([rows] each); the hyperparameters as float64 0-d tensors (no size Dynamo could tie a row count to). In
     torch.optim.AdamW's order, its scalars computed in float64 as torch computes its Python floats; compiled
     by Inductor into one pass over the rows (`weights`, optional, takes the new masters in its dtype)."""
-    lr, beta1, beta2, eps, weight_decay = hyperparameters.unbind(0)
     taking = lr_scale != 0
     counts.add_(taking.to(counts.dtype))
     n = counts.double().clamp(min=1)
@@ -231,14 +231,28 @@ def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     if not master.numel():  # (an empty shard's columns: their counts still advance, as every rank's do)
         counts.add_((lr_scale != 0).to(counts.dtype))
         return
-    hyperparameters = torch.tensor([lr, beta1, beta2, eps, weight_decay], dtype=torch.float64, device="cpu")
+    hyperparameters = [torch.tensor(x, dtype=torch.float64, device="cpu")
+                       for x in (lr, beta1, beta2, eps, weight_decay)]
     if compiled is None:
         compiled = master.numel() >= COMPILED_MIN_NUMEL
     kernel = _rows_kernel if compiled else _unfused_rows
-    # (`detach`: the same memory, without the view's base, which the compiled kernel would otherwise guard on
-    # and be compiled again for each new base shape)
+    # (`detach`: the same memory, without the view's base, and the per-row tensors contiguous: the compiled
+    # kernel guards on both and would be compiled again for each new base shape or stride)
     kernel(*(None if t is None else t.detach() for t in (master, grad, exp_avg, exp_avg_sq, weights, counts)),
-           lr_scale.detach(), divisor.detach(), hyperparameters, None if grad_sq is None else grad_sq.detach())
+           lr_scale.detach().contiguous(), divisor.detach().contiguous(), *hyperparameters,
+           None if grad_sq is None else grad_sq.detach())
+
+
+def prepare_cpu_adamw(weights_dtype: Optional[torch.dtype], squares: bool) -> None:
+    """Build the compiled CPU AdamW for state with these upload weights (None: none) and square sums, on tiny
+    rows that take no step: a slab's first update then finds it built (the update worker runs this at a layout,
+    while the first steps run, instead of stalling the first boundary for the compile)."""
+    rows, R = 3, 48  # (not 0 or 1, not equal, R past a vector: sizes Dynamo would specialise or tie together)
+    state = [torch.zeros(rows, R) for _ in range(5)]
+    weights = None if weights_dtype is None else torch.zeros(rows, R, dtype=weights_dtype)
+    cpu_adamw_(*state[:4], torch.zeros(rows), lr_scale=torch.zeros(rows, dtype=torch.float64),
+               divisor=torch.ones(rows), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, weights=weights,
+               grad_sq=state[4] if squares else None, compiled=True)
 
 
 def shift_second_moment_(exp_avg_sqs: list[torch.Tensor], grads: list[torch.Tensor], grad_sqs: list[torch.Tensor],

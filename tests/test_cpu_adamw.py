@@ -68,9 +68,9 @@ def reference(state, squares):
             continue
         column = lambda name: s[name][i].view(-1, 1)  # noqa: E731  (a row is a column of the parameter)
         divisor = s["divisor"][i]
-        adamw_(column("master"), column("exp_avg"), column("exp_avg_sq"), s["counts"][i:i + 1], column("grad") / divisor,
-               HYPER["lr"] * scale, HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"],
-               grad_sq=column("grad_sq") / divisor if squares else None)
+        adamw_(column("master"), column("exp_avg"), column("exp_avg_sq"), s["counts"][i:i + 1],
+               column("grad") / divisor, HYPER["lr"] * scale, HYPER["beta1"], HYPER["beta2"], HYPER["eps"],
+               HYPER["weight_decay"], grad_sq=column("grad_sq") / divisor if squares else None)
     return s
 
 
@@ -121,7 +121,7 @@ def test_the_kernel_is_compiled_into_one_pass_over_the_rows():
         _, code = run_and_get_code(
             compiled, state["master"], state["grad"], state["exp_avg"], state["exp_avg_sq"],
             torch.empty(rows, R, dtype=torch.bfloat16), state["counts"], state["lr_scale"], state["divisor"],
-            torch.tensor([1e-2, 0.9, 0.99, 1e-8, 0.1], dtype=torch.float64), None)
+            *(torch.tensor(x, dtype=torch.float64) for x in (1e-2, 0.9, 0.99, 1e-8, 0.1)), None)
     shapes = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", "\n".join(code))
     assert shapes and all(shape.endswith(", 3") for shape in shapes), shapes
 
@@ -210,3 +210,33 @@ def test_a_users_torch_modes_around_the_step_leave_the_kernel_compiled():
     assert kernels._rows_kernel.failed is None
     for name in ("master", "exp_avg", "exp_avg_sq", "counts", "weights"):
         assert torch.equal(got[name], want[name]), name
+
+
+def test_a_layout_has_the_update_worker_build_the_kernel_ahead(fresh_dynamo):
+    """The first update of a large slab would otherwise wait for the compile (seconds, at a boundary: stall);
+    after a layout the update worker builds the variants the slabs' updates need while the steps go on, and no
+    later update compiles anything, through reselections (the device sums here: where the host sums, the
+    arriving columns take their step on the training thread, a variant built at the first reselection)."""
+    from torch._dynamo.utils import counters
+
+    from zenflow_compile import ZenFlowAdamW
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(48, 8, bias=False))
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-3, topk_ratio=0.25, update_interval=2, select_interval=2,
+                       accumulate_on="device")
+
+    def step():
+        model(torch.randn(16, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    opt.synchronize()
+    built = counters["stats"]["unique_graphs"]
+    assert built >= 1
+    for _ in range(12):  # (boundaries, each an update on the worker, and reselections)
+        step()
+    opt.synchronize()
+    assert counters["stats"]["unique_graphs"] == built
+    assert kernels._rows_kernel.failed is None

@@ -22,8 +22,8 @@ do not exist). A slab before its first selection (k = 0: warm-up, a boundary eve
 Host tensors are transposed, [u, R] per member, so one column is one contiguous row: the offload of the
 unselected columns is one contiguous copy, and the CPU AdamW runs over whole rows, each at its own update
 count (`kernels.cpu_adamw_`: rows in any order). A layout puts a member's host columns in update-count order,
-or in the order a checkpoint saved; reselections then move rows without re-sorting. A vector is a slab of k = C = 1: all of its state on
-the device.
+or in the order a checkpoint saved; reselections then move rows without re-sorting. A vector is a slab of
+k = C = 1: all of its state on the device.
 
 Per step a slab costs a fixed number of calls whatever n is: the hand-off stacks its gradients once and
 gathers the selected and the host columns in one call each; the device AdamW, the accumulation, the CPU
