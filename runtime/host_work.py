@@ -107,9 +107,8 @@ class HostWork:
         them) while the next steps run: the first boundary does not wait for the compile. (The arriving
         columns' step where the host sums runs on the training thread: its variant is built at the first
         reselection.)"""
-        compiled = [slab for slab in slabs if slab.has_host_part and slab.is_matrix
-                    and slab.n * slab.u * slab.R >= kernels.COMPILED_MIN_NUMEL]
-        variants = {(slab.dtype, slab.accumulate_squares) for slab in compiled}
+        variants = {(slab.dtype, slab.accumulate_squares) for slab in slabs
+                    if slab.has_host_part and slab.is_matrix and kernels.compiles(slab.n * slab.u * slab.R)}
         new = sorted(variants - self._prepared, key=str)
         if new:
             self._prepared.update(new)
@@ -118,9 +117,9 @@ class HostWork:
     def launch_update(self, slabs: list[Slab], acc_slot: int, hyperparameters: list[dict],
                       interval_aware: bool) -> None:
         """One task on the update worker: per slab, one CPU AdamW over its host rows (each member's lr
-        multiplier and steps: `members_by_scale`), with each param group's `hyperparameters` at launch. A matrix that got no
-        gradient all interval is skipped. The slabs updated are marked `unapplied` on every rank: their new
-        columns reach the device at the next `apply_update`."""
+        multiplier and steps: `members_by_scale`), with each param group's `hyperparameters` at launch. A
+        matrix that got no gradient all interval is skipped. The slabs updated are marked `unapplied` on every
+        rank: their new columns reach the device at the next `apply_update`."""
         work = []
         for slab in slabs:
             by_scale = members_by_scale(slab, interval_aware)

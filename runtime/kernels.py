@@ -138,8 +138,8 @@ def _accumulate_converted_(acc: torch.Tensor, grad: torch.Tensor, coef: float,
 def _adamw_rows(master, grad, exp_avg, exp_avg_sq, weights, counts, lr_scale, divisor, lr, beta1, beta2, eps,
                 weight_decay, grad_sq):
     """AdamW of [rows, R] fp32 state, each row at its own count, lr multiplier (0: the row takes no step) and
-    divisor ([rows] each); the hyperparameters as float64 0-d tensors (no size Dynamo could tie a row count to). In
-    torch.optim.AdamW's order, its scalars computed in float64 as torch computes its Python floats; compiled
+    divisor ([rows] each); the hyperparameters as float64 0-d tensors (no size Dynamo could tie a row count
+    to). In torch.optim.AdamW's order, its scalars computed in float64 as torch computes its Python floats; compiled
     by Inductor into one pass over the rows (`weights`, optional, takes the new masters in its dtype)."""
     taking = lr_scale != 0
     counts.add_(taking.to(counts.dtype))
@@ -188,9 +188,8 @@ class _CompiledRows:
                 # this kernel is the optimizer's, not the user's computation: it runs outside them)
                 with torch.no_grad(), torch._C.DisableTorchFunction(), _disable_current_modes():
                     return self.compiled(*args)
-            except (torch._dynamo.exc.TorchDynamoException, RuntimeError) as error:
-                if isinstance(error, RuntimeError) and not isinstance(error, torch._dynamo.exc.TorchDynamoException) \
-                        and "torch.compile" not in str(error):
+            except RuntimeError as error:  # (Dynamo's and Inductor's errors derive from it)
+                if not isinstance(error, torch._dynamo.exc.TorchDynamoException) and "torch.compile" not in str(error):
                     raise  # (the kernel's own error, not the compiler's)
                 self.failed = error
                 warnings.warn(f"ZenFlow: torch.compile could not build the CPU AdamW ("
@@ -210,6 +209,11 @@ _rows_kernel = _CompiledRows()
 COMPILED_MIN_NUMEL = 1 << 20
 
 
+def compiles(numel: int) -> bool:
+    """Whether a call over `numel` elements of host rows takes the compiled kernel."""
+    return numel >= COMPILED_MIN_NUMEL
+
+
 def _unfused_rows(*args) -> None:
     with torch.no_grad():
         _adamw_rows(*args)
@@ -226,16 +230,13 @@ def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     `weights`: [rows, R] in the parameters' dtype, written with every row's new master (the upload buffer).
     `grad_sq` (interval_second_moment): exp_avg_sq takes grad_sq / divisor where AdamW takes (grad /
     divisor)**2. The bias corrections are computed per row in float64 (as torch computes its Python floats)
-    and rounded to fp32. `compiled`: Inductor's kernel or the unfused function (None: by size,
-    `COMPILED_MIN_NUMEL`)."""
+    and rounded to fp32. `compiled`: Inductor's kernel or the unfused function (None: by size, `compiles`)."""
     if not master.numel():  # (an empty shard's columns: their counts still advance, as every rank's do)
         counts.add_((lr_scale != 0).to(counts.dtype))
         return
     hyperparameters = [torch.tensor(x, dtype=torch.float64, device="cpu")
                        for x in (lr, beta1, beta2, eps, weight_decay)]
-    if compiled is None:
-        compiled = master.numel() >= COMPILED_MIN_NUMEL
-    kernel = _rows_kernel if compiled else _unfused_rows
+    kernel = _rows_kernel if (compiles(master.numel()) if compiled is None else compiled) else _unfused_rows
     # (`detach`: the same memory, without the view's base, and the per-row tensors contiguous: the compiled
     # kernel guards on both and would be compiled again for each new base shape or stride)
     kernel(*(None if t is None else t.detach() for t in (master, grad, exp_avg, exp_avg_sq, weights, counts)),

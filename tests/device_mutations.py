@@ -80,7 +80,8 @@ MUTATIONS = [
              "        wait_events(self.offload_done[grad_slot])\n        if self.has_host_part:\n",
              "        if self.has_host_part:\n"),
     Mutation("M13", "CPU update: publishes new columns into a weights buffer an upload may still read",
-             "runtime/state/update.py", "    wait_events([slab.upload_done[free]])  # (an upload may still read the buffer the update writes)\n", "",
+             "runtime/state/update.py",
+             "    wait_events([slab.upload_done[free]])  # (an upload may still read the buffer the update writes)\n", "",
              ordered_anyway="that buffer's upload was an interval earlier; the compute stream waited for it and every "
                             "step since read a device value (the norm), so the host is already past it"),
     Mutation("M14", "weights buffers single-buffered: the CPU update overwrites the buffer of the last upload",

@@ -221,7 +221,8 @@ def test_equals_reference(case, dtype, accumulate_on, device):
     assert zen.stats()["accumulate_on"] == accumulate_on
 
 
-@pytest.mark.parametrize("case", ["step3", "incoming-step2", "incoming-auto-iau-sm", "incoming-accumulation-groups-clip"])
+@pytest.mark.parametrize("case", ["step3", "incoming-step2", "incoming-auto-iau-sm",
+                                  "incoming-accumulation-groups-clip"])
 def test_the_compiled_cpu_adamw_equals_reference(case, monkeypatch):
     """The small models here take the CPU AdamW unfused (`kernels.COMPILED_MIN_NUMEL`); a model of real size takes
     Inductor's kernel of the same function: here each case takes it, reselections in flight included (host

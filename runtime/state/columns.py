@@ -79,12 +79,8 @@ def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
         row = _host_position(slab)[member, selected[member, slot]]
         state = MovingColumns(member, slot, *(getattr(slab, "host_" + name)[member, row] for name in _STATE),
                               slab.host_counts[member, row])  # (copies: advanced indexing)
-        scale_of, steps_of = [0.0] * slab.n, [1] * slab.n  # per member (scale 0: no gradient, not updated)
-        for scale, taking in members_by_scale.items():
-            for i, steps in taking:
-                scale_of[i], steps_of[i] = scale, steps
-        row_scale = torch.tensor(scale_of, dtype=torch.float64, device="cpu")[member]
-        steps = torch.tensor(steps_of, device="cpu")[member].unsqueeze(1)  # int64
+        scale, steps = slab.member_rates(members_by_scale)
+        row_scale, steps = scale[member], steps[member].unsqueeze(1)
         if slab.accumulates_on_device:
             arriving = _update_arriving_on_device(slab, state, row, row_scale, steps, hyperparameters)
         else:

@@ -243,6 +243,18 @@ class Slab:
         """Device accumulation's sums: device_acc (and device_sq_acc)."""
         return [t for t in (self.device_acc, self.device_sq_acc) if t is not None]
 
+    def member_rates(self, members_by_scale: dict[float, list[tuple[int, int]]]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per member, from `members_by_scale` (lr multiplier -> [(member index, steps accumulated)]): the lr
+        multiplier its host columns step with (float64 [n]; 0: no gradient all interval, no step) and the steps
+        its sums hold (int64 [n]; 1 where it has none)."""
+        scale, steps = [0.0] * self.n, [1] * self.n  # (lists: two tensors in all, whatever n)
+        for multiplier, taking in members_by_scale.items():
+            for i, held in taking:
+                scale[i], steps[i] = multiplier, held
+        return (torch.tensor(scale, dtype=torch.float64, device="cpu"),
+                torch.tensor(steps, dtype=torch.long, device="cpu"))
+
     def host_sums(self, acc_slot: int) -> list[torch.Tensor]:
         """The host accumulators of interval slot `acc_slot` (and their squares)."""
         slot = acc_slot % len(self.accumulators)

@@ -42,15 +42,11 @@ def update_host_columns(slab: Slab, members_by_scale: dict[float, list[tuple[int
     free = slab.weights_slot ^ 1
     wait_events([slab.upload_done[free]])  # (an upload may still read the buffer the update writes)
     slab.transfers.host_access(writes=[slab.host_weights[free]])
-    lr_scale = torch.zeros(slab.n, 1, dtype=torch.float64, device="cpu")  # (0: the member takes no step)
-    divisor = torch.ones(slab.n, 1, device="cpu")
-    for scale, taking in members_by_scale.items():
-        for i, steps in taking:
-            lr_scale[i], divisor[i] = scale, steps
+    scale, steps = slab.member_rates(members_by_scale)
     rows = lambda t: t.view(slab.n * slab.u, slab.R)
     kernels.cpu_adamw_(rows(slab.host_master), rows(sums[0]), rows(slab.host_exp_avg), rows(slab.host_exp_avg_sq),
-                       slab.host_counts.view(-1), lr_scale=lr_scale.expand(-1, slab.u).reshape(-1),
-                       divisor=divisor.expand(-1, slab.u).reshape(-1), weights=rows(slab.host_weights[free]),
+                       slab.host_counts.view(-1), lr_scale=scale.repeat_interleave(slab.u),
+                       divisor=steps.float().repeat_interleave(slab.u), weights=rows(slab.host_weights[free]),
                        grad_sq=rows(sums[1]) if slab.accumulate_squares else None, **hyperparameters)
     if not slab.accumulates_on_device:  # (device accumulation: the next boundary's copy overwrites them)
         torch._foreach_zero_(sums)
