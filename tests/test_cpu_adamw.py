@@ -110,7 +110,7 @@ def test_a_row_gets_the_same_bits_wherever_it_sits(either):
 def test_the_kernel_is_compiled_into_one_pass_over_the_rows():
     """Inductor fuses the AdamW, the resting rows and the cast into one loop over the state, which moves each
     tensor once (read master, grad, m, v; write master, m, v, the bf16 weights): the only buffers it allocates
-    are the per-row coefficients ([rows, 3]), no full-size temporary (an unfused cast would write the new
+    are the per-row coefficients ([rows, 4]), no full-size temporary (an unfused cast would write the new
     masters into one and read them back: 8 more bytes per parameter)."""
     from torch._inductor.utils import run_and_get_code
 
@@ -123,7 +123,7 @@ def test_the_kernel_is_compiled_into_one_pass_over_the_rows():
             torch.empty(rows, R, dtype=torch.bfloat16), state["counts"], state["lr_scale"], state["divisor"],
             *(torch.tensor(x, dtype=torch.float64) for x in (1e-2, 0.9, 0.99, 1e-8, 0.1)), None)
     shapes = re.findall(r"empty_strided_cpu\(\(([^)]*)\)", "\n".join(code))
-    assert shapes and all(shape.endswith(", 3") for shape in shapes), shapes
+    assert shapes and all(shape.endswith(", 4") for shape in shapes), shapes
 
 
 def test_without_a_cpp_compiler_the_same_arithmetic_runs_unfused_with_one_warning(monkeypatch, fresh_dynamo):
