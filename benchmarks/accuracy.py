@@ -40,7 +40,7 @@ rule thresholds at one half).
 Run names (--runs):
   adamw                                  torch.optim.AdamW (eager model)
   zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1[,sm=1][,select=auto|stepN|epochN]
-          [,reselect=wait|incoming][,lag=L]
+          [,reselect=wait|incoming][,lag=L][,stagger=1]
                                          torch.compile(backend="zenflow") + ZenFlowAdamW; iau is the opt-in
                                          interval_aware_update key, sm the opt-in interval_second_moment (needs
                                          iau=1); select: select_strategy "auto", or "step" / "epoch" with
@@ -49,7 +49,8 @@ Run names (--runs):
                                          four named only when set); reselect is the opt-in overlap_reselect
                                          key, lag the opt-in landing_lag key: a boundary's CPU update lands
                                          L steps after it (1 <= L <= interval; omitted: at the next
-                                         boundary; needs overlap=1)
+                                         boundary; needs overlap=1); stagger=1 the opt-in stagger_boundaries
+                                         key (needs an int interval)
   reference:<same keys>                  zenflow_compile.reference.ZenFlowReference on the eager model: the
                                          plain synchronous implementation of docs/semantics.md (an algorithm check)
 
@@ -75,9 +76,9 @@ import torch
 import torch.nn.functional as F
 
 ZENFLOW_DEFAULTS = dict(topk=0.1, interval=4, overlap=1, warmup=0, iau=0, sm=0, select="auto", reselect="wait",
-                        lag=None)
+                        lag=None, stagger=0)
 # Keys named in a run name only when not at their default, so the names of runs made before they existed match.
-_NAMED_WHEN_SET = ("sm", "select", "reselect", "lag")
+_NAMED_WHEN_SET = ("sm", "select", "reselect", "lag", "stagger")
 _RESELECT = ("wait", "incoming")
 
 
@@ -137,6 +138,8 @@ def _setting_words(key: str, value) -> str:
     if key == "lag":
         return (f"the CPU update lands {value} step{'s' if value > 1 else ''} after its boundary"
                 if value is not None else "the CPU update lands at the next boundary")
+    if key == "stagger":
+        return "boundaries staggered" if value else "boundaries together"
     if key == "select":
         return ("reselection on drift (select 'auto')" if value == "auto" else
                 f"reselection every {value[4:]} steps" if value.startswith("step") else
@@ -164,7 +167,8 @@ def chart_labels(names: list[str]) -> tuple[dict[str, str], str]:
     flows = [spec for spec in specs.values() if spec["kind"] != "adamw"]
     # The selection rule is worded only when some run sets it (charts of runs that all use "auto" stay as they were).
     keys = ("topk", "interval", "overlap", "warmup") + tuple(
-        key for key in ("select", "reselect", "lag") if any(spec[key] != ZENFLOW_DEFAULTS[key] for spec in flows))
+        key for key in ("select", "reselect", "lag", "stagger")
+        if any(spec[key] != ZENFLOW_DEFAULTS[key] for spec in flows))
     shared = [key for key in keys if flows and len({spec[key] for spec in flows}) == 1]
     labels = {}
     for name in names:
@@ -203,7 +207,8 @@ def zenflow_keys(spec: dict, steps_per_epoch: int | None = None) -> dict:
                 overlap_step=bool(spec["overlap"]), full_warm_up_rounds=spec["warmup"],
                 interval_aware_update=bool(spec["iau"]), interval_second_moment=bool(spec["sm"]))
     # Named whatever their value, so the optimizer's preset never fills in another schedule than the run's name.
-    keys.update(overlap_reselect=spec.get("reselect", "wait"), landing_lag=spec.get("lag"))
+    keys.update(overlap_reselect=spec.get("reselect", "wait"), landing_lag=spec.get("lag"),
+                stagger_boundaries=bool(spec.get("stagger", 0)))
     select = spec.get("select", "auto")
     if select == "auto":  # named, so the optimizer's preset never picks another rule for a run that names none
         keys.update(select_strategy="auto", select_interval="auto")

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--landing-lag", type=_lag, default=None,
                    help="compiled ZenFlow with the overlap on (and --simulated-device): the landing_lag key, the "
                         "steps after its boundary at whose end a CPU update lands (default none: the next boundary)")
+    p.add_argument("--stagger", choices=["off", "on", "both"], default="off",
+                   help="compiled ZenFlow with an int interval (and --simulated-device): the stagger_boundaries key, "
+                        "the boundaries staggered over S phases (default off; both: a row of each)")
     p.add_argument("--trace-dir", help="save a torch.profiler trace (Chrome JSON) of one update interval per "
                                        "compiled ZenFlow row here, after its measured steps")
     p.add_argument("--ds-zenflow-overlap", choices=["on", "off", "both"], default="on",
@@ -185,6 +188,10 @@ def _overlaps(choice: str) -> list[bool]:
     return {"both": [True, False], "on": [True], "off": [False]}[choice]
 
 
+def _staggers(choice: str) -> tuple[bool, ...]:
+    return {"off": (False,), "on": (True,), "both": (False, True)}[choice]
+
+
 def _fmt_interval(interval) -> str:
     return str(interval)
 
@@ -231,11 +238,12 @@ def plan_systems(args) -> list[dict]:
                   lr=args.lr, betas=[0.9, 0.999], eps=1e-8, weight_decay=args.weight_decay, seed=0,
                   require_built_ds_ops=bool(args.smoke), cores=None, threads=args.threads)
 
-    def zenflow_block(ratio, interval, overlap, reselect="wait", accumulate_on="auto"):
+    def zenflow_block(ratio, interval, overlap, reselect="wait", accumulate_on="auto", stagger=False):
         return dict(topk_ratio=ratio, update_interval=interval, overlap_step=overlap,
                     select_strategy=args.select_strategy, select_interval=args.select_interval,
                     full_warm_up_rounds=args.full_warm_up_rounds, overlap_reselect=reselect,
-                    accumulate_on=accumulate_on, landing_lag=args.landing_lag if overlap else None)
+                    accumulate_on=accumulate_on, landing_lag=args.landing_lag if overlap else None,
+                    stagger_boundaries=stagger)
 
     reselects = ["wait", "incoming"] if args.overlap_reselect == "both" else [args.overlap_reselect]
     placements = ["device", "host"] if args.accumulate_on == "both" else [args.accumulate_on]
@@ -245,16 +253,19 @@ def plan_systems(args) -> list[dict]:
         specs.append(dict(common, kind="adamw", name="adamw (speed limit)", lane="compile"))
     if "zenflow" in args.kinds:
         for ratio, interval in args.settings:
-            for overlap in _overlaps(args.overlap):
+            staggers = _staggers(args.stagger) if isinstance(interval, int) else (False,)
+            for overlap, stagger in ((o, g) for o in _overlaps(args.overlap) for g in staggers):
                 for reselect in reselects if overlap else ["wait"]:
                     for placement in placements:
                         specs.append(dict(common, kind="zenflow", lane="compile",
                                           name=f"zenflow r={ratio:g} S={_fmt_interval(interval)} "
                                                f"{'overlap' if overlap else 'sync'}"
                                                f"{f' lag {args.landing_lag}' if overlap and args.landing_lag else ''}"
+                                               f"{' staggered' if stagger else ''}"
                                                f"{' reselect in flight' if reselect == 'incoming' else ''}"
                                                f"{'' if placement == 'auto' else f' sum on {placement}'}",
-                                          zenflow=zenflow_block(ratio, interval, overlap, reselect, placement)))
+                                          zenflow=zenflow_block(ratio, interval, overlap, reselect, placement,
+                                                                stagger)))
     if args.trace_dir:
         for spec in specs:
             if spec["kind"] == "zenflow":
@@ -652,7 +663,7 @@ def run_simulated(args) -> int:
     sys.stdout.flush()
     reselects = tuple(None if mode == "none" else mode for mode in args.sim_reselect)
     report = simulated_device.run(regime, placements, [(r, S) for r, S in args.settings if isinstance(S, int)],
-                                  reselects)
+                                  reselects, _staggers(args.stagger))
     report.update(environment=environment(), simulated_device=True)
     print(simulated_device.format_rows(report))
     Path(args.out).write_text(json.dumps(report, indent=1))
@@ -738,6 +749,7 @@ def main(argv=None) -> int:
                     steps=args.steps, warmup=args.warmup,
                     zenflow_settings=[dict(topk_ratio=r, update_interval=s) for r, s in args.settings],
                     overlap=args.overlap, overlap_reselect=args.overlap_reselect, landing_lag=args.landing_lag,
+                    stagger=args.stagger,
                     ds_zenflow_overlap=args.ds_zenflow_overlap,
                     select_strategy=args.select_strategy, select_interval=args.select_interval,
                     full_warm_up_rounds=args.full_warm_up_rounds, lr=args.lr, weight_decay=args.weight_decay,

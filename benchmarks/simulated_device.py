@@ -41,6 +41,9 @@ The schedule, per step (ZenFlow, overlap on, as `runtime/engine.py` runs it):
    columns' down on the D2H stream; the move's indices up in one small pinned copy (not modelled).
    "incoming" lets the update land as at any boundary (nothing waits for the departing columns until it has
    finished); "wait" lands it right after the moves, once the departing columns are down.
+5. staggered boundaries (`Regime.stagger`, stagger_boundaries=True): steps 3 and 4 per phase, for 1/S of the
+   unselected columns each (its own slabs): phase q's boundary at the steps with (t + 1 + q) % S == 0, one
+   phase's each step, its update queued behind the previous phase's on the one update worker.
 Fused AdamW: forward + backward + its AdamW, with the same one wait per step. Stall = the device's idle time
 beyond fused AdamW's, measured on the simulated compute stream. The measured window is whole intervals in the
 steady state: it starts and ends with a CPU update in flight (bench_offload's GPU rows instead start with none
@@ -78,6 +81,10 @@ class Regime:
     overlap_reselect: Optional[str] = None
     select_interval: int = 8
     selection_churn: float = 0.25
+    # stagger_boundaries: the matrices in S phases of equal size, phase q's boundaries at the steps with
+    # (t + 1 + q) % S == 0, each phase with its own sums, CPU update (1/S of the whole, its slabs queued on the
+    # one update worker), landing at b + L and reselections.
+    stagger: bool = False
     device_bandwidth: float = 3.35e12  # bytes/s
     link_bandwidth: float = 25e9  # bytes/s, each way
     host_update_rate: float = 2.2e9  # target host: CPU AdamW, params/s
@@ -286,17 +293,21 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
     upload_s = unselected * regime.param_bytes / regime.link_bandwidth
     moved = regime.selection_churn * r * P  # parameters in the columns a reselection moves, each way
     move_s = moved * (3 * 4 + regime.param_bytes) / regime.link_bandwidth  # fp32 master, moments; the param
-    pending: dict = dict(update=None, land_at=None)
+    phases = S if regime.stagger else 1
+    pending = [dict(update=None, land_at=None) for _ in range(phases)]  # per phase: its update in flight
     landing_steps: list[int] = []  # the steps at whose end an update landed
     sent = dict(bytes=0.0)
     accumulations: list[Future] = []
 
-    slabs = regime.slabs
+    slabs = regime.slabs  # per phase
     # A reselecting boundary every this many steps: the first boundary select_interval steps after the last one.
     reselect_period = S * -(-regime.select_interval // S)
+    # What one phase's boundary moves and computes (all of it unstaggered)
+    sums_down_s, upload_s, merge_s, moved, move_s = (x / phases for x in (sums_down_s, upload_s, merge_s, moved,
+                                                                          move_s))
 
-    def apply_previous(i: Optional[int] = None):
-        update = pending["update"]
+    def apply_previous(i: Optional[int] = None, phase: int = 0):
+        update = pending[phase]["update"]
         if update is None:
             return
         if i is not None:
@@ -305,7 +316,16 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
         for uploaded in uploads:  # (queued by the update worker slab by slab: landed by now, mostly)
             compute.wait_event(uploaded)
             compute.run(regime.seconds(merge_s / slabs))
-        pending["update"] = pending["land_at"] = None
+        pending[phase]["update"] = pending[phase]["land_at"] = None
+
+    def apply_all():
+        for phase in range(phases):
+            apply_previous(phase=phase)
+
+    def land_due(i):
+        for phase in range(phases):
+            if i == pending[phase]["land_at"]:
+                apply_previous(i, phase)
 
     def step(i):
         compute.run(regime.seconds(regime.forward_backward_s))
@@ -326,19 +346,19 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
                 host.accumulate()
 
             accumulations.append(host.accumulate_worker.submit(add))
-        if (i + 1) % S:
-            if i == pending["land_at"]:
-                apply_previous(i)
+        phase = next((p for p in range(phases) if (i + 1 + p) % S == 0), None)
+        if phase is None:
+            land_due(i)
             return
-        apply_previous(i)
-        reselect = regime.overlap_reselect if (i + 1) % reselect_period == 0 else None
+        apply_previous(i, phase)
+        reselect = regime.overlap_reselect if (i + 1 + phase) % reselect_period == 0 else None
         if accumulate_on == "device":  # each slab's sums down, in slab order
             down.wait_event(compute.record())
             ready = []
             for _ in range(slabs):
                 down.run(regime.seconds(sums_down_s / slabs))
                 ready.append(down.record().wait)
-            sent["bytes"] += unselected * 4
+            sent["bytes"] += unselected * 4 / phases
         else:
             ready = [accumulations[-1].result] * slabs
 
@@ -346,7 +366,7 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
             uploads = []
             for part, landed in enumerate(ready):
                 landed()
-                host.cpu_adamw(part, slabs)
+                host.cpu_adamw(phase * slabs + part, phases * slabs)
                 up.run(regime.seconds(upload_s / slabs))  # the slab's new columns go up at once
                 uploads.append(up.record())
             return uploads
@@ -358,9 +378,9 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
                 compute.run(regime.seconds(moved * (4 * 4 + 3 * 4) / bandwidth))
             else:  # the host's sums, once the step's accumulation ended, and their CPU AdamW
                 ready[-1]()
-                host.cpu_adamw_share(regime.selection_churn * r / (1 - r))
-        pending["update"] = host.update_worker.submit(cpu_update)
-        pending["land_at"] = None if regime.landing_lag is None else i + regime.landing_lag
+                host.cpu_adamw_share(regime.selection_churn * r / (1 - r) / phases)
+        pending[phase]["update"] = host.update_worker.submit(cpu_update)
+        pending[phase]["land_at"] = None if regime.landing_lag is None else i + regime.landing_lag
         if reselect is not None:  # the moves, while the update runs on; their indices up in one pinned copy
             if accumulate_on != "device":  # the arriving columns' state up, the compute stream waiting for it
                 up.run(regime.seconds(move_s))
@@ -370,10 +390,11 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
             departed = down.record()
             if reselect == "wait":  # the update lands right after the moves, the departing rows settled first
                 departed.wait()
-                apply_previous(i)
+                apply_previous(i, phase)
+        land_due(i)  # (staggered: an earlier phase's update due at the end of this step)
 
     try:
-        result = _run_loop(regime, step, compute, finish=apply_previous,
+        result = _run_loop(regime, step, compute, finish=apply_all,
                            on_window_start=lambda: sent.update(bytes=0.0))
     finally:
         for stream in (compute, down, up):
@@ -382,10 +403,11 @@ def _simulate_zenflow(regime: Regime, host: HostWork, accumulate_on: str) -> dic
 
 
 def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host"),
-        settings: Optional[list[tuple[float, int]]] = None, reselects: tuple = (None,)) -> dict:
+        settings: Optional[list[tuple[float, int]]] = None, reselects: tuple = (None,),
+        staggers: tuple = (False,)) -> dict:
     """Rows for fused AdamW and ZenFlow (each (topk_ratio, update_interval) of `settings`, default the regime's,
-    each reselection mode of `reselects` (None: none), each placement), side by side in one run, with the
-    method."""
+    each reselection mode of `reselects` (None: none), each of `staggers`, each placement), side by side in one
+    run, with the method."""
     update_rate, accumulate_rate = measure_host_rates()
     results, sizes = {"fused AdamW (simulated device)": simulate_adamw(regime)}, {}
     for ratio, interval in settings or [(regime.topk_ratio, regime.update_interval)]:
@@ -394,13 +416,15 @@ def run(regime: Regime, accumulate_on: tuple[str, ...] = ("device", "host"),
                                       steps=interval * max(1, round(regime.steps / interval)))
         host = HostWork(setting, update_rate, accumulate_rate)
         try:
-            for reselect, placement in ((m, p) for m in reselects for p in accumulate_on):
+            for stagger, reselect, placement in ((g, m, p) for g in staggers for m in reselects
+                                                 for p in accumulate_on):
                 lag = "" if regime.landing_lag is None else f" lag {regime.landing_lag}"
+                lag += " staggered" if stagger else ""
                 moves = f" reselect {reselect} every {regime.select_interval} steps" if reselect else ""
                 name = (f"zenflow r={ratio:g} S={interval} overlap{lag}{moves} sum on {placement} "
                         "(simulated device)")
-                results[name] = simulate_zenflow(dataclasses.replace(setting, overlap_reselect=reselect), host,
-                                                 placement)
+                results[name] = simulate_zenflow(
+                    dataclasses.replace(setting, overlap_reselect=reselect, stagger=stagger), host, placement)
                 sizes[name] = dict(update_numel=host.update_numel, accumulate_numel=host.accumulate_numel)
         finally:
             host.close()

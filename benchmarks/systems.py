@@ -250,7 +250,8 @@ def run_zenflow(spec: dict) -> dict:
         topk_ratio=zf["topk_ratio"], update_interval=zf["update_interval"], overlap_step=zf["overlap_step"],
         select_strategy=zf["select_strategy"], select_interval=zf["select_interval"],
         full_warm_up_rounds=zf["full_warm_up_rounds"], overlap_reselect=zf.get("overlap_reselect", "wait"),
-        accumulate_on=zf.get("accumulate_on", "auto"), landing_lag=zf.get("landing_lag"))
+        accumulate_on=zf.get("accumulate_on", "auto"), landing_lag=zf.get("landing_lag"),
+        stagger_boundaries=zf.get("stagger_boundaries", False))
     _progress("optimizer built")
     compiled = torch.compile(model, backend="zenflow")
 

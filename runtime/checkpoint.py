@@ -28,19 +28,19 @@ from zenflow_compile.runtime.state.members import Member, MemberState
 from zenflow_compile.runtime.state.slab import Slab
 
 
-def export_entry(member: Member, acc_slot: int) -> dict:
+def export_entry(member: Member) -> dict:
     """Member's checkpoint entry (call with no CPU work in flight): contiguous tensors of the natural layout."""
     entry = {key: value.contiguous() if isinstance(value, torch.Tensor) else value
-             for key, value in _entry(member, acc_slot).items()}
+             for key, value in _entry(member).items()}
     if member.slab.selected_written is not None:
         entry["device_selected"] = member.slab.selected_written[member.index].cpu()
     return entry
 
 
-def _entry(member: Member, acc_slot: int) -> dict:
+def _entry(member: Member) -> dict:
     slab, i = member.slab, member.index
     if not member.is_matrix:
-        state = slab.export_member(i, acc_slot)
+        state = slab.export_member(i)
         shape = member.param.shape
         return dict(master=state.master.reshape(shape), exp_avg=state.exp_avg.reshape(shape),
                     exp_avg_sq=state.exp_avg_sq.reshape(shape), step=state.step.clone())
@@ -50,7 +50,7 @@ def _entry(member: Member, acc_slot: int) -> dict:
                     selected_master=slab.master[i].cpu(), selected_exp_avg=slab.exp_avg[i].cpu(),
                     selected_exp_avg_sq=slab.exp_avg_sq[i].cpu(), selected_step=slab.counts[i].cpu(),
                     unapplied=slab.unapplied)
-    state = slab.export_member(i, acc_slot)
+    state = slab.export_member(i)
     entry = dict(master=state.master, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq, step=state.step,
                  **selection)
     entry["accumulator"] = (state.accumulator if state.accumulator is not None

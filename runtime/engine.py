@@ -51,6 +51,8 @@ from zenflow_compile.runtime.transfers import Transfers
 
 # Config keys that say where work runs, not what it computes: a checkpoint resumes across them.
 PLACEMENT_KEYS = ("accumulate_on",)
+# What a key a checkpoint lacks meant when it was saved (before the key existed); other keys: None.
+_BEFORE_THE_KEY = dict(stagger_boundaries=False)
 
 
 def _hyperparameters(group: dict) -> dict:
@@ -78,10 +80,11 @@ class ZenFlowRuntime:
         self._plans: dict[tuple, BucketPlan] = {}  # bucket's pids -> plan, for the current slabs
         self.step_count = 0  # t: completed (non-skipped) steps
         self.schedule = Schedule(config)  # boundaries and reselections: when they come
-        self.update_pending = False  # overlap: a launched CPU update not yet applied to the device
-        self.land_at: Optional[int] = None  # landing_lag: the step at whose end the pending update lands
+        # Per phase (stagger_boundaries; else one): a launched CPU update not yet applied to the device
+        # (overlap), and the step at whose end it lands (landing_lag).
+        self.update_pending = [False] * config.num_phases
+        self.land_at: list[Optional[int]] = [None] * config.num_phases
         self.grad_slot = 0  # which host-gradient buffer this step's backward fills
-        self.acc_slot = 0  # which accumulator this interval fills
         self._step_open = False
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.counters = dict(steps=0, skipped_steps=0, cpu_updates=0, reselections=0, host_reads=0, host_waits=0,
@@ -113,6 +116,7 @@ class ZenFlowRuntime:
             self.host_work.use_device(self.transfers)
         pid = registry.register_param(param, self)
         self.params[pid] = (param, group_index)
+        self.placement.assign_phase(pid, param)
         if param.requires_grad:  # (data parallel: every owner known before any step, see collectives.py)
             self.placement.owner(pid, param)
         return pid
@@ -137,7 +141,7 @@ class ZenFlowRuntime:
             return
         slabs = {id(m.slab): m.slab for m in changed}
         keep = [m for slab in slabs.values() for m in slab.members if m.pid in group_of]
-        states = [m.slab.export_member(m.index, self.acc_slot, with_step_grad=self.grad_slot) for m in keep]
+        states = [m.slab.export_member(m.index, with_step_grad=self.grad_slot) for m in keep]
         for pid in [m.pid for m in changed if m.pid not in group_of]:
             del self.members[pid]
         for member in keep:
@@ -209,7 +213,7 @@ class ZenFlowRuntime:
             self.host_work.free_grad_buffers(self.grad_slot)
             for slab in self.slabs:
                 intake.start_step(slab, self.grad_slot)
-            self.placement.adopt_casts(self.acc_slot, self.grad_slot, self.check_written_params, self._drain)
+            self.placement.adopt_casts(self.grad_slot, self.check_written_params, self._drain)
             self._follow_layout()
             self._step_open = True
 
@@ -290,10 +294,10 @@ class ZenFlowRuntime:
         """Everything a finite step changes, in order (see the module docstring)."""
         cfg = self.config
         if t == cfg.full_warm_up_rounds:
-            self.schedule.selection_start = t
+            self.schedule.selection_start = [t] * cfg.num_phases
         if selecting:
             with self._selection_moves(stall=False):  # (laying the state out: the first step's setup)
-                sent = self.placement.select_first(selecting, readout, self.acc_slot, self.grad_slot)
+                sent = self.placement.select_first(selecting, readout, self.grad_slot)
                 self.counters["bytes_device_to_host"] += sent
                 self._follow_layout()
         stepped = [(slab, rows_taken(slab)) for slab in self.slabs if slab.members_taken]
@@ -306,17 +310,21 @@ class ZenFlowRuntime:
                     intake.accumulate_on_device(slab, rows, coef)
         self.host_work.accumulate([(slab, rows) for slab, rows in stepped
                                    if slab.has_host_part and not slab.accumulates_on_device],
-                                  self.grad_slot, self.acc_slot, coef)
+                                  self.grad_slot, coef)
         stepped_matrices = [m for m in stepped_members if m.is_matrix]
         for m in stepped_matrices:
             m.steps_accumulated += 1
-        self.schedule.steps_accumulated += 1
+        self.schedule.step_accumulated()
 
         schedule = self.schedule
-        if schedule.is_update_boundary(t, stepped_matrices, list(self.members.values()), readout.mean_scores, coef):
-            # A boundary that may reselect: every stepped matrix's scores come to the host in one transfer.
-            reselecting = [(slab, rows) for slab, rows in stepped if slab.is_matrix and slab.k and slab.u]
-            host_scores = self.host_reads.scores(reselecting) if warmed_up and schedule.may_reselect(t) else None
+        boundaries = schedule.boundaries(t, self.placement.phases_in_use, stepped_matrices,
+                                         list(self.members.values()), readout.mean_scores, coef)
+        for phase in boundaries:
+            # A boundary that may reselect: the phase's stepped matrices' scores come to the host in one transfer.
+            reselecting = [(slab, rows) for slab, rows in stepped
+                           if slab.is_matrix and slab.k and slab.u and slab.key.phase == phase]
+            may_reselect = warmed_up and schedule.may_reselect(t, phase)
+            host_scores = self.host_reads.scores(reselecting) if may_reselect else None
             reselect = host_scores is not None and schedule.should_reselect(reselecting, host_scores)
             chosen = schedule.chosen_selections(reselecting, host_scores) if reselect else []
             # A reselection: the arriving columns get their share of the boundary's update before it is launched,
@@ -324,15 +332,16 @@ class ZenFlowRuntime:
             # right after the move ("wait", or no overlap).
             arriving = [(slab, selected) for (slab, _), selected in zip(reselecting, chosen)]
             overlap = cfg.overlap_step and warmed_up and (not reselect or cfg.overlap_reselect == "incoming")
-            arrived = self._update_boundary(t, hyperparameters, overlap=overlap, arriving=arriving)
+            arrived = self._update_boundary(t, phase, hyperparameters, overlap=overlap, arriving=arriving)
             self.counters["cpu_updates"] += warmed_up  # warm-up steps are plain AdamW, not boundaries
             if reselect:
                 with self._selection_moves():
-                    self._reselect(t, reselecting, chosen, arrived)
+                    self._reselect(t, phase, reselecting, chosen, arrived)
                     if not overlap:
-                        self._apply_host_columns()
-        elif self.update_pending and t == self.land_at:  # landing_lag: the update lands at the end of b + L
-            self._apply_host_columns()
+                        self._apply_host_columns(phase)
+        for phase, pending in enumerate(self.update_pending):
+            if pending and t == self.land_at[phase]:  # landing_lag: the update lands at the end of b + L
+                self._apply_host_columns(phase)
 
         self.step_count += 1
         self.counters["steps"] += 1
@@ -361,7 +370,7 @@ class ZenFlowRuntime:
                         f"{tuple(group['betas'])}. Set betas[1] > 0, or interval_second_moment=False")
 
     def _adopt_external_writes(self) -> None:
-        self.placement.adopt_external_writes(self.acc_slot, self.grad_slot, self.check_written_params, self._drain)
+        self.placement.adopt_external_writes(self.grad_slot, self.check_written_params, self._drain)
         self._follow_layout()
 
     # -- boundaries ---------------------------------------------------------------------------------------
@@ -380,47 +389,53 @@ class ZenFlowRuntime:
         for slab, rows in several:
             intake.exact_scores(slab, self.grad_slot, rows)
 
-    def _update_boundary(self, t: int, hyperparameters: list[dict], overlap: bool,
+    def _phase_slabs(self, phase: int) -> list[Slab]:
+        return [slab for slab in self.slabs if slab.key.phase == phase]
+
+    def _update_boundary(self, t: int, phase: int, hyperparameters: list[dict], overlap: bool,
                          arriving: list[tuple[Slab, torch.Tensor]]) -> list:
-        """Apply the previous boundary's update if it is still pending, launch this boundary's (with overlap it
-        lands at the end of step t + landing_lag, or at the next boundary if that comes first; without, now,
-        or after the reselection when there is one). `arriving`: the slabs reselecting while it runs on, with
+        """At a boundary of `phase`, for its slabs: apply the previous boundary's update if it is still pending,
+        launch this boundary's (with overlap it lands at the end of step t + landing_lag, or at the next
+        boundary if that comes first; without, now, or after the reselection when there is one). `arriving`: the slabs reselecting while it runs on, with
         their new selections: their arriving columns are updated first, from this step's accumulators;
         returns that state, slab by slab (`columns.take_arriving`)."""
-        if self.update_pending:  # overlap: the previous boundary's update lands now, before the next launch
-            self._apply_host_columns()
+        if self.update_pending[phase]:  # overlap: the previous boundary's update lands, before the next launch
+            self._apply_host_columns(phase)
+        slabs = self._phase_slabs(phase)
         # Device accumulation: the interval's sums go down into the accumulators the update will read (the
         # update that last read them was applied at the previous boundary, at the latest just above).
         with record_function("zenflow::send_accumulators"):
-            self.counters["bytes_device_to_host"] += sum(intake.send_accumulators(slab, self.acc_slot)
-                                                         for slab in self.slabs)
+            self.counters["bytes_device_to_host"] += sum(intake.send_accumulators(slab) for slab in slabs)
         arrived = []
         if arriving:
             with self._selection_moves():
                 self.host_work.wait_for_accumulation()
-                arrived = [column_moves.take_arriving(slab, selected, self.acc_slot,
+                arrived = [column_moves.take_arriving(slab, selected,
                                                       members_by_scale(slab, self.config.interval_aware_update),
                                                       hyperparameters[slab.key.group_index], self.data_parallel)
                            for slab, selected in arriving]
-        self.host_work.launch_update(self.slabs, self.acc_slot, hyperparameters, self.config.interval_aware_update)
-        self.schedule.interval_started(list(self.members.values()))
-        self.acc_slot ^= 1
-        self.update_pending = True
-        self.land_at = t + self.config.landing_lag if overlap and self.config.landing_lag is not None else None
+        self.host_work.launch_update(phase, slabs, hyperparameters, self.config.interval_aware_update)
+        self.schedule.interval_started(phase, list(self.members.values()))
+        for slab in slabs:
+            slab.acc_slot ^= 1
+        self.update_pending[phase] = True
+        lag = self.config.landing_lag
+        self.land_at[phase] = t + lag if overlap and lag is not None else None
         self.counters["overlapped_boundaries"] += overlap
         if not overlap and not arriving:
-            self._apply_host_columns()
+            self._apply_host_columns(phase)
         return arrived
 
-    def _apply_host_columns(self) -> None:
-        """The last launched CPU update (waited for) written into the device parameters of the slabs it
-        updated."""
+    def _apply_host_columns(self, phase: int) -> None:
+        """The last launched CPU update of `phase` (waited for) written into the device parameters of the slabs
+        it updated."""
         with record_function("zenflow::apply_update"):
-            self.counters["bytes_host_to_device"] += self.host_work.apply_update(self.slabs, self.data_parallel)
-        self.update_pending = False
-        self.land_at = None
+            self.counters["bytes_host_to_device"] += self.host_work.apply_update(phase, self._phase_slabs(phase),
+                                                                                  self.data_parallel)
+        self.update_pending[phase] = False
+        self.land_at[phase] = None
 
-    def _reselect(self, t: int, slabs: list, chosen: list[torch.Tensor], arrived: list) -> None:
+    def _reselect(self, t: int, phase: int, slabs: list, chosen: list[torch.Tensor], arrived: list) -> None:
         """The chosen selections take effect while this boundary's CPU update runs on, with the arriving
         columns' state (`arrived`, slab by slab, from `_update_boundary`)."""
         moved = total = 0
@@ -428,7 +443,7 @@ class ZenFlowRuntime:
             total += slab.k * (slab.n if rows is None else len(rows))
             moved += column_moves.reselect_in_flight(slab, selected, arriving)
         self._layout_changed()
-        self.schedule.reselected(t)
+        self.schedule.reselected(t, phase)
         self.counters["reselections"] += 1
         self.counters["selection_churn"] = moved / (2 * total) if total else 0.0
 
@@ -460,8 +475,9 @@ class ZenFlowRuntime:
         self.check_failure()
         self._drain()
         self._adopt_external_writes()
-        if self.update_pending:
-            self._apply_host_columns()
+        for phase, pending in enumerate(self.update_pending):
+            if pending:
+                self._apply_host_columns(phase)
 
     def close(self) -> None:
         self.host_work.shutdown()
@@ -490,8 +506,8 @@ class ZenFlowRuntime:
         stats["cpu_update_thread_seconds"] = workers.update_worker.busy_cpu_seconds
         stats["accumulate_thread_seconds"] = workers.accumulate_worker.busy_cpu_seconds
         stats["accumulate_on"] = self.placement.accumulate_on
-        stats["current_interval"] = self.schedule.steps_accumulated
-        stats["update_pending"] = self.update_pending
+        stats["current_interval"] = max(self.schedule.steps_accumulated[q] for q in self.placement.phases_in_use)
+        stats["update_pending"] = any(self.update_pending)
         # Host memory held for optimizer state (data parallel: this rank's share).
         stats["host_state_bytes"] = sum(t.numel() * t.element_size() for s in self.slabs for t in s.host_buffers())
         # Device memory held for optimizer state: selected columns' and vectors' state, gradients, scores,
@@ -513,7 +529,7 @@ class ZenFlowRuntime:
 
     def export_state(self, pid: int) -> dict:
         """Checkpoint entry of one parameter (call after `quiesce`): natural layout, host tensors."""
-        return checkpoint.export_entry(self.members[pid], self.acc_slot)
+        return checkpoint.export_entry(self.members[pid])
 
     def import_states(self, entries: dict[int, dict]) -> None:
         """Checkpoint entries (pid -> entry), after `import_globals`: every state laid out anew. Data parallel:
@@ -546,29 +562,33 @@ class ZenFlowRuntime:
         self._adopt_external_writes()
 
     def export_globals(self) -> dict:
-        return dict(step_count=self.step_count, **self.schedule.export(), update_pending=self.update_pending,
-                    land_at=self.land_at, counters=dict(self.counters), config=self.config.to_dict(),
+        return dict(step_count=self.step_count, **self.schedule.export(), update_pending=list(self.update_pending),
+                    land_at=list(self.land_at), counters=dict(self.counters), config=self.config.to_dict(),
                     max_grad_norm=self.max_grad_norm)
 
     def import_globals(self, saved: dict) -> None:
         """The schedule of a checkpoint (`export_globals`); the states follow (`import_states`)."""
         # A key the checkpoint lacks was saved before the key existed, when it meant what None means now.
         mine = self.config.to_dict()
-        differing = sorted(k for k in {*saved["config"], *mine}
-                           if k not in PLACEMENT_KEYS and saved["config"].get(k) != mine.get(k))
+        saved_config = {**_BEFORE_THE_KEY, **saved["config"]}
+        differing = sorted(k for k in {*saved_config, *mine}
+                           if k not in PLACEMENT_KEYS and saved_config.get(k) != mine.get(k))
         if differing:
-            saved_keys = ", ".join(f"{k}={saved['config'].get(k)!r}" for k in differing)
+            saved_keys = ", ".join(f"{k}={saved_config.get(k)!r}" for k in differing)
             these = ", ".join(f"{k}={mine.get(k)!r}" for k in differing)
             raise ValueError(f"checkpoint was saved with a different ZenFlow config: it has {saved_keys}, this "
                              f"optimizer {these}. Construct the optimizer with the saved values ({saved_keys}) "
                              "to resume exactly")
         self.step_count = saved["step_count"]
         self.schedule.load(saved)
-        self.update_pending = saved["update_pending"]
-        self.land_at = saved.get("land_at")
+        # (saved before phases: one value, the one phase's)
+        self.update_pending = (list(saved["update_pending"]) if isinstance(saved["update_pending"], list)
+                               else [saved["update_pending"]])
+        land_at = saved.get("land_at")
+        self.land_at = list(land_at) if isinstance(land_at, list) else [land_at]
         self.counters.update(saved["counters"])
         # States are re-created from the checkpoint (owners stay this optimizer's: see collectives.py).
         self.placement.clear()
         self._follow_layout()
-        self.grad_slot = self.acc_slot = 0
+        self.grad_slot = 0
         self.host_work.reset()

@@ -48,7 +48,7 @@ class HostWork:
         self.stall_clock: Optional[StallClock] = None  # set with the device (`use_device`)
         self._accumulate_done: list[Optional[Future]] = [None, None]  # per grad slot: its buffers' last reader
         self._last_accumulate: Optional[Future] = None
-        self._update: Optional[Future] = None  # the last launched CPU update
+        self._updates: dict[int, Future] = {}  # per phase: its last launched CPU update
         # The accumulate worker's wait for the gradients' copies to land, part of its busy time: tells a
         # worker slowed by the copies from one slowed by its own memory traffic.
         self.copy_wait_seconds = 0.0
@@ -64,16 +64,16 @@ class HostWork:
             worker.ordering = transfers.ordering
 
     # -- accumulation ---------------------------------------------------------------------------------------
-    def accumulate(self, stepped: Stepped, grad_slot: int, acc_slot: int, coef: float) -> None:
+    def accumulate(self, stepped: Stepped, grad_slot: int, coef: float) -> None:
         """Fold this step's offloaded gradients (x `coef`) into the interval's accumulators: one task for every
         slab, run once the step's copies have landed (their events taken now: the next step replaces them)."""
         if not stepped:
             return
-        work = [(slab, rows, intake.copies_in_flight(slab, grad_slot)) for slab, rows in stepped]
+        work = [(slab, rows, intake.copies_in_flight(slab, grad_slot), slab.acc_slot) for slab, rows in stepped]
 
         def accumulate():
             with record_function("zenflow::accumulate"):
-                for slab, rows, copies in work:
+                for slab, rows, copies, acc_slot in work:
                     if copies:
                         started = time.perf_counter()
                         wait_events(copies)
@@ -114,9 +114,10 @@ class HostWork:
             self._prepared.update(new)
             self.update_worker.submit(lambda: [kernels.prepare_cpu_adamw(*variant) for variant in new])
 
-    def launch_update(self, slabs: list[Slab], acc_slot: int, hyperparameters: list[dict],
+    def launch_update(self, phase: int, slabs: list[Slab], hyperparameters: list[dict],
                       interval_aware: bool) -> None:
-        """One task on the update worker: per slab, one CPU AdamW over its host rows (each member's lr
+        """One task on the update worker for a boundary of `phase` (its `slabs`; the worker runs the phases'
+        tasks in launch order): per slab, one CPU AdamW over its host rows (each member's lr
         multiplier and steps: `members_by_scale`), with each param group's `hyperparameters` at launch. A
         matrix that got no gradient all interval is skipped. The slabs updated are marked `unapplied` on every
         rank: their new columns reach the device at the next `apply_update`."""
@@ -127,26 +128,27 @@ class HostWork:
                 continue
             slab.unapplied = True
             if slab.has_host_part:
-                work.append((slab, by_scale, hyperparameters[slab.key.group_index]))
+                work.append((slab, by_scale, slab.acc_slot, hyperparameters[slab.key.group_index]))
 
         def cpu_update():
             with record_function("zenflow::cpu_adamw"):
-                for slab, by_scale, hyper in work:
+                for slab, by_scale, acc_slot, hyper in work:
                     update.update_host_columns(slab, by_scale, acc_slot, hyper)
 
-        self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)
+        self._updates[phase] = self.update_worker.submit(cpu_update, after=self._last_accumulate)
 
     def wait_for_accumulation(self) -> None:
         """The training thread waits until every step's gradients are in the accumulators (counted)."""
         if self._last_accumulate is not None:
             self.wait(self._last_accumulate)
 
-    def apply_update(self, slabs: list[Slab], data_parallel=None) -> int:
-        """Wait for the last launched CPU update and write it into the device parameters of the slabs it
-        updated; returns the bytes uploaded. Data parallel: the other ranks wait in the owners' broadcasts
-        (counted as stall)."""
-        if self._update is not None:  # (None right after a checkpoint load: already finished)
-            self.wait(self._update)
+    def apply_update(self, phase: int, slabs: list[Slab], data_parallel=None) -> int:
+        """Wait for the last launched CPU update of `phase` and write it into the device parameters of the slabs
+        (`slabs`: the phase's) it updated; returns the bytes uploaded. Data parallel: the other ranks wait in the
+        owners' broadcasts (counted as stall)."""
+        launched = self._updates.pop(phase, None)
+        if launched is not None:  # (None right after a checkpoint load: already finished)
+            self.wait(launched)
         unapplied = [slab for slab in slabs if slab.unapplied]
         waiting = self.counted_wait() if data_parallel is not None and unapplied else contextlib.nullcontext()
         with waiting:
@@ -191,7 +193,8 @@ class HostWork:
     def reset(self) -> None:
         """Every state was replaced (a checkpoint load): no task of the old states is waited for again."""
         self._accumulate_done = [None, None]
-        self._last_accumulate = self._update = None
+        self._last_accumulate = None
+        self._updates.clear()
 
     def shutdown(self) -> None:
         for worker in self.workers:

@@ -37,6 +37,9 @@ class Placement:
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.owners: dict[int, int] = {}  # data parallel: pid -> rank holding its host state (set at creation)
         self.params: dict[int, tuple[torch.Tensor, int]] = {}  # every owned parameter: id -> (param, group)
+        # stagger_boundaries: each matrix's phase, and the elements each phase holds (`assign_phase`)
+        self.phases: dict[int, int] = {}
+        self._phase_numel = [0] * config.num_phases
         # Optimizer state exists only for parameters that got a gradient: a frozen (or never used) parameter
         # costs no host memory and no transfers, and is never written.
         self.members: dict[int, Member] = {}  # pid -> its place in a slab, in registration (pid) order
@@ -57,10 +60,22 @@ class Placement:
             self.owners[pid] = self.data_parallel.assign_owner(param.numel())
         return self.owners[pid]
 
+    def assign_phase(self, pid: int, param: torch.Tensor) -> None:
+        """A matrix the optimizer takes joins the phase holding the fewest elements so far (the lowest on a
+        tie): the phases' CPU updates stay about equal whatever the model, the same on every rank."""
+        if param.dim() >= 2 and pid not in self.phases:
+            phase = self.phases[pid] = self._phase_numel.index(min(self._phase_numel))
+            self._phase_numel[phase] += param.numel()  # (a DTensor's: the whole parameter's)
+
+    @property
+    def phases_in_use(self) -> list[int]:
+        """Phase 0 and the phases holding a matrix (a phase without one has no boundaries)."""
+        return sorted({0, *self.phases.values()})
+
     def new_member(self, pid: int) -> Member:
         param, group_index = self.params[pid]
         owner = self.owner(pid, param)
-        return Member(param, pid, group_index, owner, owns_host=owner == self.rank)
+        return Member(param, pid, group_index, owner, owns_host=owner == self.rank, phase=self.phases.get(pid, 0))
 
     def create_members(self, pids: list[int], selects_now: bool) -> list[Member]:
         """State for the parameters of `pids` that have none yet, from their current values (a parameter's state
@@ -121,7 +136,7 @@ class Placement:
         self.version += 1
 
     # -- first selection ------------------------------------------------------------------------------------
-    def select_first(self, selecting: list[Member], readout, acc_slot: int, grad_slot: int) -> int:
+    def select_first(self, selecting: list[Member], readout, grad_slot: int) -> int:
         """The first selection of these members (top-k of this step's scores, `readout`: the step's
         `host_reads.StepReadout`): their state, with this step's gradient, moves into slabs of k selected columns
         (pending ones are laid out there at once). Returns the bytes their gradients sent to the host."""
@@ -130,7 +145,7 @@ class Placement:
         while old_slabs:  # one slab at a time: the host holds one slab's state twice, never the model's
             old = old_slabs.pop(0)
             members = list(old.members)
-            states = [old.export_member(m.index, acc_slot, with_step_grad=grad_slot) for m in members]
+            states = [old.export_member(m.index, with_step_grad=grad_slot) for m in members]
             for member, state in zip(members, states):
                 if member.pid not in readout.selecting_scores:
                     continue  # (a member of the same slab without a gradient this step stays unselected)
@@ -164,8 +179,7 @@ class Placement:
             self._watched = (self.version, [m.watch.watched for m in members], [m.watch.seen for m in members])
         return self._watched[1], self._watched[2]
 
-    def adopt_external_writes(self, acc_slot: int, grad_slot: int,
-                              check_written_params: Callable[[list[torch.Tensor]], None],
+    def adopt_external_writes(self, grad_slot: int, check_written_params: Callable[[list[torch.Tensor]], None],
                               drain: Callable[[], None]) -> None:
         """The parameter is the source of truth (docs/semantics.md). Values written into it by anyone else
         since the optimizer's last write (its version counter or storage changed) become the master. A
@@ -188,18 +202,18 @@ class Placement:
             if member.param.dtype == member.slab.dtype:
                 watch.adopt_param_values(member.slab, member.index)
         if cast:
-            self._adopt_cast(cast, acc_slot, grad_slot)
+            self._adopt_cast(cast, grad_slot)
         self._watched = None
 
-    def adopt_casts(self, acc_slot: int, grad_slot: int, check_written_params, drain) -> None:
+    def adopt_casts(self, grad_slot: int, check_written_params, drain) -> None:
         """A parameter cast since the last step (model.to(dtype)) gets its state's buffers in the new dtype
         before the step's first gradient lands in them (else an upcast's gradient is rounded to the old dtype
         on the way in); any other write is adopted at the step, as usual."""
         params, seen = self._watched_params()
         if list(map(_DTYPE, params)) != [s[-1] for s in seen]:
-            self.adopt_external_writes(acc_slot, grad_slot, check_written_params, drain)
+            self.adopt_external_writes(grad_slot, check_written_params, drain)
 
-    def _adopt_cast(self, cast: list[Member], acc_slot: int, grad_slot: int) -> None:
+    def _adopt_cast(self, cast: list[Member], grad_slot: int) -> None:
         """Parameters cast since the last look (model.to(dtype)): their slabs are laid out again in the new
         dtypes. As with any write, a parameter's values become the master elementwise where they differ from what
         the optimizer left in it (in the old dtype): an upcast keeps every master bit, a downcast adopts the
@@ -213,7 +227,7 @@ class Placement:
         for member in members:
             slab, i = member.slab, member.index
             left = watch.left_in_param(slab, i)
-            state = slab.export_member(i, acc_slot, with_step_grad=grad_slot)
+            state = slab.export_member(i, with_step_grad=grad_slot)
             current = member.as_columns().detach().cpu()
             watch.adopt_changed(current, left, state.master)
             state.applied = current  # what the device holds

@@ -1,7 +1,9 @@
 """When things happen (docs/semantics.md): update boundaries (an int interval, or Zen-auto's ripeness) and
 reselections (every `select_interval` steps, on the epoch grid, or on drift), and the columns a reselection
-chooses. The engine asks at each step; the schedule keeps only what those decisions read: when the current
-selection started, the epoch-grid point it was made at, and the steps since the last update boundary."""
+chooses. The engine asks at each step; the schedule keeps only what those decisions read, per phase: when the
+current selection started, the epoch-grid point it was made at, and the steps since the last update boundary.
+With stagger_boundaries, phase q runs the one-phase schedule at step t + q (`config.num_phases` phases; else
+one)."""
 
 from __future__ import annotations
 
@@ -14,19 +16,21 @@ from zenflow_compile.runtime.state.members import Member
 class Schedule:
     def __init__(self, config):
         self.config = config
-        self.selection_start = 0  # first step run under the current selection
-        self.selection_epoch = 0  # select_strategy="epoch": epoch-grid points passed at the last selection
-        self.steps_accumulated = 0  # steps since the last update boundary
+        phases = config.num_phases
+        self.selection_start = [0] * phases  # first step run under the current selection (at the phase's clock)
+        self.selection_epoch = [0] * phases  # select_strategy="epoch": epoch-grid points passed at the last one
+        self.steps_accumulated = [0] * phases  # steps since the phase's last update boundary
 
-    def is_update_boundary(self, t: int, stepped_matrices: list[Member], members: list[Member],
-                           mean_scores: dict[int, tuple[float, float]], coef: float) -> bool:
-        """Whether step t (whose matrices with a gradient are `stepped_matrices`, of all `members`) ends with an
-        update boundary. Zen-auto adds the step's mean scores (of the clipped gradient) to the members' sums."""
+    def boundaries(self, t: int, phases: list[int], stepped_matrices: list[Member], members: list[Member],
+                   mean_scores: dict[int, tuple[float, float]], coef: float) -> list[int]:
+        """Which of `phases` (those in use) have their update boundary at step t (whose matrices with a gradient
+        are `stepped_matrices`, of all `members`). Zen-auto adds the step's mean scores (of the clipped
+        gradient) to the members' sums."""
         cfg = self.config
         if t < cfg.full_warm_up_rounds:
-            return True  # warm-up: a plain synchronous AdamW of every column, every step
+            return phases  # warm-up: a plain synchronous AdamW of every column, every step
         if not cfg.auto_update:
-            return (t - cfg.full_warm_up_rounds + 1) % cfg.update_interval == 0
+            return [q for q in phases if (t + q - cfg.full_warm_up_rounds + 1) % cfg.update_interval == 0]
         # Zen-auto: a matrix is ripe once its unselected columns' mean score, summed over the interval,
         # reaches the interval's average of its selected columns' mean score.
         for m in stepped_matrices:
@@ -37,23 +41,30 @@ class Schedule:
         accumulating = [m for m in members if m.is_matrix and m.steps_accumulated > 0]
         ripe = sum(1 for m in accumulating if not m.slab.u
                    or m.sum_unselected_score >= m.sum_selected_score / m.steps_accumulated)
-        return (not accumulating or ripe >= cfg.auto_ratio * len(accumulating)
-                or self.steps_accumulated >= cfg.max_update_interval)
+        boundary = (not accumulating or ripe >= cfg.auto_ratio * len(accumulating)
+                    or self.steps_accumulated[0] >= cfg.max_update_interval)
+        return [0] if boundary else []
 
-    def interval_started(self, members: list[Member]) -> None:
-        """An update boundary took the interval's accumulation: the counts and Zen-auto's sums start again."""
-        self.steps_accumulated = 0
+    def step_accumulated(self) -> None:
+        for phase in range(self.config.num_phases):
+            self.steps_accumulated[phase] += 1
+
+    def interval_started(self, phase: int, members: list[Member]) -> None:
+        """An update boundary of `phase` took its interval's accumulation: the counts and Zen-auto's sums of its
+        members start again."""
+        self.steps_accumulated[phase] = 0
         for m in members:
-            m.sum_selected_score = m.sum_unselected_score = 0.0
-            m.steps_accumulated = 0
+            if m.phase == phase:
+                m.sum_selected_score = m.sum_unselected_score = 0.0
+                m.steps_accumulated = 0
 
-    def may_reselect(self, t: int) -> bool:
-        """Whether the boundary of step t reselects, or ("auto") must look at the scores to decide."""
-        cfg = self.config
+    def may_reselect(self, t: int, phase: int) -> bool:
+        """Whether the boundary of step t of `phase` reselects, or ("auto") must look at the scores to decide."""
+        cfg, t = self.config, t + phase
         if cfg.select_strategy == "epoch":  # the first boundary at or after each point of the epoch grid
-            return self._epoch_grid_point(t) > self.selection_epoch
+            return self._epoch_grid_point(t) > self.selection_epoch[phase]
         if cfg.reselect_every is not None:
-            return t - self.selection_start + 1 >= cfg.reselect_every
+            return t - self.selection_start[phase] + 1 >= cfg.reselect_every
         return True
 
     def should_reselect(self, slabs: list, host_scores: list[torch.Tensor]) -> bool:
@@ -86,10 +97,10 @@ class Schedule:
             chosen.append(selected)
         return chosen
 
-    def reselected(self, t: int) -> None:
-        """The boundary of step t reselected."""
-        self.selection_start = t + 1
-        self.selection_epoch = self._epoch_grid_point(t)
+    def reselected(self, t: int, phase: int) -> None:
+        """The boundary of step t of `phase` reselected."""
+        self.selection_start[phase] = t + phase + 1
+        self.selection_epoch[phase] = self._epoch_grid_point(t + phase)
 
     def _epoch_grid_point(self, t: int) -> int:
         """How many multiples of select_interval * steps_per_epoch steps (from W) have completed by step t."""
@@ -100,13 +111,15 @@ class Schedule:
 
     # -- checkpoints ----------------------------------------------------------------------------------------
     def export(self) -> dict:
-        return dict(selection_start=self.selection_start, selection_epoch=self.selection_epoch,
-                    steps_accumulated=self.steps_accumulated)
+        return dict(selection_start=list(self.selection_start), selection_epoch=list(self.selection_epoch),
+                    steps_accumulated=list(self.steps_accumulated))
 
     def load(self, saved: dict) -> None:
-        self.selection_start = saved["selection_start"]
-        self.selection_epoch = saved.get("selection_epoch", 0)
-        self.steps_accumulated = saved["steps_accumulated"]
+        """(A checkpoint saved before phases holds one number per key: the one phase's.)"""
+        per_phase = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]
+        self.selection_start = per_phase(saved["selection_start"])
+        self.selection_epoch = per_phase(saved.get("selection_epoch", 0))
+        self.steps_accumulated = per_phase(saved["steps_accumulated"])
 
 
 __all__ = ["Schedule"]

@@ -62,8 +62,9 @@ MUTATIONS = [
     Mutation("M07", "accumulate worker: reads the offloaded gradients without waiting for their copies",
              "runtime/host_work.py", "                        wait_events(copies)\n", ""),
     Mutation("M08", "accumulate task: submitted without this step's copy events",
-             "runtime/host_work.py", "        work = [(slab, rows, intake.copies_in_flight(slab, grad_slot)) for slab, rows in stepped]",
-             "        work = [(slab, rows, []) for slab, rows in stepped]"),
+             "runtime/host_work.py",
+             "        work = [(slab, rows, intake.copies_in_flight(slab, grad_slot), slab.acc_slot) for slab, rows in stepped]",
+             "        work = [(slab, rows, [], slab.acc_slot) for slab, rows in stepped]"),
     Mutation("M09", "a step's backward refills the gradient buffer the accumulate task of two steps ago reads, "
                     "without joining that task (a pinned buffer reused one step early)",
              "runtime/host_work.py", "        if pending is not None:\n            self.wait(pending)\n", ""),
@@ -104,12 +105,13 @@ MUTATIONS = [
              "        slab.transfers.host_access(writes=slab.host_weights)\n",
              "        slab.transfers.host_access(writes=slab.host_weights)\n"),
     Mutation("M22", "the CPU update starts without joining the accumulate task it follows",
-             "runtime/host_work.py", "        self._update = self.update_worker.submit(cpu_update, after=self._last_accumulate)",
-             "        self._update = self.update_worker.submit(cpu_update)"),
+             "runtime/host_work.py",
+             "        self._updates[phase] = self.update_worker.submit(cpu_update, after=self._last_accumulate)",
+             "        self._updates[phase] = self.update_worker.submit(cpu_update)"),
     Mutation("M23", "the CPU update is applied without waiting for it",
              "runtime/host_work.py",
-             "        if self._update is not None:  # (None right after a checkpoint load: already finished)\n"
-             "            self.wait(self._update)\n", ""),
+             "        if launched is not None:  # (None right after a checkpoint load: already finished)\n"
+             "            self.wait(launched)\n", ""),
     Mutation("M24", "a worker task seen finished does not order the caller after it",
              "runtime/worker.py", "            joined(future)  # (seen finished", "            pass  # (seen finished"),
     Mutation("M25", "a reselection in flight reads the arriving columns' accumulators before the step's "
@@ -139,6 +141,9 @@ MUTATIONS = [
     Mutation("M32", "host-made indices are read on the device before their upload has landed",
              "runtime/transfers.py", "        packed, _ = self.to_device(pinned)\n",
              "        packed, _ = self.upload_ahead(pinned)\n"),
+    Mutation("M33", "a staggered phase's update lands without waiting for it (the wait looks up phase 0's)",
+             "runtime/host_work.py", "        launched = self._updates.pop(phase, None)\n",
+             "        launched = self._updates.pop(0, None)\n"),
 ]
 
 # A mutated line is no longer in its file, so this check fails under every mutation: it would report each one as

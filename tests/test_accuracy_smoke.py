@@ -94,7 +94,10 @@ def test_run_names_with_a_selection_rule_and_their_config_keys():
     assert accuracy.zenflow_keys(spec) == dict(
         topk_ratio=0.1, update_interval=4, overlap_step=True, full_warm_up_rounds=0, interval_aware_update=True,
         interval_second_moment=False, select_strategy="step", select_interval=4, overlap_reselect="wait",
-        landing_lag=None)
+        landing_lag=None, stagger_boundaries=False)
+    spec = accuracy.parse_run("zenflow:iau=1,select=step8,reselect=incoming,lag=1,stagger=1")
+    assert accuracy.run_name(spec).endswith(",iau=1,select=step8,reselect=incoming,lag=1,stagger=1")
+    assert accuracy.zenflow_keys(spec)["stagger_boundaries"] is True
     keys = accuracy.zenflow_keys(accuracy.parse_run("zenflow:select=epoch1"), steps_per_epoch=342)
     assert (keys["select_strategy"], keys["select_interval"], keys["steps_per_epoch"]) == ("epoch", 1, 342)
     for bad in ("step0", "steps4", "every4", "epoch"):

@@ -43,7 +43,7 @@ DEFAULTS = dict(topk_ratio=0.1, select_strategy="auto", select_interval="auto", 
                 overlap_step=False, offload=False, auto_ratio=0.99, full_warm_up_rounds=0,
                 pt_reserved_cores_perc=0.5, steps_per_epoch=None, max_update_interval=16,
                 interval_aware_update=False, interval_second_moment=False, overlap_reselect="wait", landing_lag=None,
-                accumulate_on="auto")
+                accumulate_on="auto", stagger_boundaries=False)
 
 
 # ------------------------------------------------------------------------------------------------ defaults
@@ -97,6 +97,7 @@ INVALID = [
     ("landing_lag", 0), ("landing_lag", -1), ("landing_lag", 1.0), ("landing_lag", "1"), ("landing_lag", True),
     ("landing_lag", "auto"),
     ("accumulate_on", "gpu"), ("accumulate_on", None), ("accumulate_on", True),
+    ("stagger_boundaries", 1), ("stagger_boundaries", "yes"), ("stagger_boundaries", None),
 ]
 
 
@@ -286,7 +287,7 @@ def test_deepspeed_defaults_parity():
     shared = [k for k in ZENFLOW_KEYS if k in type(ds).model_fields]
     assert set(ZENFLOW_KEYS) - set(shared) == {"max_update_interval", "interval_aware_update",
                                                "interval_second_moment", "overlap_reselect", "landing_lag",
-                                               "accumulate_on"}
+                                               "accumulate_on", "stagger_boundaries"}
     assert set(type(ds).model_fields) <= set(ZENFLOW_KEYS)
     for k in shared:
         assert getattr(ours, k) == getattr(ds, k), k
@@ -319,6 +320,18 @@ def test_second_moment_needs_interval_aware_update():
         ZenFlowConfig(interval_second_moment=True)
     assert str(ei.value).startswith("ZenFlowConfig.interval_second_moment=True needs interval_aware_update=True")
     assert "Set both, or neither" in str(ei.value)
+
+
+# ----------------------------------------------------------------------------------------- stagger_boundaries
+def test_stagger_boundaries_deals_the_matrices_into_update_interval_phases():
+    assert ZenFlowConfig().stagger_boundaries is False and ZenFlowConfig().num_phases == 1
+    c = ZenFlowConfig(update_interval=4, stagger_boundaries=True)
+    assert c.num_phases == 4 and ZenFlowConfig.from_dict(c.to_dict()) == c
+    assert ZenFlowConfig(update_interval=4).num_phases == 1
+    with pytest.raises(ValueError) as ei:
+        ZenFlowConfig(update_interval="auto", stagger_boundaries=True)
+    assert str(ei.value).startswith("ZenFlowConfig.stagger_boundaries=True needs an int update_interval: it deals "
+                                    "the matrices into update_interval phases")
 
 
 # ------------------------------------------------------------------------------------------- landing lag

@@ -58,6 +58,10 @@ PARITY = {
     # columns' state; one boundary's update lands a step later.
     "incoming": dict(steps=8, keys=dict(BASE, update_interval=3, select_interval=3, overlap_step=True,
                                         overlap_reselect="incoming", landing_lag=1)),
+    # Staggered boundaries over stacked layers: each phase's slabs, owned by either rank, at their own steps.
+    "stagger": dict(steps=8, model="repeated", keys=dict(BASE, update_interval=3, select_interval=3,
+                                                         overlap_step=True, overlap_reselect="incoming",
+                                                         landing_lag=1, stagger_boundaries=True)),
 }
 MODES = ("eager", "compiled")
 CHECKPOINT = dict(name="checkpoint", compiled=True, steps=5, resume_steps=4, keys=dict(BASE, overlap_step=True))

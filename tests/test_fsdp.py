@@ -56,8 +56,13 @@ PARITY = {
     # The CPU update lands one step after its boundary, reselecting ones included ("incoming").
     "landing_lag": dict(steps=8, clip=0.05, keys=dict(BASE, update_interval=3, select_interval=3,
                                                       overlap_reselect="incoming", landing_lag=1)),
+    # Staggered boundaries: each matrix's phase (from the DTensor's whole shape) the same on every rank.
+    "stagger": dict(steps=8, clip=0.05, keys=dict(BASE, update_interval=3, select_interval=3,
+                                                  overlap_reselect="incoming", landing_lag=1,
+                                                  stagger_boundaries=True)),
 }
-COMPILED = ("overlap_reselect_clip_nan", "zen_auto", "bf16_compute", "load_weights", "incoming", "landing_lag")
+COMPILED = ("overlap_reselect_clip_nan", "zen_auto", "bf16_compute", "load_weights", "incoming", "landing_lag",
+            "stagger")
 BF16_ATOL = 1e-3  # bf16 compute: a 1-ulp fp32 difference in a parameter can change its bf16 cast
 # bf16 compiled: Inductor keeps a bf16 graph's pointwise intermediates in fp32 and rounds to bf16 where a kernel
 # (or a graph: FSDP2's hooks cut one per sharded module) ends, so the reference is compiled too, cut at the same

@@ -191,6 +191,21 @@ REFERENCE_CASES = {
                                                    clip=0.05),
     "lag1-zen-auto": dict(keys=dict(topk_ratio=0.25, update_interval="auto", max_update_interval=4, auto_ratio=0.9,
                                     overlap_step=True, landing_lag=1)),
+    # stagger_boundaries: each matrix's boundaries at its phase's steps (Tiny's three matrices, one a phase).
+    "stagger-lag1-incoming-step4": dict(keys=dict(topk_ratio=0.25, update_interval=4, select_strategy="step",
+                                                  select_interval=4, overlap_step=True, interval_aware_update=True,
+                                                  overlap_reselect="incoming", landing_lag=1,
+                                                  stagger_boundaries=True)),
+    "stagger-wait-accumulation-groups-clip": dict(keys=dict(topk_ratio=0.25, update_interval=3,
+                                                            select_strategy="step", select_interval=4,
+                                                            overlap_step=True, stagger_boundaries=True),
+                                                  backwards=[1, 2, 1, 2, 2, 1, 1, 2, 1, 1, 2, 1], groups=True,
+                                                  clip=0.05),
+    "stagger-auto-strategy-warm-up2": dict(keys=dict(topk_ratio=0.5, update_interval=2, select_strategy="auto",
+                                                     full_warm_up_rounds=2, overlap_step=True,
+                                                     stagger_boundaries=True)),
+    "stagger-epoch-no-overlap": dict(keys=dict(topk_ratio=0.25, update_interval=3, select_strategy="epoch",
+                                               select_interval=1, steps_per_epoch=4, stagger_boundaries=True)),
 }
 
 
@@ -326,6 +341,11 @@ RESUME_CASES = {
     "bf16-int3-second-moment-pending": dict(dtype=torch.bfloat16, keys=dict(
         topk_ratio=0.25, update_interval=3, overlap_step=True, select_strategy="step", select_interval=5,
         interval_aware_update=True, interval_second_moment=True), pending=True),
+    # Staggered: saved at t = 4 with phase 1's update (boundary 4) and phase 0's (boundary 3, lag 2) in flight,
+    # phase 2's interval half summed; reselections after the save.
+    "stagger-lag2-incoming-pending": dict(dtype=torch.float32, keys=dict(
+        topk_ratio=0.25, update_interval=3, overlap_step=True, select_strategy="step", select_interval=3,
+        overlap_reselect="incoming", landing_lag=2, stagger_boundaries=True), pending=True),
 }
 
 
@@ -513,6 +533,32 @@ def test_a_checkpoint_saved_before_the_landing_lag_key_existed_resumes():
     with pytest.raises(ValueError, match=r"it has landing_lag=1, this optimizer landing_lag=None\. Construct the "
                                          r"optimizer with the saved values \(landing_lag=1\)"):
         ZenFlowAdamW(tiny_model().parameters(), lr=LR, **keys).load_state_dict(sd)
+
+
+def test_a_checkpoint_saved_before_the_stagger_key_existed_resumes():
+    """Saved before stagger_boundaries: no such config key (it ran unstaggered), one number per phase key."""
+    keys = dict(topk_ratio=0.25, update_interval=3, overlap_step=True, landing_lag=2, select_strategy="step",
+                select_interval=3, overlap_reselect="incoming")
+    batches = make_batches(9)
+    a = tiny_model()
+    oa = ZenFlowAdamW(a.parameters(), lr=LR, **keys)
+    train_steps(a, oa, batches[:4])
+    sd = _roundtrip(oa.state_dict())
+    zf = sd["zenflow"]
+    del zf["config"]["stagger_boundaries"]
+    for key in ("update_pending", "land_at", "selection_start", "selection_epoch", "steps_accumulated"):
+        (zf[key],) = zf[key]
+    assert zf["update_pending"] and zf["land_at"] == 4
+    b = tiny_model()
+    b.load_state_dict(a.state_dict())
+    ob = ZenFlowAdamW(b.parameters(), lr=LR, **keys)
+    ob.load_state_dict(sd)
+    log_a, log_b = train_steps(a, oa, batches[4:]), train_steps(b, ob, batches[4:])
+    for xs, ys in zip(log_a.params, log_b.params):
+        assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+    with pytest.raises(ValueError, match=r"it has stagger_boundaries=False, this optimizer "
+                                         r"stagger_boundaries=True"):
+        ZenFlowAdamW(tiny_model().parameters(), lr=LR, stagger_boundaries=True, **keys).load_state_dict(sd)
 
 
 def test_a_checkpoint_saved_before_the_host_row_order_was_saved_resumes():

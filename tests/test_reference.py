@@ -356,7 +356,7 @@ def test_state_dict_resume_is_exact():
     for i in range(N):
         train_step(a, oa, i)
     saved_model, saved_opt = copy.deepcopy(a.state_dict()), oa.state_dict()
-    assert saved_opt["zenflow"]["pending"]                  # a CPU update is in flight at the save
+    assert saved_opt["zenflow"]["phases"][0]["pending"]     # a CPU update is in flight at the save
     for i in range(N, N + M):
         train_step(a, oa, i)
     assert oa.stats()["reselections"] == 1
@@ -560,7 +560,7 @@ def test_resume_is_exact_with_an_update_in_flight_before_its_landing_step():
     for i in range(N):
         train_step(a, oa, i)
     saved_model, saved_opt = copy.deepcopy(a.state_dict()), oa.state_dict()
-    assert saved_opt["zenflow"]["pending"] and saved_opt["zenflow"]["land_at"] == 5
+    assert saved_opt["zenflow"]["phases"] == [dict(sel_start=4, sel_epoch=0, m_acc=1, pending=True, land_at=5)]
     for i in range(N, N + M):
         train_step(a, oa, i)
     b = make_model()
@@ -609,7 +609,8 @@ def test_zen_auto_lands_at_the_lag_or_at_an_earlier_boundary():
 
 
 def test_a_state_dict_saved_before_per_column_counts_resumes():
-    """Saved mid-interval by a reference without acc_n and land_at: one count per matrix, no lag."""
+    """Saved mid-interval by a reference without acc_n, land_at and phases: one count per matrix, no lag, one
+    phase."""
     keys = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, interval_aware_update=True,
                 select_strategy="step", select_interval=4)
     a = make_model()
@@ -617,7 +618,9 @@ def test_a_state_dict_saved_before_per_column_counts_resumes():
     for i in range(6):
         train_step(a, oa, i)
     sd = oa.state_dict()
-    del sd["zenflow"]["land_at"]
+    (phase,) = sd["zenflow"].pop("phases")
+    del phase["land_at"]
+    sd["zenflow"].update(phase)
     for entry in sd["state"].values():
         if "acc_n" in entry:
             assert entry["acc_n"].max() == entry["acc_steps"] == 2
@@ -654,3 +657,102 @@ def test_over_float64_parameters_the_state_is_float64_and_equals_adamw():
     assert all(ref.master(p).dtype == torch.float64 for p in a.parameters())
     assert all(t.dtype == torch.float64 for st in ref.state.values() for t in st.values()
                if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+# ----------------------------------------------------------------------------------------- stagger_boundaries
+class _Separate(nn.Module):
+    """Matrices that never meet: each one's gradient depends only on itself (its own input and target), so a
+    matrix's run does not depend on when the others are updated."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(cols, rows, bias=False) for rows, cols in shapes)
+
+    def loss(self, i):
+        g = seeded_generator(3000 + i)
+        total = 0.0
+        for layer in self.layers:
+            x = torch.randn(8, layer.in_features, generator=g)
+            total = total + ((layer(x) - torch.randn(8, layer.out_features, generator=g)) ** 2).mean()
+        return total
+
+
+STAGGER_KEYS = dict(topk_ratio=0.25, update_interval=3, overlap_step=True, landing_lag=1, select_strategy="step",
+                    select_interval=100)
+
+
+def _unselected_changes(shapes, steps=10, **keys):
+    """Per step, which matrices' unselected columns changed on the device during it."""
+    torch.manual_seed(0)
+    model = _Separate(shapes)
+    opt = ZenFlowReference(model.parameters(), lr=LR, **keys)
+    changes = []
+    for i in range(steps):
+        before = [layer.weight.detach().clone() for layer in model.layers]
+        model.loss(i).backward()
+        opt.step()
+        opt.zero_grad()
+        changed = []
+        for j, (layer, old) in enumerate(zip(model.layers, before)):
+            unselected = torch.ones(layer.weight.shape[1], dtype=torch.bool)
+            unselected[opt.selected_columns(layer.weight)] = False
+            changed.append(bool((layer.weight.detach() != old)[:, unselected].any()))
+        changes.append(changed)
+    return changes
+
+
+def test_staggered_matrices_land_their_updates_at_their_phases_steps():
+    """Three matrices of one size take phases 0, 1, 2 (each to the phase holding the fewest elements); phase q's
+    boundaries are those of step t + q, so its unselected columns change only at the end of b + L."""
+    changes = _unselected_changes([(6, 8)] * 3, stagger_boundaries=True, **STAGGER_KEYS)
+    for q in range(3):
+        landings = {t for t in range(10) if changes[t][q]}
+        boundaries = [t for t in range(10) if (t + q + 1) % 3 == 0]
+        assert landings == {b + 1 for b in boundaries if b + 1 < 10}, (q, landings)
+    unstaggered = _unselected_changes([(6, 8)] * 3, **STAGGER_KEYS)
+    assert all(row == [t in (3, 6, 9)] * 3 for t, row in enumerate(unstaggered))
+
+
+def test_phases_balance_the_elements_in_the_order_the_optimizer_takes_the_matrices():
+    """A large matrix first takes phase 0; the next ones fill the other phases, each to the lightest."""
+    # sizes 96, 16, 16, 48, 32: phases get [96], [16, 48], [16, 32] -> phase of each: 0, 1, 2, 1, 2
+    changes = _unselected_changes([(12, 8), (2, 8), (2, 8), (6, 8), (4, 8)], stagger_boundaries=True,
+                                  **STAGGER_KEYS)
+    for j, q in enumerate([0, 1, 2, 1, 2]):
+        first = min(t for t in range(10) if changes[t][j])
+        assert first == 3 - q, (j, first)
+
+
+@pytest.mark.parametrize("shapes,interval", [([(6, 8)], 3), ([(6, 8), (4, 8)], 1)], ids=["one-matrix", "S1"])
+def test_one_phase_in_use_is_the_unstaggered_schedule_bit_for_bit(shapes, interval):
+    keys = dict(STAGGER_KEYS, update_interval=interval, select_interval=2, overlap_reselect="incoming")
+    runs = []
+    for stagger in (False, True):
+        torch.manual_seed(0)
+        model = _Separate(shapes)
+        opt = ZenFlowReference(model.parameters(), lr=LR, stagger_boundaries=stagger, **keys)
+        for i in range(12):
+            model.loss(i).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append(([p.detach().clone() for p in model.parameters()], opt.stats()))
+    assert runs[0][1] == runs[1][1] and runs[0][1]["reselections"] >= 3
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][0], runs[1][0]))
+
+
+def test_a_matrix_of_phase_0_runs_as_unstaggered():
+    """Matrices that never meet: the phase-0 matrix of a staggered run equals the same matrix unstaggered
+    (phase 0's clock is the step's), reselections included."""
+    keys = dict(STAGGER_KEYS, select_interval=4, overlap_reselect="incoming")
+    weights = []
+    for stagger in (False, True):
+        torch.manual_seed(0)
+        model = _Separate([(6, 8), (6, 8), (6, 8)])
+        opt = ZenFlowReference(model.parameters(), lr=LR, stagger_boundaries=stagger, **keys)
+        for i in range(12):
+            model.loss(i).backward()
+            opt.step()
+            opt.zero_grad()
+        weights.append([layer.weight.detach().clone() for layer in model.layers])
+    assert torch.equal(weights[0][0], weights[1][0])
+    assert not torch.equal(weights[0][1], weights[1][1])  # (the others do run on other steps)

@@ -275,6 +275,32 @@ def test_a_parameter_removed_mid_interval_equals_the_reference():
     assert_models_close(a, b, "synchronized")
 
 
+@pytest.mark.parametrize("accumulate_on", ["host", "device"])
+@pytest.mark.parametrize("move_at", [2, 5])
+def test_a_parameter_moved_to_another_group_mid_interval_keeps_its_accumulated_gradient(accumulate_on, move_at):
+    """A parameter moved to another param group mid-interval is laid out again with the gradient its columns
+    accumulated so far, whichever interval it is (the host sums in two buffers, one per interval's parity):
+    the boundary after the move updates them from every step's gradient, as the reference does."""
+    a, b = tiny_model(), tiny_model()
+
+    def groups(m):
+        return [{"params": [m.emb.weight, m.fc1.weight, m.fc1.bias, m.norm.weight, m.norm.bias]},
+                {"params": [m.fc2.weight, m.fc2.bias], "lr": 3e-3}]
+
+    keys = dict(KEYS, update_interval=4, overlap_step=False, select_interval=100, full_warm_up_rounds=0)
+    zen = ZenFlowAdamW(groups(a), lr=LR, weight_decay=WD, accumulate_on=accumulate_on, **keys)
+    ref = ZenFlowReference(groups(b), lr=LR, weight_decay=WD, **keys)
+    for step, batch in enumerate(make_batches(8)):
+        for model, opt in ((a, zen), (b, ref)):
+            if step == move_at:  # mid-interval, steps already summed: in the first interval or the second
+                _remove(opt, model.fc1.weight)
+                opt.param_groups[1]["params"].append(model.fc1.weight)
+            loss_fn(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+        assert_models_close(a, b, f"step {step}")
+
+
 def test_compiled_removed_parameter_that_still_requires_grad_is_a_clear_error():
     model, opt, compiled, batch = after_one_step(compiled=True)
     _remove(opt, model.fc1.weight)

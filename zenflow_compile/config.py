@@ -140,6 +140,12 @@ class ZenFlowConfig:
         interval), "host" (every step's gradient copied to the host and added there by a worker thread: for a
         device without room for the accumulator), "auto" (device where the accumulators fit half of the free
         device memory; host where the device is the host, or with ZenFlow's own data parallelism).
+    stagger_boundaries: this project's key, needs an int update_interval S. False: every matrix's update boundary
+        falls at the same steps. True: the matrices are dealt into S phases of about equal size (in the order
+        the optimizer takes them, each to the phase holding the fewest elements so far) and phase q's
+        boundaries, landings and reselections are those of the unstaggered schedule at step t + q: at every
+        step about 1/S of the parameters reach a boundary, so the CPU works evenly and a landing_lag of L
+        steps asks it for L / S of an update, not a whole one.
     """
 
     topk_ratio: float = 0.1
@@ -158,6 +164,7 @@ class ZenFlowConfig:
     overlap_reselect: str = "wait"
     landing_lag: Optional[int] = None
     accumulate_on: str = "auto"
+    stagger_boundaries: bool = False
 
     # preset: which defaults the keys not given take, "project" (None) or "deepspeed" (see PRESETS); not stored.
     preset: dataclasses.InitVar[Optional[str]] = None
@@ -203,7 +210,8 @@ class ZenFlowConfig:
             raise _bad("select_strategy", self.select_strategy, 'one of "auto", "step", "epoch"')
         int_at_least("select_interval", 1, '"auto" or an int >= 1', auto=True)
         int_at_least("update_interval", 1, '"auto" or an int >= 1', auto=True)
-        for key in ("overlap_step", "offload", "interval_aware_update", "interval_second_moment"):
+        for key in ("overlap_step", "offload", "interval_aware_update", "interval_second_moment",
+                    "stagger_boundaries"):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "a bool (True or False)")
         real_in("auto_ratio", 0.0, 1.0, False, "a float in [0, 1]")
@@ -235,6 +243,11 @@ class ZenFlowConfig:
                            "next boundary, before that boundary launches its own")
         if not (isinstance(self.accumulate_on, str) and self.accumulate_on in _ACCUMULATE_ON):
             raise _bad("accumulate_on", self.accumulate_on, 'one of "auto", "device", "host"')
+        if self.stagger_boundaries and self.auto_update:
+            raise ValueError(
+                "ZenFlowConfig.stagger_boundaries=True needs an int update_interval: it deals the matrices into "
+                "update_interval phases, and Zen-auto's boundaries ('auto') are not known in advance. Set "
+                "update_interval to an int, or stagger_boundaries=False")
         if self.interval_second_moment and not self.interval_aware_update:
             raise ValueError(
                 "ZenFlowConfig.interval_second_moment=True needs interval_aware_update=True: it sizes the second "
@@ -309,6 +322,11 @@ class ZenFlowConfig:
     def auto_update(self) -> bool:
         """True when the update interval is chosen by Zen-auto."""
         return self.update_interval == "auto"
+
+    @property
+    def num_phases(self) -> int:
+        """The phases the matrices' boundaries are staggered over (1: unstaggered)."""
+        return self.update_interval if self.stagger_boundaries else 1
 
     @property
     def reselect_every(self) -> Optional[int]:

@@ -56,6 +56,14 @@ Its decisions in detail (the rest of the project follows them):
 - overlap_reselect (with overlap_step): "wait" is the above. "incoming": in (3) a reselecting
   boundary stays pending like any other; in (4) the switch makes the columns joining S current at once, the
   others of U keep the boundary's update in flight until it lands.
+- stagger_boundaries (int S): each matrix has a phase q in 0..S-1, fixed when the optimizer takes it
+  (add_param_group, the constructor's groups included, in their order; floating-point matrices only): the
+  phase holding the fewest elements so far, the lowest on a tie. Everything above that is global per
+  boundary (m_acc, pending, land_at, sel_start, sel_epoch, the "auto" drift vote) is kept per phase, and
+  phase q runs the one-phase schedule at step t + q: its boundaries are the steps with (t + q - W + 1) % S
+  == 0, its reselection tests read t + q (sel_start starts at W on every phase's clock), and (1)-(5) at its
+  boundary touch only its matrices. A phase holding no matrix has no boundaries (phase 0 always counts);
+  stats()["current_interval"] is the longest of the phases', "pending" whether any phase's is.
 - lr / betas / eps / weight_decay: the param group's values at the step the update is made.
 - The parameter is the source of truth for its value: state is created from the parameter at its first
   gradient, and at every step() (and synchronize()) each element that differs from what this optimizer last
@@ -137,12 +145,22 @@ class ZenFlowReference(torch.optim.Optimizer):
             raise ValueError(f"weight_decay={weight_decay!r} is invalid: expected >= 0")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm!r} is invalid: expected None or > 0")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.config = config
+        # stagger_boundaries: each matrix's phase, and the elements each phase holds (add_param_group fills them)
+        self._phase, self._phase_numel = {}, [0] * config.num_phases
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.max_grad_norm = max_grad_norm
         W = config.full_warm_up_rounds
-        self.zf = dict(t=0, sel_start=W, sel_epoch=0, m_acc=0, pending=False, land_at=None, skipped_steps=0,
-                       cpu_updates=0, reselections=0, overlapped_boundaries=0)
+        self.zf = dict(t=0, phases=[dict(sel_start=W, sel_epoch=0, m_acc=0, pending=False, land_at=None)
+                                    for _ in range(config.num_phases)],
+                       skipped_steps=0, cpu_updates=0, reselections=0, overlapped_boundaries=0)
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:  # (a matrix's phase is fixed when the optimizer takes it)
+            if self._is_matrix(p) and p.is_floating_point() and p not in self._phase:
+                phase = self._phase[p] = self._phase_numel.index(min(self._phase_numel))
+                self._phase_numel[phase] += p.numel()
 
     # ------------------------------------------------------------------------------------------- helpers
     @staticmethod
@@ -216,12 +234,26 @@ class ZenFlowReference(torch.optim.Optimizer):
         keep[st["S"]] = False
         return keep.nonzero().flatten()
 
-    def _matrices(self):
-        return [(g, p) for g in self.param_groups for p in g["params"] if "S" in self.state.get(p, {})]
+    def _matrices(self, phase=None):
+        """(group, p) of the matrices with a selection (of one phase's, if given)."""
+        return [(g, p) for g in self.param_groups for p in g["params"] if "S" in self.state.get(p, {})
+                and (phase is None or self._phase[p] == phase)]
 
-    def _apply_unselected(self):
-        for _, p in self._matrices():
+    def _apply_unselected(self, phase=None):
+        for _, p in self._matrices(phase):
             self._write_device(p, self._unselected(p))
+
+    def _phases_in_use(self):
+        """Phase 0 and the phases holding a matrix (a phase without one has no boundaries)."""
+        return sorted({0, *self._phase.values()})
+
+    def _land(self, phase):
+        """The CPU update of `phase` in flight, if any, lands: the device copy of its unselected columns."""
+        zp = self.zf["phases"][phase]
+        if zp["pending"]:
+            self._apply_unselected(phase)
+            zp["pending"] = False
+        zp["land_at"] = None
 
     def _host_update(self, group, p, cols):
         """The CPU update of the columns ``cols`` of matrix p: one AdamW update of each column with the mean of
@@ -310,68 +342,65 @@ class ZenFlowReference(torch.optim.Optimizer):
             if cfg.auto_update and U.numel() > 0:
                 st["sumK"] += s[S].mean().item()
                 st["sumU"] += s[U].mean().item()
-        z["m_acc"] += 1
+        for zp in z["phases"]:
+            zp["m_acc"] += 1
 
-        # Is step t an update boundary?
+        # Which phase's update boundary is step t? (Zen-auto and int S unstaggered: the one phase's, or none.)
         if cfg.auto_update:
             acc_mats = [p for _, p in self._matrices() if self.state[p]["acc_steps"] > 0]
             ripe = sum(1 for p in acc_mats if self._unselected(p).numel() == 0
                        or self.state[p]["sumU"] >= self.state[p]["sumK"] / self.state[p]["acc_steps"])
-            boundary = (not acc_mats or ripe >= cfg.auto_ratio * len(acc_mats)
-                        or z["m_acc"] >= cfg.max_update_interval)
-        else:
-            boundary = (t - W + 1) % cfg.update_interval == 0
+            boundaries = [0] if (not acc_mats or ripe >= cfg.auto_ratio * len(acc_mats)
+                                 or z["phases"][0]["m_acc"] >= cfg.max_update_interval) else []
+        else:  # phase q runs the one-phase schedule at step t + q
+            boundaries = [q for q in self._phases_in_use() if (t + q - W + 1) % cfg.update_interval == 0]
 
-        if boundary:
+        for q in boundaries:
+            zp, tq = z["phases"][q], t + q
+            phase_scores = {p: s for p, s in scores.items() if self._phase[p] == q}
             # Reselect? Decided from this step's scores.
             if cfg.select_strategy == "epoch":
-                reselect = (t - W + 1) // cfg.reselect_every > z["sel_epoch"]
+                reselect = (tq - W + 1) // cfg.reselect_every > zp["sel_epoch"]
             elif cfg.reselect_every is not None:
-                reselect = t - z["sel_start"] + 1 >= cfg.reselect_every
+                reselect = tq - zp["sel_start"] + 1 >= cfg.reselect_every
             else:
                 total_c = drifted_c = 0
-                for p, s in scores.items():
+                for p, s in phase_scores.items():
                     S, k = self.state[p]["S"], cfg.num_selected(s.numel())
                     total_c += s.numel()
                     if 2 * torch.isin(S, top_k(s, k)).sum().item() < k:
                         drifted_c += s.numel()
                 reselect = total_c > 0 and 2 * drifted_c >= total_c
             # (1) the previous boundary's CPU update lands, if still in flight (overlap)
-            if z["pending"]:
-                self._apply_unselected()
-                z["pending"] = False
-            z["land_at"] = None
+            self._land(q)
             # (2) CPU update of the unselected columns with the mean accumulated gradient
-            for group, p in self._matrices():
+            for group, p in self._matrices(q):
                 st = self.state[p]
                 self._host_update(group, p, self._unselected(p))
                 st["acc_steps"], st["sumK"], st["sumU"] = 0, 0.0, 0.0
-            z["m_acc"] = 0
+            zp["m_acc"] = 0
             z["cpu_updates"] += 1
             # (3) apply it now, or leave it in flight until the next boundary
             waits = reselect and cfg.overlap_reselect == "wait"
             if cfg.overlap_step and not waits:
-                z["pending"] = True
-                z["land_at"] = None if cfg.landing_lag is None else t + cfg.landing_lag
+                zp["pending"] = True
+                zp["land_at"] = None if cfg.landing_lag is None else t + cfg.landing_lag
                 z["overlapped_boundaries"] += 1
             else:
-                self._apply_unselected()
+                self._apply_unselected(q)
             # (4) reselection: the selection decided now takes effect; the columns joining it are made current
             # on the device at once.
             if reselect:
-                groups = {p: g for g, p in self._matrices()}
-                for p, s in scores.items():
+                groups = {p: g for g, p in self._matrices(q)}
+                for p, s in phase_scores.items():
                     self._switch(groups[p], p, top_k(s, cfg.num_selected(s.numel())))
-                z["sel_start"] = t + 1
+                zp["sel_start"] = tq + 1
                 if cfg.select_strategy == "epoch":
-                    z["sel_epoch"] = (t - W + 1) // cfg.reselect_every
+                    zp["sel_epoch"] = (tq - W + 1) // cfg.reselect_every
                 z["reselections"] += 1
-        elif z["land_at"] == t:
-            # (5) landing_lag: the update in flight lands at the end of step b + L.
-            if z["pending"]:
-                self._apply_unselected()
-                z["pending"] = False
-            z["land_at"] = None
+        for q, zp in enumerate(z["phases"]):
+            if q not in boundaries and zp["land_at"] == t:
+                self._land(q)  # (5) landing_lag: the update in flight lands at the end of step b + L.
         z["t"] = t + 1
         return loss
 
@@ -379,15 +408,18 @@ class ZenFlowReference(torch.optim.Optimizer):
     def synchronize(self):
         """Apply the CPU update still in flight (overlap_step), if any."""
         self._adopt_external_writes()
-        if self.zf["pending"]:
-            self._apply_unselected()
-            self.zf["pending"] = False
+        for q in range(self.config.num_phases):
+            if self.zf["phases"][q]["pending"]:
+                self._apply_unselected(q)
+                self.zf["phases"][q]["pending"] = False
 
     # ------------------------------------------------------------------------------------ inspection
     def stats(self):
         z = self.zf
         return dict(steps=z["t"], skipped_steps=z["skipped_steps"], cpu_updates=z["cpu_updates"],
-                    reselections=z["reselections"], current_interval=z["m_acc"], pending=z["pending"],
+                    reselections=z["reselections"],
+                    current_interval=max(z["phases"][q]["m_acc"] for q in self._phases_in_use()),
+                    pending=any(zp["pending"] for zp in z["phases"]),
                     overlapped_boundaries=z.get("overlapped_boundaries", 0))
 
     def selected_columns(self, p):
@@ -407,7 +439,7 @@ class ZenFlowReference(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------ checkpoints
     def state_dict(self):
         sd = copy.deepcopy(super().state_dict())
-        sd["zenflow"] = dict(self.zf)
+        sd["zenflow"] = copy.deepcopy(self.zf)
         return sd
 
     def load_state_dict(self, state_dict):
@@ -425,4 +457,7 @@ class ZenFlowReference(torch.optim.Optimizer):
                     st["acc_n"] = torch.zeros(st["count"].numel(), dtype=torch.long, device=p.device)
                     if "S" in st:
                         st["acc_n"][self._unselected(p)] = st["acc_steps"]
-        self.zf = dict(dict(land_at=None), **zf)
+        if "phases" not in zf:  # saved before stagger_boundaries: one phase, its keys at the top
+            phase = {k: zf.pop(k) for k in ("sel_start", "sel_epoch", "m_acc", "pending")}
+            zf["phases"] = [dict(phase, land_at=zf.pop("land_at", None))]
+        self.zf = zf

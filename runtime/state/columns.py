@@ -61,8 +61,7 @@ def _unpack(rows: torch.Tensor, R: int, member: torch.Tensor, place: torch.Tenso
     return MovingColumns(member, place, rows[:, :R], rows[:, R:2 * R], rows[:, 2 * R:3 * R], rows[:, 3 * R], weights)
 
 
-def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
-                  members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict,
+def take_arriving(slab: Slab, selected: torch.Tensor, members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict,
                   data_parallel=None) -> Optional[MovingColumns]:
     """Before this boundary's CPU update is launched, with no CPU work in flight: the AdamW step of the
     columns `selected` ([n, k]) brings onto the device, from their current host rows and the interval's sums
@@ -84,16 +83,16 @@ def take_arriving(slab: Slab, selected: torch.Tensor, acc_slot: int,
         if slab.accumulates_on_device:
             arriving = _update_arriving_on_device(slab, state, row, row_scale, steps, hyperparameters)
         else:
-            arriving = _update_arriving_on_host(slab, state, row, acc_slot, row_scale, steps, hyperparameters)
+            arriving = _update_arriving_on_host(slab, state, row, row_scale, steps, hyperparameters)
     return arriving if data_parallel is None else _rows_from_owner(slab, data_parallel, member, slot, arriving)
 
 
-def _update_arriving_on_host(slab: Slab, state: MovingColumns, row: torch.Tensor, acc_slot: int,
+def _update_arriving_on_host(slab: Slab, state: MovingColumns, row: torch.Tensor,
                              row_scale: torch.Tensor, steps: torch.Tensor, hyperparameters: dict) -> MovingColumns:
     """`take_arriving` from the host's sums: the CPU AdamW of the arriving columns on copies of their rows
     (one call, each row with its own count, lr multiplier and divisor)."""
-    wait_for_accumulators(slab, acc_slot)
-    grad, *grad_sq = (sums[state.member, row] for sums in slab.host_sums(acc_slot))
+    wait_for_accumulators(slab, slab.acc_slot)
+    grad, *grad_sq = (sums[state.member, row] for sums in slab.host_sums(slab.acc_slot))
     kernels.cpu_adamw_(state.master, grad, state.exp_avg, state.exp_avg_sq, state.counts, lr_scale=row_scale,
                        divisor=steps.squeeze(1).float(), grad_sq=grad_sq[0] if grad_sq else None, **hyperparameters)
     return state

@@ -262,17 +262,17 @@ def accumulate_on_device(slab: Slab, rows: Optional[list[int]], coef: float) -> 
         torch._foreach_addcmul_(pick(slab.device_sq_acc), grads, grads, value=coef * coef)
 
 
-def send_accumulators(slab: Slab, acc_slot: int) -> int:
-    """Device accumulation, at a boundary: the interval's sums copied into the pinned accumulators[acc_slot]
-    for the CPU update (`acc_landed[acc_slot]` is their copy's event). The device sums hold nothing from
-    here on (`acc_sent`); the next step's accumulation empties them, its stream waiting for the copy then:
-    a step later, so the device does not wait for it. Returns the bytes sent. (Host accumulation: nothing
-    to send.)"""
+def send_accumulators(slab: Slab) -> int:
+    """Device accumulation, at a boundary: the interval's sums copied into the pinned accumulators of the
+    slab's `acc_slot` for the CPU update (`acc_landed[acc_slot]` is their copy's event). The device sums hold
+    nothing from here on (`acc_sent`); the next step's accumulation empties them, its stream waiting for the
+    copy then: a step later, so the device does not wait for it. Returns the bytes sent. (Host accumulation:
+    nothing to send.)"""
     if not slab.accumulates_on_device or slab.acc_sent is not None:
         return 0
-    targets = slab.host_sums(acc_slot)
-    slab.acc_landed[acc_slot] = slab.transfers.to_host_many(slab.device_sums(), targets)
-    slab.acc_sent = slab.acc_landed[acc_slot] or _SENT
+    targets = slab.host_sums(slab.acc_slot)
+    slab.acc_landed[slab.acc_slot] = slab.transfers.to_host_many(slab.device_sums(), targets)
+    slab.acc_sent = slab.acc_landed[slab.acc_slot] or _SENT
     return sum(t.numel() * t.element_size() for t in targets)
 
 

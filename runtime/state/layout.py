@@ -48,6 +48,7 @@ class SlabKey(NamedTuple):
     num_selected: int  # k (0 before a matrix's first selection; a vector's is its one column)
     owner: int  # the rank holding the members' host parts (data parallel; else 0)
     alone: Optional[int]  # the pid of a parameter too large to share its slab, else None
+    phase: int  # its members' phase (stagger_boundaries; else 0): a slab reaches its boundaries as one
 
 
 def columns_index(columns: torch.Tensor, rows: int) -> torch.Tensor:

@@ -17,7 +17,8 @@ from zenflow_compile.runtime.state.watch import ParamWatch
 class Member:
     """One parameter's place in its slab (`slab`, `index`) and its per-parameter bookkeeping."""
 
-    def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int, owns_host: bool):
+    def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int, owns_host: bool,
+                 phase: int = 0):
         # A parameter sharded by FSDP2 (runtime/sharding.py): the state is that of this rank's rows, and the
         # slab it joins is chosen by its global shape (`key_rows`, `key_numel`), the same on every rank.
         self.key_rows, self.key_numel = matrix_shape(param)[0], param.numel()
@@ -25,6 +26,7 @@ class Member:
         param = local_shard(param)
         self.param, self.pid, self.group_index = param, pid, group_index
         self.owner, self.owns_host = owner, owns_host
+        self.phase = phase  # stagger_boundaries: whose boundaries it follows (`Placement.assign_phase`)
         self.is_matrix = param.dim() >= 2
         self.rows, self.cols = matrix_shape(param)
         self.watch = ParamWatch(self.registered, self.sharded is not None)
@@ -85,7 +87,7 @@ def slab_key(member: Member, num_selected: int) -> SlabKey:
     param = member.param
     large = member.key_numel > SHARED_SLAB_MAX_NUMEL.get(param.device.type, 0)
     return SlabKey(member.group_index, param.dtype, member.key_rows, member.cols, num_selected, member.owner,
-                   member.pid if large else None)
+                   member.pid if large else None, member.phase)
 
 
 @dataclass

@@ -147,6 +147,10 @@ class Slab:
                 if s.step_scores is not None:
                     self.scores[i].copy_(s.step_scores)
         self.device_acc = self.device_sq_acc = self.rest_grad = None
+        # The accumulators this interval fills (where the host sums, the two alternate at each boundary: the
+        # update reads one while the worker adds into the other); a slab laid out anew starts in 0, where its
+        # members' sums go.
+        self.acc_slot = 0
         self.acc_landed: list = [None, None]  # device accumulation: the copy events into accumulators[slot]
         self.acc_sent = None  # device accumulation: the sums were sent at a boundary, not yet emptied (an event)
         if not self.has_host_part:
@@ -301,7 +305,7 @@ class Slab:
                 by_column.index_copy_(0, columns, (part[i] if column_rows else part[i].t()).to("cpu", dtype))
         return by_column.t()
 
-    def export_member(self, i: int, acc_slot: int, with_step_grad: Optional[int] = None) -> MemberState:
+    def export_member(self, i: int, with_step_grad: Optional[int] = None) -> MemberState:
         """Member i's whole state (after the CPU work that touches it is done). `with_step_grad`: the grad slot
         whose gradient (this step's) goes along."""
         if self.departing is not None:
@@ -317,7 +321,7 @@ class Slab:
             if self.accumulates_on_device:  # (sent at a boundary: nothing accumulated since)
                 sums = (None, None) if self.acc_sent is not None else (self.device_acc, self.device_sq_acc)
             else:
-                sums = (*self.host_sums(acc_slot), None)
+                sums = (*self.host_sums(self.acc_slot), None)
             state.accumulator = self.natural(i, None, sums[0], missing=0.0)
             if self.accumulate_squares:
                 state.square_accumulator = self.natural(i, None, sums[1], missing=0.0)
