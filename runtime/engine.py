@@ -396,9 +396,9 @@ class ZenFlowRuntime:
                          arriving: list[tuple[Slab, torch.Tensor]]) -> list:
         """At a boundary of `phase`, for its slabs: apply the previous boundary's update if it is still pending,
         launch this boundary's (with overlap it lands at the end of step t + landing_lag, or at the next
-        boundary if that comes first; without, now, or after the reselection when there is one). `arriving`: the slabs reselecting while it runs on, with
-        their new selections: their arriving columns are updated first, from this step's accumulators;
-        returns that state, slab by slab (`columns.take_arriving`)."""
+        boundary if that comes first; without, now, or after the reselection when there is one). `arriving`:
+        the slabs reselecting while it runs on, with their new selections: their arriving columns are updated
+        first, from this step's accumulators; returns that state, slab by slab (`columns.take_arriving`)."""
         if self.update_pending[phase]:  # overlap: the previous boundary's update lands, before the next launch
             self._apply_host_columns(phase)
         slabs = self._phase_slabs(phase)
