@@ -40,6 +40,7 @@ class Placement:
         # stagger_boundaries: each matrix's phase, and the elements each phase holds (`assign_phase`)
         self.phases: dict[int, int] = {}
         self._phase_numel = [0] * config.num_phases
+        self.phases_in_use = [0]  # phase 0 and the phases holding a matrix (one without has no boundaries)
         # Optimizer state exists only for parameters that got a gradient: a frozen (or never used) parameter
         # costs no host memory and no transfers, and is never written.
         self.members: dict[int, Member] = {}  # pid -> its place in a slab, in registration (pid) order
@@ -66,11 +67,8 @@ class Placement:
         if param.dim() >= 2 and pid not in self.phases:
             phase = self.phases[pid] = self._phase_numel.index(min(self._phase_numel))
             self._phase_numel[phase] += param.numel()  # (a DTensor's: the whole parameter's)
-
-    @property
-    def phases_in_use(self) -> list[int]:
-        """Phase 0 and the phases holding a matrix (a phase without one has no boundaries)."""
-        return sorted({0, *self.phases.values()})
+            if phase not in self.phases_in_use:
+                self.phases_in_use = sorted([*self.phases_in_use, phase])
 
     def new_member(self, pid: int) -> Member:
         param, group_index = self.params[pid]

@@ -513,6 +513,17 @@ def test_a_checkpoint_resumes_exactly_where_the_gradients_are_summed_elsewhere(d
         assert_history_close(log_b.params, log_a.params, names_of(a))
 
 
+def _assert_resumes_as_the_saving_run(a, oa, sd, keys, batches):
+    """A copy of model `a` with a new optimizer loading `sd` trains on `batches` bit for bit as `a` and `oa` do."""
+    b = tiny_model()
+    b.load_state_dict(a.state_dict())
+    ob = ZenFlowAdamW(b.parameters(), lr=LR, **keys)
+    ob.load_state_dict(sd)
+    log_a, log_b = train_steps(a, oa, batches), train_steps(b, ob, batches)
+    for xs, ys in zip(log_a.params, log_b.params):
+        assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+
+
 def test_a_checkpoint_saved_before_the_landing_lag_key_existed_resumes():
     """Its config has no landing_lag: it ran the key's default (None), so it is not another config."""
     keys = dict(topk_ratio=0.25, update_interval=2, overlap_step=True)
@@ -522,13 +533,7 @@ def test_a_checkpoint_saved_before_the_landing_lag_key_existed_resumes():
     train_steps(a, oa, batches[:3])
     sd = _roundtrip(oa.state_dict())
     del sd["zenflow"]["config"]["landing_lag"]
-    b = tiny_model()
-    b.load_state_dict(a.state_dict())
-    ob = ZenFlowAdamW(b.parameters(), lr=LR, **keys)
-    ob.load_state_dict(sd)
-    log_a, log_b = train_steps(a, oa, batches[3:]), train_steps(b, ob, batches[3:])
-    for xs, ys in zip(log_a.params, log_b.params):
-        assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+    _assert_resumes_as_the_saving_run(a, oa, sd, keys, batches[3:])
     sd["zenflow"]["config"]["landing_lag"] = 1  # but a checkpoint that names another value is another config
     with pytest.raises(ValueError, match=r"it has landing_lag=1, this optimizer landing_lag=None\. Construct the "
                                          r"optimizer with the saved values \(landing_lag=1\)"):
@@ -549,13 +554,7 @@ def test_a_checkpoint_saved_before_the_stagger_key_existed_resumes():
     for key in ("update_pending", "land_at", "selection_start", "selection_epoch", "steps_accumulated"):
         (zf[key],) = zf[key]
     assert zf["update_pending"] and zf["land_at"] == 4
-    b = tiny_model()
-    b.load_state_dict(a.state_dict())
-    ob = ZenFlowAdamW(b.parameters(), lr=LR, **keys)
-    ob.load_state_dict(sd)
-    log_a, log_b = train_steps(a, oa, batches[4:]), train_steps(b, ob, batches[4:])
-    for xs, ys in zip(log_a.params, log_b.params):
-        assert all(torch.equal(x, y) for x, y in zip(xs, ys))
+    _assert_resumes_as_the_saving_run(a, oa, sd, keys, batches[4:])
     with pytest.raises(ValueError, match=r"it has stagger_boundaries=False, this optimizer "
                                          r"stagger_boundaries=True"):
         ZenFlowAdamW(tiny_model().parameters(), lr=LR, stagger_boundaries=True, **keys).load_state_dict(sd)

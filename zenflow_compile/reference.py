@@ -409,9 +409,7 @@ class ZenFlowReference(torch.optim.Optimizer):
         """Apply the CPU update still in flight (overlap_step), if any."""
         self._adopt_external_writes()
         for q in range(self.config.num_phases):
-            if self.zf["phases"][q]["pending"]:
-                self._apply_unselected(q)
-                self.zf["phases"][q]["pending"] = False
+            self._land(q)
 
     # ------------------------------------------------------------------------------------ inspection
     def stats(self):
