@@ -18,6 +18,11 @@ sqrt(m) times larger than m AdamW steps would be, i.e. AdamW at a higher lr. The
                    than one step's device work). The key landing_lag=1 (accuracy.py run setting lag=1) is
                    this schedule with overlap_reselect "wait" or "incoming": the same values, the update
                    landing at the end of the next step().
+  stagger-after-N  with stagger_boundaries (run setting stagger=1), the phases run together (unstaggered) for
+                   the first N steps and staggered from step N on (N one of STAGGER_AFTER): phase q's interval
+                   in progress at step N ends at its first staggered boundary. Staggering costs accuracy early
+                   in a fine-tune, with the landing lag (benchmarks/README.md, "Staggered boundaries"); this
+                   asks whether it costs anything once the early steps are past.
 
 The "second-moment" variant explored here first (exp_avg_sq fed the mean of the per-step squared
 gradients) is now the opt-in key `interval_second_moment` (benchmarks/accuracy.py run setting sm=1).
@@ -40,7 +45,10 @@ import accuracy  # noqa: E402  (benchmarks/accuracy.py)
 
 import zenflow_compile.reference  # noqa: E402
 
-VARIANTS = ("sqrt", "next-step")
+STAGGER_AFTER = (100, 200)
+VARIANTS = ("sqrt", "next-step", *(f"stagger-after-{n}" for n in STAGGER_AFTER))
+_STAGGER_BOUNDARIES = "if (t + q - W + 1) % cfg.update_interval == 0]"
+_STAGGER_CLOCK = 'zp, tq = z["phases"][q], t + q'
 
 _LR_TIMES_M = 'hp = dict(group, lr=group["lr"] * m)'
 _STEP_START = '        self._adopt_external_writes()\n        live = ['
@@ -60,10 +68,14 @@ def variant_reference(variant: str) -> type:
         source = _patch(source, _LR_TIMES_M, 'hp = dict(group, lr=group["lr"] * math.sqrt(m))')
     elif variant == "next-step":
         source = _patch(source, _STEP_START, '        self._adopt_external_writes()\n'
-                        '        if self.zf["pending"]:  # next-step: the update in flight lands one step later\n'
-                        '            self._apply_unselected()\n'
-                        '            self.zf["pending"] = False\n'
+                        '        for q in range(len(self.zf["phases"])):  # next-step: what is in flight lands\n'
+                        '            self._land(q)\n'
                         '        live = [')
+    elif variant.startswith("stagger-after-") and variant in VARIANTS:
+        after = int(variant.rsplit("-", 1)[1])
+        offset = f"(q if t >= {after} else 0)"
+        source = _patch(source, _STAGGER_BOUNDARIES, f"if (t + {offset} - W + 1) % cfg.update_interval == 0]")
+        source = _patch(source, _STAGGER_CLOCK, f'zp, tq = z["phases"][q], t + {offset}')
     else:
         raise ValueError(f"variant {variant!r}: expected one of {VARIANTS}")
     module = types.ModuleType(f"reference_{variant.replace('-', '_')}")

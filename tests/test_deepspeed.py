@@ -408,10 +408,13 @@ def test_invalid_zenflow_keys_get_deepspeeds_validation_error(ds):
         ds_initialize(ds_config({"select_interval": "often"}))
 
 
-def test_project_keys_in_the_zenflow_block_reach_zenflow(ds):
+@pytest.mark.parametrize("ours", [
+    dict(interval_aware_update=True, interval_second_moment=True, max_update_interval=8),
+    dict(overlap_reselect="incoming", landing_lag=1, stagger_boundaries=True, accumulate_on="host"),
+], ids=["interval", "overlap"])
+def test_project_keys_in_the_zenflow_block_reach_zenflow(ds, ours):
     """This project's keys (not DeepSpeed's, whose config class forbids unknown keys) sit in the same JSON
     block: the optimizer gets them, and the run equals ZenFlowAdamW built by hand with them."""
-    ours = dict(interval_aware_update=True, interval_second_moment=True, max_update_interval=8)
     config = ds_config(ours)
     batches = make_batches(6)
     engine, opt, _, _ = ds_initialize(config)
@@ -421,6 +424,8 @@ def test_project_keys_in_the_zenflow_block_reach_zenflow(ds):
     direct = direct_optimizer(model, config)
     assert_same_run(ds_run, train_direct(model, direct, batches), atol=1e-7, rtol=1e-6)
     assert opt.stats()["cpu_updates"] > 0
+    if ours.get("stagger_boundaries"):
+        assert len(opt._runtime.placement.phases_in_use) == 2  # (the two phases of update_interval 2 in use)
     with pytest.raises(ValueError, match="interval_second_moment=True needs interval_aware_update=True"):
         ds_initialize(ds_config(dict(interval_second_moment=True)))
 

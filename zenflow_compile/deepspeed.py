@@ -25,10 +25,10 @@ How the user's config is read. The whole JSON is first validated by DeepSpeed's 
 - `zero_optimization.zenflow` -> `ZenFlowConfig`; `steps_per_epoch` is the number of optimizer steps in one
   pass over `training_data` (DeepSpeed's dataloader length // gradient_accumulation_steps). This project's
   own keys (`max_update_interval`, `interval_aware_update`, `interval_second_moment`, `overlap_reselect`,
-  `landing_lag`: not DeepSpeed's, whose config class forbids unknown keys) are taken out of the block before
-  DeepSpeed validates it and validated by `ZenFlowConfig`, so one JSON holds every setting. The keys the
-  block leaves out take DeepSpeed's defaults (parity), or this project's with `"preset": "project"` in the
-  block;
+  `landing_lag`, `accumulate_on`, `stagger_boundaries`: not DeepSpeed's, whose config class forbids unknown
+  keys) are taken out of the block before DeepSpeed validates it and validated by `ZenFlowConfig`, so one
+  JSON holds every setting. The keys the block leaves out take DeepSpeed's defaults (parity), or this
+  project's with `"preset": "project"` in the block;
 - `zero_optimization.stage` 0/1/2 and `offload_optimizer.device` "cpu" (or none) are accepted: they are what
   DeepSpeed ZenFlow requires, and ZenFlow itself keeps the unselected columns' state on the host; stage 3,
   NVMe, parameter offload and partial offload cannot apply and are errors naming the key;
