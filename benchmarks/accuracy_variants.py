@@ -23,6 +23,9 @@ sqrt(m) times larger than m AdamW steps would be, i.e. AdamW at a higher lr. The
                    in progress at step N ends at its first staggered boundary. Staggering costs accuracy early
                    in a fine-tune, with the landing lag (benchmarks/README.md, "Staggered boundaries"); this
                    asks whether it costs anything once the early steps are past.
+  stagger-spaced   with stagger_boundaries and an even S: S / 2 phases, phase q's boundaries 2q steps after
+                   phase 0's, so with landing_lag=1 no other phase's update lands between a phase's boundary
+                   and its landing (with S phases one does). Asks whether that is what staggering costs.
 
 The "second-moment" variant explored here first (exp_avg_sq fed the mean of the per-step squared
 gradients) is now the opt-in key `interval_second_moment` (benchmarks/accuracy.py run setting sm=1).
@@ -46,7 +49,7 @@ import accuracy  # noqa: E402  (benchmarks/accuracy.py)
 import zenflow_compile.reference  # noqa: E402
 
 STAGGER_AFTER = (100, 200)
-VARIANTS = ("sqrt", "next-step", *(f"stagger-after-{n}" for n in STAGGER_AFTER))
+VARIANTS = ("sqrt", "next-step", *(f"stagger-after-{n}" for n in STAGGER_AFTER), "stagger-spaced")
 _STAGGER_BOUNDARIES = "if (t + q - W + 1) % cfg.update_interval == 0]"
 _STAGGER_CLOCK = 'zp, tq = z["phases"][q], t + q'
 
@@ -76,6 +79,13 @@ def variant_reference(variant: str) -> type:
         offset = f"(q if t >= {after} else 0)"
         source = _patch(source, _STAGGER_BOUNDARIES, f"if (t + {offset} - W + 1) % cfg.update_interval == 0]")
         source = _patch(source, _STAGGER_CLOCK, f'zp, tq = z["phases"][q], t + {offset}')
+    elif variant == "stagger-spaced":
+        source = _patch(source, _STAGGER_BOUNDARIES, "if (t + 2 * q - W + 1) % cfg.update_interval == 0]")
+        source = _patch(source, _STAGGER_CLOCK, 'zp, tq = z["phases"][q], t + 2 * q')
+        for old, new in (("[0] * config.num_phases", "[0] * (config.num_phases // 2)"),
+                         ("for _ in range(config.num_phases)", "for _ in range(config.num_phases // 2)"),
+                         ("for q in range(self.config.num_phases)", "for q in range(self.config.num_phases // 2)")):
+            source = _patch(source, old, new)
     else:
         raise ValueError(f"variant {variant!r}: expected one of {VARIANTS}")
     module = types.ModuleType(f"reference_{variant.replace('-', '_')}")
