@@ -104,7 +104,10 @@ class CpuWorker:
         self._futures = []
 
     def shutdown(self) -> None:
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        """Take no more tasks; the thread ends after the one it runs. Never waits: the optimizer's finalizer
+        calls this wherever the garbage collector runs it, also inside threading's bookkeeping of a thread
+        being started, which holds threading's shutdown lock that joining a thread takes again (a hang)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def joined(future: Future) -> None:

@@ -67,3 +67,28 @@ def test_interpreter_exits_with_update_in_flight():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "done"
+
+
+def test_shutdown_does_not_wait_so_the_optimizers_finalizer_cannot_hang():
+    """The optimizer's finalizer shuts its workers down wherever the garbage collector runs it: once, in the
+    suite, inside threading's bookkeeping of a thread being started, holding threading's shutdown lock, where
+    joining a worker thread takes that lock again and hangs both threads. Shutdown under that lock returns."""
+    script = textwrap.dedent("""
+        import os, threading
+        from zenflow_compile.runtime.worker import CpuWorker
+        lock = getattr(threading, "_shutdown_locks_lock", None)
+        if lock is None:  # (a Python without that lock)
+            print("returned"); raise SystemExit(0)
+        worker = CpuWorker("probe")
+        worker.submit(lambda: None).result(10)
+        returned = threading.Event()
+        def shut_down_under_the_lock():
+            with lock:
+                worker.shutdown()
+            returned.set()
+        threading.Thread(target=shut_down_under_the_lock, daemon=True).start()
+        print("returned" if returned.wait(20) else "hung", flush=True)
+        os._exit(0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "returned", out.stdout + out.stderr
