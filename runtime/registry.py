@@ -16,6 +16,7 @@ reach the owner of the tensors the graph ran with, for any number of models and 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Any, Optional
 
@@ -29,6 +30,11 @@ _param_and_id: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (param, 
 _runtime_of_id: dict[int, "weakref.ReferenceType[Runtime]"] = {}
 # Bumped by every (un)registration, so callers can cache "which ids do these tensors have" cheaply.
 _generation = 0
+# Held while the tables change. An optimizer's finalizer unregisters its parameters wherever the garbage
+# collector runs it: on a worker thread (the lock keeps the tables whole), or on this thread in the middle
+# of a change (re-entrant, so it cannot deadlock; `_forget_params` iterates over a copy, so it cannot break
+# the change it interrupts).
+_lock = threading.RLock()
 
 
 def generation() -> int:
@@ -38,39 +44,43 @@ def generation() -> int:
 
 def register_param(param: torch.Tensor, runtime: "Runtime") -> int:
     """Give `param` an id owned by `runtime`. A parameter can be owned by one optimizer only."""
-    if id(param) in _param_and_id:
-        other = runtime_of(_param_and_id[id(param)][1])
-        if other is not None and other is not runtime:
-            raise ValueError(
-                "a parameter of shape {} is already owned by another ZenFlowAdamW, which is still alive: "
-                "each parameter belongs to exactly one ZenFlow optimizer (it takes the parameter's "
-                "gradients and holds its state). Fix: drop the old optimizer before creating the new one "
-                "(`del opt`, e.g. before re-running a notebook cell that creates it), or give this parameter "
-                "to one of them only".format(tuple(param.shape)))
     global _generation
-    pid = next(_next_id)
-    _param_and_id[id(param)] = (param, pid)
-    _runtime_of_id[pid] = weakref.ref(runtime, _on_runtime_deleted)
-    _generation += 1
-    return pid
+    with _lock:
+        entry = _param_and_id.get(id(param))
+        if entry is not None:
+            other = runtime_of(entry[1])
+            if other is not None and other is not runtime:
+                raise ValueError(
+                    "a parameter of shape {} is already owned by another ZenFlowAdamW, which is still alive: "
+                    "each parameter belongs to exactly one ZenFlow optimizer (it takes the parameter's "
+                    "gradients and holds its state). Fix: drop the old optimizer before creating the new one "
+                    "(`del opt`, e.g. before re-running a notebook cell that creates it), or give this "
+                    "parameter to one of them only".format(tuple(param.shape)))
+        pid = next(_next_id)
+        _param_and_id[id(param)] = (param, pid)
+        _runtime_of_id[pid] = weakref.ref(runtime, _on_runtime_deleted)
+        _generation += 1
+        return pid
 
 
 def unregister_param(pid: int) -> None:
-    global _generation
-    _runtime_of_id.pop(pid, None)
-    _forget_params(lambda param_pid: param_pid == pid)
-    _generation += 1
+    with _lock:
+        _runtime_of_id.pop(pid, None)
+        _forget_params(lambda param_pid: param_pid == pid)
 
 
 def _on_runtime_deleted(_ref) -> None:
-    global _generation
-    _forget_params(lambda pid: runtime_of(pid) is None)
-    _generation += 1
+    with _lock:
+        _forget_params(lambda pid: runtime_of(pid) is None)
 
 
 def _forget_params(gone) -> None:
-    for key in [key for key, (_, pid) in _param_and_id.items() if gone(pid)]:
-        del _param_and_id[key]
+    """Drop the entries whose id is `gone`. Safe against a finalizer doing the same in the middle of it."""
+    global _generation
+    for key, entry in _param_and_id.copy().items():
+        if gone(entry[1]) and _param_and_id.get(key) is entry:
+            del _param_and_id[key]
+    _generation += 1
 
 
 def param_id(param: torch.Tensor) -> Optional[int]:

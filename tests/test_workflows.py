@@ -12,6 +12,9 @@ compared is the optimizer); eager runs against an eager oracle.
 from __future__ import annotations
 
 import gc
+import sys
+import threading
+import time
 import weakref
 
 import pytest
@@ -136,6 +139,36 @@ def test_a_deleted_model_and_optimizer_free_their_parameters(mode, device):
     del pair
     gc.collect()
     assert [ref() for ref in params] == [None] * len(params)
+
+
+def test_optimizers_dropped_on_several_threads_at_once_free_their_parameters(monkeypatch):
+    """An optimizer's finalizer runs on whichever thread drops it (or runs the garbage collector): several
+    threads dropping optimizers at once must each free their parameters, with no error."""
+    unraisable = []  # (an error in a finalizer is reported here, not raised)
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes, as on a busy machine
+    freed, stop = [], threading.Event()
+
+    def create_and_drop():
+        while not stop.is_set():
+            params = [nn.Parameter(torch.zeros(2, 2)) for _ in range(20)]
+            ZenFlowAdamW(params, lr=LR)  # dropped at once: its finalizer runs here
+            freed.extend(weakref.ref(p) for p in params)
+
+    threads = [threading.Thread(target=create_and_drop) for _ in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        sys.setswitchinterval(interval)
+    gc.collect()
+    assert [u.exc_value for u in unraisable] == []
+    assert freed and [ref for ref in freed if ref() is not None] == []
 
 
 def test_two_models_alive_at_once_each_get_their_own_gradients(mode, device):
