@@ -41,6 +41,7 @@ from zenflow_compile.runtime.collectives import DataParallel
 from zenflow_compile.runtime.grad_reduce import GradReducer
 from zenflow_compile.runtime.host_reads import HostReads, StepReadout
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
+from zenflow_compile.runtime.landings import Landings
 from zenflow_compile.runtime.placement import Placement
 from zenflow_compile.runtime.schedule import Schedule
 from zenflow_compile.runtime.state import columns as column_moves, intake, update
@@ -93,6 +94,9 @@ class ZenFlowRuntime:
         self.selection_seconds = 0.0  # the training thread's time moving state for (re)selections (not saved)
         self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
         self.host_reads = HostReads(self.counters)
+        # How long the overlapped updates take, and advice where they stall (no reference back to the runtime:
+        # a constructor that raises frees it at once, and with it the ownership of its parameters).
+        self.landings = Landings(config, self.host_work.stalled_seconds)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
         if config.accumulate_on == "device" and data_parallel is not None:
             raise ValueError(
@@ -341,7 +345,7 @@ class ZenFlowRuntime:
                         self._apply_host_columns(phase)
         for phase, pending in enumerate(self.update_pending):
             if pending and t == self.land_at[phase]:  # landing_lag: the update lands at the end of b + L
-                self._apply_host_columns(phase)
+                self._apply_host_columns(phase, landing_step=t)
 
         self.step_count += 1
         self.counters["steps"] += 1
@@ -400,7 +404,7 @@ class ZenFlowRuntime:
         the slabs reselecting while it runs on, with their new selections: their arriving columns are updated
         first, from this step's accumulators; returns that state, slab by slab (`columns.take_arriving`)."""
         if self.update_pending[phase]:  # overlap: the previous boundary's update lands, before the next launch
-            self._apply_host_columns(phase)
+            self._apply_host_columns(phase, landing_step=t)
         slabs = self._phase_slabs(phase)
         # Device accumulation: the interval's sums go down into the accumulators the update will read (the
         # update that last read them was applied at the previous boundary, at the latest just above).
@@ -414,7 +418,8 @@ class ZenFlowRuntime:
                                                       members_by_scale(slab, self.config.interval_aware_update),
                                                       hyperparameters[slab.key.group_index], self.data_parallel)
                            for slab, selected in arriving]
-        self.host_work.launch_update(phase, slabs, hyperparameters, self.config.interval_aware_update)
+        launched = self.host_work.launch_update(phase, slabs, hyperparameters, self.config.interval_aware_update)
+        self.landings.launched(phase, t, launched, overlapped=overlap)
         self.schedule.interval_started(phase, list(self.members.values()))
         for slab in slabs:
             slab.acc_slot ^= 1
@@ -426,14 +431,17 @@ class ZenFlowRuntime:
             self._apply_host_columns(phase)
         return arrived
 
-    def _apply_host_columns(self, phase: int) -> None:
+    def _apply_host_columns(self, phase: int, landing_step: Optional[int] = None) -> None:
         """The last launched CPU update of `phase` (waited for) written into the device parameters of the slabs
-        it updated."""
+        it updated; `landing_step`: where the schedule lands it (timed: `Landings`), not a synchronize."""
+        mark = self.landings.mark()
         with record_function("zenflow::apply_update"):
             self.counters["bytes_host_to_device"] += self.host_work.apply_update(phase, self._phase_slabs(phase),
                                                                                   self.data_parallel)
         self.update_pending[phase] = False
         self.land_at[phase] = None
+        if landing_step is not None:
+            self.landings.landed(phase, landing_step, mark)
 
     def _reselect(self, t: int, phase: int, slabs: list, chosen: list[torch.Tensor], arrived: list) -> None:
         """The chosen selections take effect while this boundary's CPU update runs on, with the arriving
@@ -506,6 +514,8 @@ class ZenFlowRuntime:
         stats["cpu_update_thread_seconds"] = workers.update_worker.busy_cpu_seconds
         stats["accumulate_thread_seconds"] = workers.accumulate_worker.busy_cpu_seconds
         stats["accumulate_on"] = self.placement.accumulate_on
+        stats["cpu_update_steps"] = self.landings.update_steps
+        stats["landing_wait_seconds"] = self.landings.wait_seconds
         stats["current_interval"] = max(self.schedule.steps_accumulated[q] for q in self.placement.phases_in_use)
         stats["update_pending"] = any(self.update_pending)
         # Host memory held for optimizer state (data parallel: this rank's share).
@@ -592,3 +602,4 @@ class ZenFlowRuntime:
         self._follow_layout()
         self.grad_slot = 0
         self.host_work.reset()
+        self.landings.forget()

@@ -115,7 +115,7 @@ class HostWork:
             self.update_worker.submit(lambda: [kernels.prepare_cpu_adamw(*variant) for variant in new])
 
     def launch_update(self, phase: int, slabs: list[Slab], hyperparameters: list[dict],
-                      interval_aware: bool) -> None:
+                      interval_aware: bool) -> Future:
         """One task on the update worker for a boundary of `phase` (its `slabs`; the worker runs the phases'
         tasks in launch order): per slab, one CPU AdamW over its host rows (each member's lr
         multiplier and steps: `members_by_scale`), with each param group's `hyperparameters` at launch. A
@@ -136,6 +136,7 @@ class HostWork:
                     update.update_host_columns(slab, by_scale, acc_slot, hyper)
 
         self._updates[phase] = self.update_worker.submit(cpu_update, after=self._last_accumulate)
+        return self._updates[phase]
 
     def wait_for_accumulation(self) -> None:
         """The training thread waits until every step's gradients are in the accumulators (counted)."""
@@ -185,6 +186,10 @@ class HostWork:
             yield
         finally:
             self.stall_clock.after_wait(marker, time.perf_counter() - start)
+
+    def stalled_seconds(self) -> float:
+        """The training thread's waits (and selection moves) so far, host wall time."""
+        return self.stall_clock.host_seconds if self.stall_clock is not None else 0.0
 
     def drain(self) -> None:
         """Wait for every task (a reader or writer of the host state is about to run on this thread)."""

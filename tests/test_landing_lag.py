@@ -4,16 +4,20 @@ calls in test_reference.py say; a late CPU makes the training thread wait at the
 and never changes a value."""
 
 import copy
+import math
+import re
 import time
+import warnings
 
 import pytest
 import torch
 
-from helpers import make_batches, tiny_model, train_steps
+from helpers import loss_fn, make_batches, tiny_model, train_steps
 from test_reference import ATOL, RTOL, hand_schedule, lag_reference
-from zenflow_compile import ZenFlowAdamW
+from zenflow_compile import LandingStallWarning, ZenFlowAdamW
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime import kernels
+from zenflow_compile.runtime.state import update
 
 
 def lag_runtime(S, L, mode, every, iau, steps, **keys):
@@ -101,3 +105,64 @@ def test_a_late_cpu_update_is_waited_for_at_its_landing_and_counted(monkeypatch,
     stats = opt.stats()
     assert stats["overlapped_boundaries"] == stats["cpu_updates"] - 1 == 1  # step 7 reselects and waits
     assert stats["stall_seconds"] >= 0.08 * stats["cpu_updates"]  # both updates waited for, at b + 1 or b
+
+
+def train_beside_a_slow_cpu(monkeypatch, update_seconds, step_seconds, steps=30, **keys):
+    """Eager training whose steps take about `step_seconds` (a sleep standing in for the device's step) while
+    each CPU update takes about `update_seconds` (the host AdamW slowed); returns the optimizer and the
+    LandingStallWarnings its steps gave."""
+    model = tiny_model(torch.float32)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, **dict(SLOW_CPU_KEYS, **keys))
+    real_update = update.update_host_columns
+
+    def slow_update(slab, *args):
+        slabs = [s for s in opt._runtime.slabs if s.has_host_part and s.is_matrix and s.u]
+        time.sleep(update_seconds / len(slabs))  # (the update's slabs share its time)
+        real_update(slab, *args)
+
+    monkeypatch.setattr(update, "update_host_columns", slow_update)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in make_batches(steps, torch.float32):
+            loss_fn(model, batch).backward()
+            time.sleep(step_seconds)
+            opt.step()
+            opt.zero_grad()
+    monkeypatch.setattr(update, "update_host_columns", real_update)
+    return opt, [w for w in caught if issubclass(w.category, LandingStallWarning)]
+
+
+SLOW_CPU_KEYS = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, select_strategy="step",
+                     select_interval=8, overlap_reselect="incoming")
+
+
+def test_a_landing_that_waits_is_said_once_with_the_lag_that_would_not(monkeypatch):
+    """An update 2-5 steps long (5 on an idle machine, less where other work slows the steps) landing one
+    step after its boundary: the training thread waits at every landing. The optimizer says so once, from
+    the caller's line, with the measured length and the landing_lag that covers it; with that lag the waits
+    all but stop and nothing is said."""
+    slow = dict(update_seconds=0.1, step_seconds=0.02, steps=50, update_interval=8, select_interval=16)
+    opt, said = train_beside_a_slow_cpu(monkeypatch, landing_lag=1, **slow)
+    measured, waited = opt.stats()["cpu_update_steps"], opt.stats()["landing_wait_seconds"]
+    assert 1.0 < measured < 8.0, measured
+    assert len(said) == 1 and said[0].filename == __file__
+    message = str(said[0].message)
+    advised = int(re.search(r"landing_lag=(\d+) \(", message).group(1))
+    assert advised == math.ceil(measured) or advised == math.ceil(measured) + 1  # (a window's mean, then the mean)
+    assert "lands at landing_lag=1" in message and "stagger_boundaries=True" in message
+    assert waited > 0.2
+
+    opt, said = train_beside_a_slow_cpu(monkeypatch, landing_lag=advised, **slow)
+    assert said == []
+    assert opt.stats()["landing_wait_seconds"] < waited / 4
+
+
+def test_an_update_longer_than_its_interval_is_told_to_stagger_or_lengthen_it(monkeypatch):
+    """Landing at the next boundary (no lag) and still waited for: no lag can help, the interval can."""
+    opt, said = train_beside_a_slow_cpu(monkeypatch, update_seconds=0.3, step_seconds=0.02, landing_lag=None)
+    measured = opt.stats()["cpu_update_steps"]
+    assert measured > 4.0, measured
+    assert len(said) == 1
+    message = str(said[0].message)
+    assert "lands at the next boundary" in message and "landing_lag=" not in message.split("To stop")[1]
+    assert re.search(r"update_interval >= (\d+)", message) and "stagger_boundaries=True" in message

@@ -7,5 +7,6 @@
 from zenflow_compile import backend  # noqa: F401  registers the "zenflow" backend (idempotent with the entry point)
 from zenflow_compile.config import ZenFlowConfig
 from zenflow_compile.optimizer import GradHandOffWarning, ZenFlowAdamW
+from zenflow_compile.runtime.landings import LandingStallWarning
 
-__all__ = ["ZenFlowConfig", "ZenFlowAdamW", "GradHandOffWarning"]
+__all__ = ["ZenFlowConfig", "ZenFlowAdamW", "GradHandOffWarning", "LandingStallWarning"]

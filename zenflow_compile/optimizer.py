@@ -22,6 +22,7 @@ from zenflow_compile.config import ZENFLOW_KEYS, ZenFlowConfig
 from zenflow_compile.grad_hooks import DataParallelHooks, hand_over_grads
 from zenflow_compile.runtime import checkpoint, collectives, sharding as sharded
 from zenflow_compile.runtime.engine import ZenFlowRuntime
+from zenflow_compile.runtime.landings import LandingStallWarning
 
 
 #: Parameter dtypes ZenFlow trains (fp32 masters); integer and bool tensors are skipped, as by torch.optim.
@@ -313,6 +314,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         stepped = True
         if handed or self._runtime.holds_step_grads:
             stepped = self._runtime.step(self.param_groups, grad_scale=scale)
+            advice = self._runtime.landings.take_advice()
+            if advice is not None:  # (the caller of opt.step(), past torch.optim's wrappers)
+                warnings.warn(advice, LandingStallWarning, stacklevel=4)
         else:
             self._runtime.check_failure()  # (nothing to do, but a failed optimizer still says so)
         if self._dp_hooks is not None:

@@ -1,0 +1,122 @@
+"""Landings: how long an overlapped CPU update takes, in training steps, and what to change when it stalls.
+
+An overlapped update launched at the end of step b lands at the end of step b + L (`landing_lag`, or the
+next boundary). Each such landing is timed: the training thread's time per step while the update was in
+flight, less its waits for ZenFlow (T); when the update finished, so its length in steps (U); and how long
+the training thread waited for it. Where, over a window of updates, those waits take more than a tenth of
+the time, the optimizer warns once (`take_advice`) with what would not wait: a `landing_lag` of at least U
+where one up to the update interval fits, staggered boundaries (each step then takes 1/S of the update), a
+longer interval, more worker cores. Nothing here changes the schedule: results never depend on these timings.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+WINDOW = 4  # updates whose waits are judged together
+SKIPPED = 2  # the first updates also build the CPU AdamW and warm the caches: not judged
+STALL_SHARE = 0.1  # waits above this share of the training's time are worth a warning
+MIN_WAIT_SECONDS = 0.05  # ... and above this much in a window (a tiny model's microsecond waits are not)
+
+
+@dataclass
+class _Flight:
+    step: int  # the boundary's step
+    launched_at: float
+    stalled_at_launch: float  # the training thread's waits so far
+    finished_at: Optional[float] = None  # set on the worker thread when the update's task ends
+
+    def finished(self, _future: Future) -> None:
+        self.finished_at = time.perf_counter()
+
+
+class Landings:
+    def __init__(self, config, stalled_seconds: Callable[[], float]):
+        """`stalled_seconds`: the training thread's waits for ZenFlow so far (not training time)."""
+        self.config = config
+        self._stalled_seconds = stalled_seconds
+        self._flights: dict[int, _Flight] = {}  # per phase: the overlapped update in flight
+        self._skipped = 0
+        self._window: list[tuple[float, float]] = []  # per landing judged: (update length in steps, wait)
+        self._window_started: Optional[float] = None  # the end of the landing before the window's first
+        self.wait_seconds = 0.0  # the training thread's waits at landings (part of the stall)
+        self.update_steps: Optional[float] = None  # the last window's mean update length, in training steps
+        self._advice: Optional[str] = None
+        self._advised = False
+
+    def launched(self, phase: int, step: int, update: Future, overlapped: bool) -> None:
+        """An update launched at the end of `step`; only an overlapped one is timed."""
+        self._flights.pop(phase, None)
+        if overlapped:
+            flight = self._flights[phase] = _Flight(step, time.perf_counter(), self._stalled_seconds())
+            update.add_done_callback(flight.finished)
+
+    def mark(self) -> tuple[float, float]:
+        """Taken before a landing's wait: (now, the training thread's waits so far)."""
+        return time.perf_counter(), self._stalled_seconds()
+
+    def landed(self, phase: int, step: int, mark: tuple[float, float]) -> None:
+        """The update of `phase` was applied at the end of `step`, its wait starting at `mark`."""
+        landing_started, stalled = mark
+        flight = self._flights.pop(phase, None)
+        if flight is None or flight.finished_at is None or step <= flight.step:
+            return
+        wait = max(0.0, flight.finished_at - landing_started)
+        self.wait_seconds += wait
+        if self._skipped < SKIPPED:
+            self._skipped += 1
+            self._window_started = landing_started + wait
+            return
+        trained = landing_started - flight.launched_at - (stalled - flight.stalled_at_launch)
+        step_seconds = max(trained, 1e-9) / (step - flight.step)
+        self._window.append(((flight.finished_at - flight.launched_at) / step_seconds, wait))
+        if len(self._window) == WINDOW:
+            self._judge(landing_started + wait - self._window_started)
+            self._window, self._window_started = [], landing_started + wait
+
+    def forget(self) -> None:
+        """A checkpoint load or a failure: the updates in flight are gone."""
+        self._flights.clear()
+
+    def _judge(self, seconds: float) -> None:
+        """The window's landings, over `seconds` of training."""
+        self.update_steps = sum(steps for steps, _ in self._window) / WINDOW
+        waited = sum(wait for _, wait in self._window)
+        share = waited / max(seconds, 1e-9)
+        if self._advised or share <= STALL_SHARE or waited < MIN_WAIT_SECONDS:
+            return
+        cfg, lag = self.config, math.ceil(self.update_steps)
+        interval = cfg.update_interval
+        landing = f"landing_lag={cfg.landing_lag}" if cfg.landing_lag is not None else "the next boundary"
+        fixes = []
+        if isinstance(interval, int) and cfg.landing_lag is not None and cfg.landing_lag < lag <= interval:
+            fixes.append(f"landing_lag={lag} (a later landing costs accuracy early in a fine-tune)")
+        if not cfg.stagger_boundaries and isinstance(interval, int) and interval > 1:
+            fixes.append(f"stagger_boundaries=True (each step then takes 1/{interval} of the update)")
+        if isinstance(interval, int) and lag > interval:
+            fixes.append(f"update_interval >= {lag}")
+        fixes.append("more cores for the CPU workers (pt_reserved_cores_perc)")
+        self._advice = (
+            f"ZenFlow: a CPU update takes about {self.update_steps:.1f} training steps here and lands at "
+            f"{landing}: the training thread waited {waited / WINDOW:.3f} s for each ({share:.0%} of the "
+            f"time). To stop the wait: {'; or '.join(fixes)}. docs/sizing.md says how to size them. (Said "
+            "once; opt.stats()['cpu_update_steps'] is the measured length; to silence: "
+            "warnings.filterwarnings('ignore', category=zenflow_compile.LandingStallWarning).)")
+
+    def take_advice(self) -> Optional[str]:
+        """The warning to give, once."""
+        advice, self._advice = self._advice, None
+        if advice is not None:
+            self._advised = True
+        return advice
+
+
+class LandingStallWarning(UserWarning):
+    """The training thread waits for overlapped CPU updates for a large share of its time."""
+
+
+__all__ = ["Landings", "LandingStallWarning"]
