@@ -460,7 +460,7 @@ def analyse(rows: list[dict], on_gpu: bool) -> None:
     offload = next((r for r in rows if r["kind"] == "ds_offload" and r["status"] == "ok"), None)
     for row in rows:
         for key in ("median_step_s", "mean_step_s", "stall_fraction", "peak_gpu_mem_gb", "traffic_multiple",
-                    "cpu_update_s_per_step"):
+                    "cpu_update_s_per_step", "cpu_update_steps"):
             row.setdefault(key, None)
         row.setdefault("notes", {})
         if row["status"] != "ok" or limit is None:
@@ -543,7 +543,7 @@ def _threads(row: dict) -> str:
 
 def format_table(rows: list[dict], on_gpu: bool = True) -> str:
     header = ["system", "status", "threads", "median ms", "mean ms", "x limit", "stall %", "peak GB", "traffic x",
-              "cpu upd ms/step"]
+              "cpu upd ms/step", "upd steps"]
     lines = []
     for r in rows:
         ok = r["status"] == "ok"
@@ -553,7 +553,7 @@ def format_table(rows: list[dict], on_gpu: bool = True) -> str:
             _f(None if r.get("stall_fraction") is None else 100 * r["stall_fraction"], ".1f"),
             _f(r.get("peak_gpu_mem_gb"), ".2f"),
             _f(r.get("traffic_multiple"), ".3f") + ("a" if _analytic(r) else ""),
-            _ms(r.get("cpu_update_s_per_step")),
+            _ms(r.get("cpu_update_s_per_step")), _f(r.get("cpu_update_steps"), ".1f"),
         ])
     widths = [max(len(h), *(len(l[i]) for l in lines)) if lines else len(h) for i, h in enumerate(header)]
     out = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
@@ -564,7 +564,9 @@ def format_table(rows: list[dict], on_gpu: bool = True) -> str:
     notes = ["x limit: median step / speed-limit median step.  mean: whole measured window (incl. the final "
              "in-flight CPU update) / steps.  traffic x: host<->device bytes per step / model bytes ('a' = "
              "analytic, else measured).  threads: intra-op threads @ pinned cores.",
-             "stall %: GPU idle share of step time; '-' = not applicable or not observable (see the JSON notes)."]
+             "stall %: GPU idle share of step time; '-' = not applicable or not observable (see the JSON notes).",
+             "upd steps: an overlapped CPU update's length in training steps (opt.stats()['cpu_update_steps']); "
+             "a landing_lag at least this long never waits for it."]
     for r in failures:
         notes.append(f"FAILED {r['name']}: {r.get('error')}")
     title = [] if on_gpu else ["CPU figures (no GPU): every time below is a CPU measurement, not a GPU result.", ""]

@@ -318,6 +318,7 @@ def run_zenflow(spec: dict) -> dict:
         accumulate_copy_wait_s_per_step=delta["accumulate_copy_wait_seconds"] / steps,
         cpu_updates=delta["cpu_updates"], reselections=delta["reselections"], accumulate_on=end["accumulate_on"],
         selection_s_per_step=delta["selection_seconds"] / steps,
+        cpu_update_steps=end.get("cpu_update_steps"),  # an overlapped update's length in training steps
         skipped_steps=delta["skipped_steps"],
         effective_update_interval=(steps / delta["cpu_updates"]) if delta["cpu_updates"] else None,
         zenflow_stats=end, compiles_during_measurement=compiles, trace=spec.get("trace"),
