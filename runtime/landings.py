@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -44,7 +45,7 @@ class Landings:
         self._window: list[tuple[float, float]] = []  # per landing judged: (update length in steps, wait)
         self._window_started: Optional[float] = None  # the end of the landing before the window's first
         self.wait_seconds = 0.0  # the training thread's waits at landings (part of the stall)
-        self.update_steps: Optional[float] = None  # the last window's mean update length, in training steps
+        self._lengths: deque[float] = deque(maxlen=WINDOW)  # the last updates' lengths, in training steps
         self._advice: Optional[str] = None
         self._advised = False
 
@@ -74,6 +75,7 @@ class Landings:
         trained = landing_started - flight.launched_at - (stalled - flight.stalled_at_launch)
         step_seconds = max(trained, 1e-9) / (step - flight.step)
         self._window.append(((flight.finished_at - flight.launched_at) / step_seconds, wait))
+        self._lengths.append(self._window[-1][0])
         if len(self._window) == WINDOW:
             self._judge(landing_started + wait - self._window_started)
             self._window, self._window_started = [], landing_started + wait
@@ -82,9 +84,13 @@ class Landings:
         """A checkpoint load or a failure: the updates in flight are gone."""
         self._flights.clear()
 
+    @property
+    def update_steps(self) -> Optional[float]:
+        """The mean length of the last (up to WINDOW) updates timed, in training steps; None before one."""
+        return sum(self._lengths) / len(self._lengths) if self._lengths else None
+
     def _judge(self, seconds: float) -> None:
         """The window's landings, over `seconds` of training."""
-        self.update_steps = sum(steps for steps, _ in self._window) / WINDOW
         waited = sum(wait for _, wait in self._window)
         share = waited / max(seconds, 1e-9)
         if self._advised or share <= STALL_SHARE or waited < MIN_WAIT_SECONDS:
