@@ -15,8 +15,9 @@ import math
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
+
+from zenflow_compile.runtime.worker import ended_at
 
 WINDOW = 4  # updates whose waits are judged together
 SKIPPED = 2  # the first updates also build the CPU AdamW and warm the caches: not judged
@@ -24,15 +25,11 @@ STALL_SHARE = 0.1  # waits above this share of the training's time are worth a w
 MIN_WAIT_SECONDS = 0.05  # ... and above this much in a window (a tiny model's microsecond waits are not)
 
 
-@dataclass
-class _Flight:
+class _Flight(NamedTuple):
     step: int  # the boundary's step
     launched_at: float
     stalled_at_launch: float  # the training thread's waits so far
-    finished_at: Optional[float] = None  # set on the worker thread when the update's task ends
-
-    def finished(self, _future: Future) -> None:
-        self.finished_at = time.perf_counter()
+    update: Future  # the update's task (`worker.ended_at`)
 
 
 class Landings:
@@ -53,8 +50,7 @@ class Landings:
         """An update launched at the end of `step`; only an overlapped one is timed."""
         self._flights.pop(phase, None)
         if overlapped:
-            flight = self._flights[phase] = _Flight(step, time.perf_counter(), self._stalled_seconds())
-            update.add_done_callback(flight.finished)
+            self._flights[phase] = _Flight(step, time.perf_counter(), self._stalled_seconds(), update)
 
     def mark(self) -> tuple[float, float]:
         """Taken before a landing's wait: (now, the training thread's waits so far)."""
@@ -64,9 +60,10 @@ class Landings:
         """The update of `phase` was applied at the end of `step`, its wait starting at `mark`."""
         landing_started, stalled = mark
         flight = self._flights.pop(phase, None)
-        if flight is None or flight.finished_at is None or step <= flight.step:
+        finished_at = None if flight is None else ended_at(flight.update)
+        if finished_at is None or step <= flight.step:
             return
-        wait = max(0.0, flight.finished_at - landing_started)
+        wait = max(0.0, finished_at - landing_started)
         self.wait_seconds += wait
         if self._skipped < SKIPPED:
             self._skipped += 1
@@ -74,7 +71,7 @@ class Landings:
             return
         trained = landing_started - flight.launched_at - (stalled - flight.stalled_at_launch)
         step_seconds = max(trained, 1e-9) / (step - flight.step)
-        self._window.append(((flight.finished_at - flight.launched_at) / step_seconds, wait))
+        self._window.append(((finished_at - flight.launched_at) / step_seconds, wait))
         self._lengths.append(self._window[-1][0])
         if len(self._window) == WINDOW:
             self._judge(landing_started + wait - self._window_started)

@@ -55,6 +55,7 @@ class CpuWorker:
         ordering = self.ordering
         submitted = ordering.fork() if ordering is not None else None
         finished: list = []  # the task's last point in the host-thread order, for `wait_for`
+        ended: list = []  # when the task ended (before its future says done: `ended_at`)
 
         def run():
             if ordering is not None:
@@ -65,13 +66,15 @@ class CpuWorker:
             try:
                 return task()
             finally:
-                self.busy_seconds += time.perf_counter() - start
+                ended.append(time.perf_counter())
+                self.busy_seconds += ended[0] - start
                 self.busy_cpu_seconds += time.thread_time() - start_cpu
                 if ordering is not None:
                     finished.append(ordering.fork())
 
         future = self._executor.submit(run)
         future.zenflow_finished = (ordering, finished)
+        future.zenflow_ended = ended
         self._futures.append(future)
         return future
 
@@ -115,6 +118,12 @@ def joined(future: Future) -> None:
     ordering, finished = getattr(future, "zenflow_finished", (None, ()))
     if ordering is not None and finished:
         ordering.join(finished[0])
+
+
+def ended_at(future: Future) -> Optional[float]:
+    """When a task of `submit` ended (`time.perf_counter()`), once its future is done; None before."""
+    ended = getattr(future, "zenflow_ended", ())
+    return ended[0] if ended else None
 
 
 def wait_for(future: Future) -> Any:

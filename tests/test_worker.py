@@ -4,10 +4,11 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
-from zenflow_compile.runtime.worker import CpuWorker
+from zenflow_compile.runtime.worker import CpuWorker, ended_at, wait_for
 
 
 def test_task_error_is_raised_in_caller():
@@ -92,3 +93,18 @@ def test_shutdown_does_not_wait_so_the_optimizers_finalizer_cannot_hang():
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "returned", out.stdout + out.stderr
+
+
+def test_a_tasks_end_time_is_known_once_its_future_is_waited_for():
+    """The landings' timing reads when the CPU update ended right after waiting for it: the time must be set
+    before the future says done (a done-callback runs after the waiter may have woken)."""
+    worker = CpuWorker("timed")
+    try:
+        for _ in range(200):
+            before = time.perf_counter()
+            future = worker.submit(lambda: None)
+            wait_for(future)
+            ended = ended_at(future)
+            assert ended is not None and before <= ended <= time.perf_counter()
+    finally:
+        worker.shutdown()
