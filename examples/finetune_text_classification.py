@@ -136,6 +136,8 @@ def main():
           f"({100 * (acc_z - acc_a):+.1f} points; loss {loss_z:.3f} against {loss_a:.3f})")
     print(f"CPU updates: {stats['cpu_updates']}, of which {stats['overlapped_boundaries']} overlapped the next steps")
     print(f"stall (the training loop waiting for ZenFlow): {stats['stall_seconds']:.2f} s")
+    if stats["cpu_update_steps"] is not None:  # (a landing_lag at least this long never waits for an update)
+        print(f"a CPU update took {stats['cpu_update_steps']:.1f} training steps")
     print(f"optimizer state on the {args.device}: {stats['device_state_bytes'] / 1e6:.1f} MB "
           f"(host: {stats['host_state_bytes'] / 1e6:.1f} MB; gradients summed on the {stats['accumulate_on']})")
     try:

@@ -136,7 +136,7 @@ SLOW_CPU_KEYS = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, sele
                      select_interval=8, overlap_reselect="incoming")
 
 
-def test_a_landing_that_waits_is_said_once_with_the_lag_that_would_not(monkeypatch):
+def test_a_landing_that_waits_is_said_once_with_the_lag_that_would_not(monkeypatch, device):
     """An update 2-5 steps long (5 on an idle machine, less where other work slows the steps) landing one
     step after its boundary: the training thread waits at every landing. The optimizer says so once, from
     the caller's line, with the measured length and the landing_lag that covers it; with that lag the waits
