@@ -78,7 +78,7 @@ class Landings:
             self._window, self._window_started = [], landing_started + wait
 
     def forget(self) -> None:
-        """A checkpoint load or a failure: the updates in flight are gone."""
+        """A checkpoint was loaded: the updates in flight are gone."""
         self._flights.clear()
 
     @property
@@ -97,7 +97,7 @@ class Landings:
         landing = f"landing_lag={cfg.landing_lag}" if cfg.landing_lag is not None else "the next boundary"
         fixes = []
         if isinstance(interval, int) and cfg.landing_lag is not None and cfg.landing_lag < lag <= interval:
-            fixes.append(f"landing_lag={lag} (a later landing costs accuracy early in a fine-tune)")
+            fixes.append(f"landing_lag={lag}")
         if not cfg.stagger_boundaries and isinstance(interval, int) and interval > 1:
             fixes.append(f"stagger_boundaries=True (each step then takes 1/{interval} of the update)")
         if isinstance(interval, int) and lag > interval:
@@ -106,8 +106,9 @@ class Landings:
         self._advice = (
             f"ZenFlow: a CPU update takes about {self.update_steps:.1f} training steps here and lands at "
             f"{landing}: the training thread waited {waited / WINDOW:.3f} s for each ({share:.0%} of the "
-            f"time). To stop the wait: {'; or '.join(fixes)}. docs/sizing.md says how to size them. (Said "
-            "once; opt.stats()['cpu_update_steps'] is the measured length; to silence: "
+            f"time). To stop the wait: {'; or '.join(fixes)}. A later landing, staggering and a longer interval "
+            "cost accuracy early in a fine-tune (docs/sizing.md). (Said once; opt.stats()['cpu_update_steps'] "
+            "is the measured length; to silence: "
             "warnings.filterwarnings('ignore', category=zenflow_compile.LandingStallWarning).)")
 
     def take_advice(self) -> Optional[str]:

@@ -147,7 +147,7 @@ def test_a_landing_that_waits_is_said_once_with_the_lag_that_would_not(monkeypat
     assert 1.0 < measured < 8.0, measured
     assert len(said) == 1 and said[0].filename == __file__
     message = str(said[0].message)
-    advised = int(re.search(r"landing_lag=(\d+) \(", message).group(1))
+    advised = int(re.search(r"To stop the wait: landing_lag=(\d+);", message).group(1))
     assert advised == math.ceil(measured) or advised == math.ceil(measured) + 1  # (a window's mean, then the mean)
     assert "lands at landing_lag=1" in message and "stagger_boundaries=True" in message
     assert waited > 0.2
