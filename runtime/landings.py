@@ -17,7 +17,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import Callable, NamedTuple, Optional
 
-from zenflow_compile.runtime.worker import ended_at
+from zenflow_compile.runtime.worker import TaskEnd, task_end
 
 WINDOW = 4  # updates whose waits are judged together
 SKIPPED = 2  # the first updates also build the CPU AdamW and warm the caches: not judged
@@ -29,7 +29,7 @@ class _Flight(NamedTuple):
     step: int  # the boundary's step
     launched_at: float
     stalled_at_launch: float  # the training thread's waits so far
-    update: Future  # the update's task (`worker.ended_at`)
+    ended: TaskEnd  # when the update's task ended
 
 
 class Landings:
@@ -50,7 +50,7 @@ class Landings:
         """An update launched at the end of `step`; only an overlapped one is timed."""
         self._flights.pop(phase, None)
         if overlapped:
-            self._flights[phase] = _Flight(step, time.perf_counter(), self._stalled_seconds(), update)
+            self._flights[phase] = _Flight(step, time.perf_counter(), self._stalled_seconds(), task_end(update))
 
     def mark(self) -> tuple[float, float]:
         """Taken before a landing's wait: (now, the training thread's waits so far)."""
@@ -60,7 +60,7 @@ class Landings:
         """The update of `phase` was applied at the end of `step`, its wait starting at `mark`."""
         landing_started, stalled = mark
         flight = self._flights.pop(phase, None)
-        finished_at = None if flight is None else ended_at(flight.update)
+        finished_at = None if flight is None else flight.ended.at
         if finished_at is None or step <= flight.step:
             return
         wait = max(0.0, finished_at - landing_started)

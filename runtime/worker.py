@@ -55,7 +55,7 @@ class CpuWorker:
         ordering = self.ordering
         submitted = ordering.fork() if ordering is not None else None
         finished: list = []  # the task's last point in the host-thread order, for `wait_for`
-        ended: list = []  # when the task ended (before its future says done: `ended_at`)
+        ended = TaskEnd()
 
         def run():
             if ordering is not None:
@@ -66,8 +66,8 @@ class CpuWorker:
             try:
                 return task()
             finally:
-                ended.append(time.perf_counter())
-                self.busy_seconds += ended[0] - start
+                ended.at = time.perf_counter()
+                self.busy_seconds += ended.at - start
                 self.busy_cpu_seconds += time.thread_time() - start_cpu
                 if ordering is not None:
                     finished.append(ordering.fork())
@@ -120,10 +120,19 @@ def joined(future: Future) -> None:
         ordering.join(finished[0])
 
 
-def ended_at(future: Future) -> Optional[float]:
-    """When a task of `submit` ended (`time.perf_counter()`), once its future is done; None before."""
-    ended = getattr(future, "zenflow_ended", ())
-    return ended[0] if ended else None
+class TaskEnd:
+    """When a task of `CpuWorker.submit` ended (`time.perf_counter()`; None before), set before its future says
+    done. Holds nothing else: a failed task's future holds its exception, whose frames would keep the
+    training loop's locals alive."""
+
+    __slots__ = ("at",)
+
+    def __init__(self):
+        self.at: Optional[float] = None
+
+
+def task_end(future: Future) -> TaskEnd:
+    return future.zenflow_ended
 
 
 def wait_for(future: Future) -> Any:

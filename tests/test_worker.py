@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from zenflow_compile.runtime.worker import CpuWorker, ended_at, wait_for
+from zenflow_compile.runtime.worker import CpuWorker, task_end, wait_for
 
 
 def test_task_error_is_raised_in_caller():
@@ -104,7 +104,7 @@ def test_a_tasks_end_time_is_known_once_its_future_is_waited_for():
             before = time.perf_counter()
             future = worker.submit(lambda: None)
             wait_for(future)
-            ended = ended_at(future)
+            ended = task_end(future).at
             assert ended is not None and before <= ended <= time.perf_counter()
     finally:
         worker.shutdown()
