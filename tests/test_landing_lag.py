@@ -148,7 +148,7 @@ def test_a_landing_that_waits_is_said_once_with_the_lag_that_would_not(monkeypat
     assert len(said) == 1 and said[0].filename == __file__
     message = str(said[0].message)
     advised = int(re.search(r"To stop the wait: landing_lag=(\d+);", message).group(1))
-    assert advised == math.ceil(measured) or advised == math.ceil(measured) + 1  # (a window's mean, then the mean)
+    assert abs(advised - math.ceil(measured)) <= 1  # (the advice's length is the first window's, `measured` the last's)
     assert "lands at landing_lag=1" in message and "stagger_boundaries=True" in message
     assert waited > 0.2
 
