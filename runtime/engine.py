@@ -499,7 +499,7 @@ class ZenFlowRuntime:
         stats["bytes_device_to_host_per_step"] = self.counters["bytes_device_to_host"] / steps
         stats["bytes_host_to_device_per_step"] = self.counters["bytes_host_to_device"] / steps
         clock, workers = self.host_work.stall_clock, self.host_work
-        host_wait = clock.host_seconds if clock else 0.0
+        host_wait = workers.stalled_seconds()
         device_idle = clock.device_idle_seconds() if clock else None
         stats["host_wait_seconds"] = host_wait
         # Device idle caused by waiting for the CPU (events on the compute stream); where the device is the

@@ -39,10 +39,11 @@ class Landings:
         self._stalled_seconds = stalled_seconds
         self._flights: dict[int, _Flight] = {}  # per phase: the overlapped update in flight
         self._skipped = 0
-        self._window: list[tuple[float, float]] = []  # per landing judged: (update length in steps, wait)
+        # The last updates timed: (length in training steps, the training thread's wait at its landing).
+        self._recent: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self._since_judged = 0  # updates timed since the last window was judged
         self._window_started: Optional[float] = None  # the end of the landing before the window's first
         self.wait_seconds = 0.0  # the training thread's waits at landings (part of the stall)
-        self._lengths: deque[float] = deque(maxlen=WINDOW)  # the last updates' lengths, in training steps
         self._advice: Optional[str] = None
         self._advised = False
 
@@ -71,11 +72,11 @@ class Landings:
             return
         trained = landing_started - flight.launched_at - (stalled - flight.stalled_at_launch)
         step_seconds = max(trained, 1e-9) / (step - flight.step)
-        self._window.append(((finished_at - flight.launched_at) / step_seconds, wait))
-        self._lengths.append(self._window[-1][0])
-        if len(self._window) == WINDOW:
+        self._recent.append(((finished_at - flight.launched_at) / step_seconds, wait))
+        self._since_judged += 1
+        if self._since_judged == WINDOW:  # (then `_recent` holds the window)
             self._judge(landing_started + wait - self._window_started)
-            self._window, self._window_started = [], landing_started + wait
+            self._since_judged, self._window_started = 0, landing_started + wait
 
     def forget(self) -> None:
         """A checkpoint was loaded: the updates in flight are gone."""
@@ -84,14 +85,15 @@ class Landings:
     @property
     def update_steps(self) -> Optional[float]:
         """The mean length of the last (up to WINDOW) updates timed, in training steps; None before one."""
-        return sum(self._lengths) / len(self._lengths) if self._lengths else None
+        return sum(length for length, _ in self._recent) / len(self._recent) if self._recent else None
 
     def _judge(self, seconds: float) -> None:
-        """The window's landings, over `seconds` of training."""
-        waited = sum(wait for _, wait in self._window)
+        """The window's landings (`_recent`), over `seconds` of training."""
+        waited = sum(wait for _, wait in self._recent)
         share = waited / max(seconds, 1e-9)
         if self._advised or share <= STALL_SHARE or waited < MIN_WAIT_SECONDS:
             return
+        self._advised = True
         cfg, lag = self.config, math.ceil(self.update_steps)
         interval = cfg.update_interval
         landing = f"landing_lag={cfg.landing_lag}" if cfg.landing_lag is not None else "the next boundary"
@@ -114,8 +116,6 @@ class Landings:
     def take_advice(self) -> Optional[str]:
         """The warning to give, once."""
         advice, self._advice = self._advice, None
-        if advice is not None:
-            self._advised = True
         return advice
 
 

@@ -107,6 +107,10 @@ def test_a_late_cpu_update_is_waited_for_at_its_landing_and_counted(monkeypatch,
     assert stats["stall_seconds"] >= 0.08 * stats["cpu_updates"]  # both updates waited for, at b + 1 or b
 
 
+SLOW_CPU_KEYS = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, select_strategy="step",
+                     select_interval=8, overlap_reselect="incoming")
+
+
 def train_beside_a_slow_cpu(monkeypatch, update_seconds, step_seconds, steps=30, **keys):
     """Eager training whose steps take about `step_seconds` (a sleep standing in for the device's step) while
     each CPU update takes about `update_seconds` (the host AdamW slowed); returns the optimizer and the
@@ -130,10 +134,6 @@ def train_beside_a_slow_cpu(monkeypatch, update_seconds, step_seconds, steps=30,
             opt.zero_grad()
     monkeypatch.setattr(update, "update_host_columns", real_update)
     return opt, [w for w in caught if issubclass(w.category, LandingStallWarning)]
-
-
-SLOW_CPU_KEYS = dict(topk_ratio=0.25, update_interval=4, overlap_step=True, select_strategy="step",
-                     select_interval=8, overlap_reselect="incoming")
 
 
 def test_a_landing_that_waits_is_said_once_with_the_lag_that_would_not(monkeypatch, device):
