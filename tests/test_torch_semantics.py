@@ -466,13 +466,18 @@ def _train(model, opt, batches, call=None):
         opt.zero_grad()
 
 
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-def test_a_copied_or_unpickled_optimizer_resumes_exactly(how):
-    """Copied after 3 steps (an overlapped CPU update in flight), both go on for 5 more steps alike."""
+def test_a_copied_or_unpickled_optimizer_resumes_exactly(how, resumed):
+    """Copied after 3 steps (an overlapped CPU update in flight), both go on for 5 more steps alike. `resumed`:
+    the optimizer had loaded a checkpoint first (torch.optim's load_state_dict adds its own keys to
+    `defaults`, which are not the constructor's)."""
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=LR, max_grad_norm=0.5, **KEYS)
     batches = make_batches(8)
     _train(model, opt, batches[:3])
+    if resumed:
+        opt.load_state_dict(opt.state_dict())
     if how == "deepcopy":
         copied = copy.deepcopy({"model": model, "opt": opt})
     else:

@@ -646,7 +646,9 @@ class ZenFlowAdamW(torch.optim.Optimizer):
                 "gradients were already handed to the optimizer and the copy would not have them. Fix: copy "
                 "after step() (or after zero_grad()), or save opt.state_dict()")
         groups = [{**group, "params": list(group["params"])} for group in self.param_groups]
-        options = dict(self.defaults, max_grad_norm=self.max_grad_norm, config=self.config,
+        # The constructor's own defaults only: torch.optim's load_state_dict adds keys of its own to `defaults`.
+        options = dict({key: self.defaults[key] for key in ("lr", "betas", "eps", "weight_decay")},
+                       max_grad_norm=self.max_grad_norm, config=self.config,
                        reduce_bucket_size=self._runtime.bucket_numel)
         return _rebuild, (type(self), groups, options, self.state_dict())
 
