@@ -1,25 +1,18 @@
-"""The data-parallel group of one ZenFlowAdamW: collectives, ownership of host state, byte counts.
+"""The data-parallel group of one ZenFlowAdamW: collectives, ownership of host state, byte counts (plain
+torch.distributed: NCCL on CUDA, gloo on CPU; ARCHITECTURE.md, "Data parallel").
 
-Everything here is plain torch.distributed (NCCL on CUDA, gloo on CPU). What ZenFlow adds is who owns what:
+Host optimizer state is partitioned by whole matrices: each matrix's host state lives on one rank, its *owner*,
+chosen greedily by size (the rank with the fewest owned elements so far, ties to the lower rank) when the
+optimizer takes its parameters, the same on every rank; so a fresh optimizer knows every owner before any step,
+and at the same world size they are the saved run's. Whole matrices rather than column shards: the unselected
+gradient of a matrix is one `reduce` to one rank (gloo has no reduce-scatter), a reselection moves state only
+between the devices and the owner's host, and a model has many matrices of similar size, so the split is even.
+Vectors get an owner too: the rank that reports their score and saves their state.
 
-- Host optimizer state is partitioned by whole matrices: each matrix (its unselected columns' fp32 masters,
-  moments and gradient accumulator) lives on exactly one rank, its *owner*, chosen greedily by size (the
-  matrix goes to the rank with the fewest owned elements so far, ties to the lower rank), in param-group order
-  when the optimizer takes its parameters (a parameter that requires no grad then: when it gets its state),
-  the same on every rank. So a fresh optimizer knows every owner before any step, and at the same world size
-  they are the saved run's: each rank saves and loads the state of its own parameters (a checkpoint through
-  torch.distributed.checkpoint), and at a load each owner broadcasts the device part of its parameters'
-  state (`broadcast_object`). Whole matrices rather than column shards: the
-  unselected gradient of a matrix is one `reduce` to one rank (gloo has no reduce-scatter), a reselection
-  moves state only between the devices and the owner's host, never between hosts, and a model has many
-  matrices of similar size, so the split is even. Vectors (replicated on every device) get an owner too:
-  the rank that reports their score and saves their state.
-- Every collective goes through this object, which counts its payload bytes per kind for `opt.stats()`:
-  sent = what this rank contributes (all_reduce: the tensor; reduce: the tensor unless it is the
-  destination; broadcast: the tensor if it is the source), received = what it gets back.
-
-All ranks must issue the same collectives in the same order; the runtime guarantees it by deciding
-everything from reduced (identical) quantities.
+Every collective goes through `DataParallel`, which counts its payload bytes per kind for `opt.stats()`: sent =
+what this rank contributes (all_reduce: the tensor; reduce: unless it is the destination; broadcast: if it is
+the source), received = what it gets back. All ranks must issue the same collectives in the same order; the
+runtime decides everything from reduced (identical) quantities.
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """ZenFlowRuntime: the state and schedule of one ZenFlowAdamW (docs/semantics.md), eager and compiled.
 
-Gradients arrive in buckets (`take_grads`: from the compiled graph's custom op per backward, from
-`ZenFlowAdamW.step()`, which hands over the eager `.grad`s, or from the data-parallel hooks, into the
-reducer) and go into their slabs (`runtime/state/`; a bucket's plan: `intake.BucketPlan`). `step()` then makes
-the step's decisions in this order:
-global norm (skip if non-finite, else clip coefficient) -> first selection at t == W -> device AdamW on the
-selected columns and vectors -> hand the unselected columns' gradient to the accumulate worker -> update
-boundary? (int interval or Zen-auto) -> apply the previous CPU update (overlap) and launch this one ->
-reselection (the arriving columns' share of the boundary's update is made before it is launched, the columns
-move while the rest runs on: `columns.reselect_in_flight`; it lands as any boundary's with
-overlap_reselect="incoming", right after the move with "wait").
-The CPU workers, and every wait for them, are `runtime/host_work.py`'s; what a failure leaves,
-`runtime/failures.py`'s.
+Every gradient source (the compiled graph's op, the eager `.grad`s handed over at `step()`, the data-parallel
+reducer) reaches the runtime through `take_grads`. `step()` then makes the step's decisions in this order
+(ARCHITECTURE.md, "One training step"): global norm (skip if non-finite, else clip coefficient) -> first
+selection -> device AdamW on the selected columns and vectors -> the unselected columns' gradient to the
+accumulate worker -> update boundary? -> apply the previous CPU update (overlap) and launch this one ->
+reselection, made while that update runs on (`columns.reselect_in_flight`).
 
-Data parallel (`data_parallel` set): gradients arrive averaged across ranks (`GradReducer`); the
-step all-reduces the column scores first, so the norm, clipping, Zen-auto and every selection are computed
-from the same numbers on every rank and every rank issues the same collectives in the same order (slabs are
-keyed by their members' owner, so every rank builds the same slabs in the same order). Host state is
-partitioned by matrix (`DataParallel.assign_owner`): only a matrix's owner accumulates and runs its CPU AdamW;
-at the apply the owner broadcasts the updated columns.
+Data parallel: the step all-reduces the column scores first, so every decision is computed from the same
+numbers on every rank and every rank issues the same collectives in the same order.
 
 Determinism: the device only ever receives a CPU update at a fixed point of the schedule (with overlap, the
 end of step b + landing_lag or the next boundary, whichever comes first; without, its own boundary), so
-results never depend on thread timing; if the CPU is late the training thread waits, and the wait is counted
-as stall time.
+results never depend on thread timing; if the CPU is late the training thread waits, counted as stall time.
 """
 
 from __future__ import annotations

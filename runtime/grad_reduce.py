@@ -1,21 +1,15 @@
 """Bucketed, asynchronous reduction of parameter gradients across the data-parallel ranks.
 
-Each gradient is split by where its optimizer state lives:
-- the part every rank updates on its device (a matrix's selected columns, a whole vector) is averaged with
-  an all-reduce, so every rank runs the same device AdamW;
-- the part updated on the host (a matrix's unselected columns) is averaged with a reduce into the matrix's
-  owner only, the one rank that accumulates it and runs its CPU AdamW.
-The pieces of one bucket are gathered (one copy each, the unselected columns already transposed into the
-host layout) into one flat buffer per collective, so a bucket costs one all-reduce plus one reduce per owner.
-Buckets are launched asynchronously, in the order the backward produces gradients (the same on every rank),
-and finished (waited, then handed to the parameter states) before their gradients are consumed: when too
-many are in flight, and at `opt.step()`. On CUDA, c10d runs NCCL collectives on its own streams and
-`Work.wait()` makes the current stream wait for them, so the backward's kernels keep running meanwhile; on
-CPU, gloo runs them on its own threads.
+Each gradient is split by where its optimizer state lives: the part every rank updates on its device (a
+matrix's selected columns, a whole vector) is averaged with an all-reduce; the part updated on the host (a
+matrix's unselected columns, already transposed into the host layout) with a reduce into the matrix's owner
+only. A bucket's pieces are gathered into one flat buffer per collective: one all-reduce plus one reduce per
+owner. Buckets are launched asynchronously in backward order (the same on every rank) and finished before
+their gradients are consumed: when too many are in flight, and at `opt.step()`. (NCCL runs on its own streams,
+`Work.wait()` making the current stream wait; gloo on its own threads.)
 
-The compiled backward hands over whole buckets (`zenflow::reduce_grads`, bucketed by the graph pass); eager
-hooks hand over one gradient at a time and this class fills buckets of the same size (`add`); the last,
-partial bucket goes out at `opt.step()`.
+The compiled backward hands over whole buckets (`zenflow::reduce_grads`); eager hooks hand over one gradient at
+a time, which `add` gathers into buckets of the same size.
 """
 
 from __future__ import annotations

@@ -1,39 +1,20 @@
-"""Sharded parameters (ZeRO-3 class) through FSDP2: the shard group of one ZenFlowAdamW.
+"""Sharded parameters (ZeRO-3 class) through FSDP2: the shard group of one ZenFlowAdamW (ARCHITECTURE.md,
+"Sharded parameters (FSDP2)").
 
-`torch.distributed.fsdp.fully_shard` turns each parameter into a `DTensor` with placement `Shard(0)` on a 1-D
-device mesh: every rank holds a block of rows of every column (ranks may hold different numbers of rows,
-some none at all). That fits ZenFlow's column selection exactly:
+`fully_shard` turns each parameter into a `DTensor` with placement `Shard(0)` on a 1-D device mesh: every rank
+holds a block of rows of every column (possibly none). That fits ZenFlow's column selection exactly: a rank's
+state of a parameter is the state of its own rows (a member's `param` is the local tensor, `local_shard`), and a
+column's score is the sum over ranks of each rank's partial squared norm, so one all-reduce of the step's scores
+(`Sharding.all_reduce_scores`) gives every rank the same scores, hence the same decisions and collectives.
 
-- a rank's state of a parameter is the state of its own rows: a member's `param` is the DTensor's local
-  tensor (`local_shard`), its slab rows are the local rows, and everything the slabs do (device AdamW of the
-  selected columns, offload, accumulation, CPU AdamW of the others) runs on those rows with no ownership
-  bookkeeping and no second gradient reduction (FSDP2 reduce-scatters the gradients; the optimizer sees each
-  rank's shard in `.grad`);
-- a column's score is the sum over ranks of each rank's partial squared norm, so ONE all-reduce of the step's
-  score vectors (`Sharding.all_reduce_scores`, C floats per matrix, one per vector) gives every rank the same
-  scores. The global norm (non-finite skip, clipping), Zen-auto's means, the first selection and every
-  reselection are computed from them, so every rank selects the same columns (ties to the lower index) and
-  makes the same decisions, and issues the same collectives in the same order. For that, slabs are keyed by
-  the parameters' global shapes (`slab_key`), so every rank groups its members into the same slabs in the
-  same order, whatever rows it holds.
+Refused, each with the fix in its error: a 2-D (HSDP) mesh and any placement other than `Shard(0)` (a column
+would be split in ways the per-column scores do not add up over one group); FSDP2's `CPUOffloadPolicy` (it
+would move the selected columns and the parameters every step); DTensor parameters beside plain ones or beside
+a `process_group=`; at `step()`, a parameter FSDP2 no longer holds (`check_still_held`).
 
-What is refused, with the fix: a 2-D (HSDP) mesh and any placement other than `Shard(0)` (tensor parallel,
-`fully_shard(shard_placement_fn=...)`): a column is then split across ranks in ways the per-column scores do
-not add up over one group; FSDP2's `CPUOffloadPolicy`: ZenFlow already keeps the unselected columns' state on
-the host and moves only their gradients and updates, while the policy would also move the selected columns and
-the parameters themselves, every step; DTensor parameters beside plain ones (the plain ones' gradients would
-not be reduced) or beside a `process_group=` (ZenFlow's own data parallelism, which reduces gradients itself);
-at `step()`, a parameter FSDP2 no longer holds (`check_still_held`: `load_state_dict(assign=True)` puts new
-parameter objects in its place, which get the gradients).
-
-Checkpoints (`ZenFlowAdamW.state_dict()`): the form `torch.distributed.checkpoint` (DCP) and its
-`get_optimizer_state_dict` expect. Per-row state (fp32 masters, moments, accumulators) as DTensors `Shard(0)`
-over the mesh (`dcp_entry`), so DCP saves each rank's rows and reshards them on a load at another world size;
-per-column state (counts, selection) and the schedule replicated (every rank holds the same; the counters
-that are a rank's own, such as its bytes moved, are left out). The per-row DTensors keep their local tensors on
-the host (on a CUDA mesh too: never copied to the devices).
-
-The collectives go through `collectives.DataParallel` (payload counted, a failure raised as `CollectiveError`).
+Checkpoints: the form `torch.distributed.checkpoint` (DCP) expects. Per-row state as DTensors `Shard(0)` over
+the mesh (`dcp_entry`), so DCP reshards them at another world size, their local tensors on the host (never
+copied to the devices); per-column state and the schedule replicated, less the counters that are a rank's own.
 """
 
 from __future__ import annotations

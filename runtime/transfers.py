@@ -1,26 +1,19 @@
-"""Device <-> host copies on dedicated streams, ordered by events: one code path for every accelerator.
+"""Device <-> host copies on dedicated streams, ordered by events: one code path for every accelerator
+(ARCHITECTURE.md, "The device path").
 
-Two separate questions:
-- Is the device the host (a model on the CPU)? Then nothing is copied: the "offload" is a plain copy into
-  host memory and an "upload" hands the host tensor itself back (`Transfers.device_is_host`).
-- Which stream API serves a device that is not the host? `torch.accelerator` with `torch.Stream`,
-  `torch.Event` and pinned host memory (`AcceleratorStreams`: CUDA, ROCm, XPU, ... alike), or, in tests, an
-  emulated asynchronous device over CPU tensors that implements the same calls (`emulate_async_device`).
-  A device that is not the host always gets real copies.
+Where the device is the host (a model on the CPU) nothing is copied: an "offload" is a plain copy into host
+memory and an "upload" hands the host tensor itself back (`Transfers.device_is_host`). Any other device gets
+real copies through a stream API: `torch.accelerator` with `torch.Stream`, `torch.Event` and pinned memory
+(`AcceleratorStreams`), or, in tests, an emulated asynchronous device over CPU tensors (`emulate_async_device`).
 
-Ordering, on a device that is not the host:
-- a copy's stream first waits for the compute stream (its source, or its target's memory, comes from
-  compute work);
-- a copy's device source is kept alive for its stream (`Tensor.record_stream`), so the caching allocator
-  does not hand its memory to another kernel while the copy is in flight;
-- a copy down returns an event that a host reader (a CPU worker) waits for before reading the pinned
-  buffer; an upload's event is waited for by the compute stream before any kernel reads the uploaded
-  tensor, and by the host before it overwrites the pinned source.
+Ordering: a copy's stream first waits for the compute stream (its source, or its target's memory, comes from
+compute work); a copy's device source is kept alive for its stream (`record_stream`), so the caching allocator
+does not hand its memory to another kernel while the copy is in flight; a host reader waits for a copy down's
+event, the compute stream for an upload's.
 
-The stream API also receives the runtime's declarations of which pinned buffers a host thread reads or
-writes (`host_access`) and of each host read of a device value (`read_to_host`): real hardware needs none
-(they cost one attribute check), the emulated device checks every such access against its happens-before
-graph of streams, events and host threads.
+The stream API also receives the declarations of which pinned buffers a host thread reads or writes
+(`host_access`) and of each host read of a device value (`read_to_host`): real hardware needs none, the
+emulated device checks each against its happens-before graph.
 """
 
 from __future__ import annotations

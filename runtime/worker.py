@@ -1,14 +1,9 @@
 """A background CPU worker: one thread, FIFO tasks, errors surfaced to the training thread.
 
-The runtime keeps two of them: one that folds each step's offloaded gradient into the host accumulator and
-one that runs the CPU AdamW at update boundaries, so a long update never delays the next step's
-accumulation. A task that raises leaves its exception in its Future; the runtime checks at every step and
-re-raises it in the training thread. Threads are daemonic-by-executor and tasks are finite, so interpreter
-exit never hangs.
-
-Core reservation (`pt_reserved_cores_perc`, see cpu_affinity.py): the worker thread is pinned to the cores
-left after the training thread's reserve and runs its torch ops with that many threads; the training
-thread is not touched.
+A task that raises leaves its exception in its Future; the runtime checks at every step and re-raises it in
+the training thread. Threads are daemonic-by-executor and tasks are finite, so interpreter exit never hangs.
+With a core reservation (`pt_reserved_cores_perc`, cpu_affinity.py) the worker thread is pinned to the cores
+left after the training thread's reserve and runs its torch ops with that many threads.
 
 Host-thread order, for the emulated device's happens-before record (`ordering`, None elsewhere): a task
 starts after what its submitter did before submitting it, and whoever waits for a task's future

@@ -14,11 +14,9 @@ with the bias corrections computed in float64 (torch computes them in Python flo
 Writing the new masters into the parameters is the caller's (`runtime/kernels.py::write_columns_`).
 
 `adamw_slab_torch_` is the math in torch (`adamw_columns_torch_`; on the CPU, a slab whose counts all agree
-takes torch's fused CPU AdamW as one tensor). The Triton kernel is one launch for the slab's members whatever n is, one program per
-tile of BLOCK_C columns of one member looping over the R rows, so it reads each count once, computes the
-bias corrections once per column and writes the count without racing another program; the torch twin makes
-about ten passes over the state, each a kernel of its own. Against Inductor's kernel for the same torch
-function the kernel is not yet measured (`benchmarks/bench_kernels.py` times both on a GPU).
+takes torch's fused CPU AdamW as one tensor). The Triton kernel is one launch for the slab's members whatever
+n is, one program per tile of BLOCK_C columns of one member looping over the R rows, so it reads each count
+once, computes the bias corrections once per column and writes the count without racing another program.
 """
 
 from typing import Optional, Union

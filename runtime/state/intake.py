@@ -1,13 +1,10 @@
-"""Gradients into the slabs, and their sums over an update interval.
+"""Gradients into the slabs, and their sums over an update interval (ARCHITECTURE.md, "One training step").
 
-Every gradient source (the compiled graph's op, the eager `.grad`s handed over at `step()`, the data-parallel
-reducer) reaches the runtime through `ZenFlowRuntime.take_grads`, which hands a bucket to its `BucketPlan`:
-whole slabs in one batched call each (`take_grads`), the rest member by member (`take_grad`, `take_reduced`).
-The selected columns' gradient stays on the device (`Slab.grad`); the unselected columns' is gathered by
-column and either staged on the device (`rest_grad`, summed there by `accumulate_on_device` and sent down
-once per interval by `send_accumulators`) or copied down into the pinned `host_grads` and summed on the host
-by the accumulate worker (`accumulate`). A plan is made once per bucket composition and layout, so a step
-costs a fixed number of calls per slab.
+A bucket's `BucketPlan` (made once per bucket composition and layout) hands whole slabs over in one batched call
+each (`take_grads`), the rest member by member (`take_grad`, `take_reduced`). The unselected columns' gradient
+is either staged on the device (`rest_grad`, summed there by `accumulate_on_device`, sent down once per interval
+by `send_accumulators`) or copied down into the pinned `host_grads` and summed by the accumulate worker
+(`accumulate`).
 """
 
 from __future__ import annotations

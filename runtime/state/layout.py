@@ -9,8 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 
 # Largest parameter (elements) that shares a slab with others: stacking its gradient in the hand-off copies it
-# once more, which pays while a tensor costs more in per-call host time than in bandwidth (CPU: ~5 us of host
-# time per call vs ~10 GB/s; CUDA: the same host time vs TB/s).
+# once more, which pays while a tensor costs more in per-call host time than in bandwidth.
 SHARED_SLAB_MAX_NUMEL = {"cpu": 1 << 14, "cuda": 1 << 20}
 
 
@@ -78,8 +77,8 @@ def columns_as_rows(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, 
 
 
 # Elements of a parameter transposed at a time when a slab reads fresh masters from it (`param_columns`): a block
-# of whole rows, transposed by torch's blocked kernel (a narrower block, or a strided gather, is 3-4x slower
-# on the CPU), bounds the transient copy to a few MB.
+# of whole rows, transposed by torch's blocked kernel (faster than a narrower block or a strided gather), bounds
+# the transient copy to a few MB.
 PARAM_BLOCK_ELEMENTS = 1 << 20
 
 

@@ -1,8 +1,7 @@
-"""Optimizer state born flat: the parameters of one slab share every state tensor, one row each.
+"""Optimizer state born flat: the parameters of one slab share every state tensor, one row each (ARCHITECTURE.md,
+"The slabs").
 
-A slab holds n like parameters: one param group, one dtype, one [R, C] shape (a matrix of any dim viewed as
-[shape[0], rest]; a vector of N elements as [N, 1]), k selected columns each. Its tensors, row i being
-member i's (u = C - k host columns):
+A slab holds n like parameters: one param group, one dtype, one [R, C] shape, k selected columns each (u = C - k):
 
     device  grad [n, R, k] (param dtype)      master, exp_avg, exp_avg_sq [n, R, k] fp32
             counts [n, k] fp32 (per-column update counts)    selected [n, k], host_columns [n, u] int64
@@ -13,40 +12,14 @@ member i's (u = C - k host columns):
             host_grads[2] [n, u, R] (by step parity), host_weights[2] [n, u, R] (by update parity): pinned,
             the param dtype; host_scores [n, u] pinned
 
-Where the unselected columns' gradients are summed (`accumulate_on`): on the host, each step's host columns
-are copied into host_grads and a worker adds them into the accumulators; on the device, they are gathered
-into `rest_grad` [n, u, R] (param dtype) and added on the device into `device_acc` (and `device_sq_acc`)
-[n, u, R] fp32, which a boundary copies into the pinned accumulators[slot] once per interval (host_grads then
-do not exist). A slab before its first selection (k = 0: warm-up, a boundary every step) sums on the host.
+Where the device sums the unselected columns' gradients (`accumulate_on`), they are gathered into `rest_grad`
+[n, u, R] (param dtype) and added into `device_acc` (and `device_sq_acc`) [n, u, R] fp32, which a boundary
+copies into the pinned accumulators once per interval (host_grads then do not exist). A slab before its first
+selection (k = 0: warm-up, a boundary every step) sums on the host. Data parallel: only the owner of a slab's
+members holds its host part (`owns_host`).
 
-Host tensors are transposed, [u, R] per member, so one column is one contiguous row: the offload of the
-unselected columns is one contiguous copy, and the CPU AdamW runs over whole rows, each at its own update
-count (`kernels.cpu_adamw_`: rows in any order). A layout puts a member's host columns in update-count order,
-or in the order a checkpoint saved; reselections then move rows without re-sorting. A vector is a slab of
-k = C = 1: all of its state on the device.
-
-Per step a slab costs a fixed number of calls whatever n is: the hand-off stacks its gradients once and
-gathers the selected and the host columns in one call each; the device AdamW, the accumulation, the CPU
-AdamW and the merge each take the slab's tensors whole. Where only some members take part (a later
-backward of the step, a parameter without gradient, data parallelism) the same work runs on the members'
-rows. A parameter of more than `SHARED_SLAB_MAX_NUMEL` elements gets a slab of its own, so stacking never
-copies a large gradient.
-
-The layout changes only in two ways. A reselection writes the new columns into the same tensors (k and u are
-fixed by topk_ratio; `state/columns.py`). Anything else (a member's first selection, a cast, a param-group
-edit, a checkpoint load) exports the members' state in transit form (`MemberState`, `Slab.export_member`)
-and builds new slabs from it (`Slab.__init__`).
-
-This module builds a slab's buffers and exports them; what runs over them lives beside it, one concept a
-module: `state/intake.py` (gradients in, accumulation on the device or the host), `state/update.py` (the
-device AdamW of the selected columns, the CPU AdamW of the host rows, publishing and applying its result),
-`state/columns.py` (columns changing sides), `state/watch.py` (values written by others).
-
-Data parallel: every rank holds the device part of every member; only a member's `owner` holds its host part,
-so a slab's key says whether this rank owns its members' host parts (`owns_host`).
-
-Sharded parameters (FSDP2, runtime/sharding.py): a member is this rank's rows of its parameter (R = the local
-rows, possibly 0); its slab is keyed by the global shape, so every rank has the same slabs in the same order.
+This module builds a slab's buffers from `MemberState`s and exports them (`Slab.export_member`); what runs over
+them lives beside it: `state/intake.py`, `state/update.py`, `state/columns.py`, `state/watch.py`.
 """
 
 from __future__ import annotations

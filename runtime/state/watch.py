@@ -17,8 +17,8 @@ _LOCAL = operator.attrgetter("_local_tensor")
 
 
 def watch_keys(watched: list[torch.Tensor], sharded: bool) -> list[tuple]:
-    """What `ParamWatch` compares, for many parameters in one pass of builtins (the common case, nothing
-    written, costs ~0.1 us a parameter). A parameter: (version, storage, dtype). A sharded one (its DTensor):
+    """What `ParamWatch` compares, for many parameters in one pass of builtins (the common case: nothing
+    written). A parameter: (version, storage, dtype). A sharded one (its DTensor):
     the DTensor's version (an in-place write through the DTensor, as `load_state_dict` makes, bumps the
     DTensor's counter and not its local tensor's), which local tensor it holds (FSDP2 may give it a new one)
     and that tensor's version, storage and dtype. The dtype comes last in both."""
