@@ -85,10 +85,10 @@ class DataParallel:
         return self._run(dist.reduce, tensor, dst=self._global(owner), op=dist.ReduceOp.SUM, group=self.group,
                          async_op=async_op)
 
-    def broadcast(self, tensor: torch.Tensor, owner: int, async_op: bool = False):
+    def broadcast(self, tensor: torch.Tensor, owner: int) -> None:
         """`owner`'s tensor into every rank's."""
         self._count("broadcast", tensor, owner == self.rank, owner != self.rank)
-        return self._run(dist.broadcast, tensor, src=self._global(owner), group=self.group, async_op=async_op)
+        self._run(dist.broadcast, tensor, src=self._global(owner), group=self.group)
 
     def broadcast_object(self, obj: Any, owner: int) -> Any:
         """`owner`'s picklable object (tensors on the host) on every rank; the others pass None."""

@@ -380,7 +380,7 @@ class ZenFlowRuntime:
         if folding:
             self.host_work.fold_backwards(folding, self.grad_slot)
         for slab, rows in several:
-            intake.exact_scores(slab, self.grad_slot, rows)
+            intake.exact_scores(slab, rows)
 
     def _phase_slabs(self, phase: int) -> list[Slab]:
         return [slab for slab in self.slabs if slab.key.phase == phase]

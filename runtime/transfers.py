@@ -73,10 +73,7 @@ class AcceleratorStreams:
     def free_bytes(self) -> int:
         """Device memory a new tensor can take: free in the driver, plus what the caching allocator holds
         unused."""
-        get_memory_info = getattr(torch.accelerator, "get_memory_info", None)  # (torch >= 2.10)
-        if get_memory_info is None:
-            get_memory_info = torch.get_device_module(self.device).mem_get_info
-        free, _ = get_memory_info(self.device)
+        free, _ = torch.accelerator.get_memory_info(self.device)
         return free + torch.accelerator.memory_reserved(self.device) - torch.accelerator.memory_allocated(self.device)
 
 

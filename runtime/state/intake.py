@@ -222,7 +222,7 @@ def host_step_scores(slab: Slab, grad_slot: int, rows: list[int]) -> None:
         torch.sum(slab.host_grads[grad_slot][i].float().pow(2), dim=1, out=slab.host_scores[i])
 
 
-def exact_scores(slab: Slab, grad_slot: int, rows: list[int]) -> None:
+def exact_scores(slab: Slab, rows: list[int]) -> None:
     """The scores of members `rows` that took several backwards this step, recomputed from their summed
     gradient (the host columns' from `host_step_scores`, which must have run)."""
     for i in rows:
