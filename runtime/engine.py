@@ -35,7 +35,7 @@ from zenflow_compile.runtime.placement import Placement
 from zenflow_compile.runtime.schedule import Schedule
 from zenflow_compile.runtime.state import columns as column_moves, intake, update
 from zenflow_compile.runtime.state.intake import BucketPlan, rows_taken
-from zenflow_compile.runtime.state.members import Member
+from zenflow_compile.runtime.state.members import Member, written_externally
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
 
@@ -176,8 +176,7 @@ class ZenFlowRuntime:
         """One bucket of backward gradients: the compiled graph's `zenflow::accumulate_grads`, the eager `.grad`s
         handed over at `step()`, a data-parallel hook's one gradient. `scores`: per gradient, its column scores
         or None. Data parallel: they join the reducer's open bucket (local scores unused)."""
-        if not self._step_open:
-            self._open_step()
+        self._open_step()
         if self.reducer is not None:
             for pid, grad in zip(pids, grads):
                 self.reducer.add(self._member(pid), grad)
@@ -215,12 +214,14 @@ class ZenFlowRuntime:
         self.counters["bytes_device_to_host"] += sent
 
     def _all_reduce_scores(self, slabs: list[Slab]) -> None:
-        """Every rank's scores become the full scores of the averaged gradient: each slab's owner reports them
-        (the others contribute zeros), one all-reduce for all of them."""
+        """Every rank's scores become the full scores, in one all-reduce for all of them: data parallel, each
+        slab's owner reports those of the averaged gradient (the others contribute zeros); sharded, each rank's
+        partial sums over its rows add up (every rank owns every slab; slabs keyed by global shapes)."""
         for slab in slabs:
             if slab.key.owner != self.rank:
                 slab.scores.zero_()
-        self.data_parallel.all_reduce_packed([slab.scores for slab in slabs])
+        group = self.data_parallel if self.data_parallel is not None else self.sharding.collectives
+        group.all_reduce_packed([slab.scores for slab in slabs])
 
     @property
     def holds_step_grads(self) -> bool:
@@ -248,14 +249,13 @@ class ZenFlowRuntime:
         if self.reducer is not None:
             self.reducer.finish_all()
         self._adopt_external_writes()
-        self.pending.check_writes(self.check_written_params)
+        # (a pending matrix's master is read from its parameter when it is laid out: a write needs only the checks)
+        written_externally(self.pending.members.values(), self.check_written_params)
         cfg, t = self.config, self.step_count
         stepped = [(slab, rows_taken(slab)) for slab in [*self.slabs, *self.pending.slabs] if slab.members_taken]
         self._fold_accumulated_grads(stepped)
-        if self.data_parallel is not None and stepped:
+        if stepped and (self.data_parallel is not None or self.sharding is not None):
             self._all_reduce_scores([slab for slab, _ in stepped])
-        if self.sharding is not None and stepped:  # sharded: each rank's partial scores, summed (sharding.py)
-            self.sharding.all_reduce_scores([slab.scores for slab, _ in stepped])
         warmed_up = t >= cfg.full_warm_up_rounds
         stepped_members = [m for slab, _ in stepped for m in slab.members if m.num_grads]
         # First selection (a matrix's first gradient at t >= W, or a pending one), before the updates: needs its

@@ -15,7 +15,7 @@ import torch
 
 from zenflow_compile.runtime.state import columns as column_moves, watch
 from zenflow_compile.runtime.state.layout import accumulator_bytes, top_k_columns
-from zenflow_compile.runtime.state.members import Member, MemberState, slab_key
+from zenflow_compile.runtime.state.members import Member, MemberState, slab_key, written_externally
 from zenflow_compile.runtime.state.pending import PendingPlacements
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
@@ -187,13 +187,9 @@ class Placement:
         params, seen = self._watched_params()
         if watch.watch_keys(params, self.sharded) == seen:
             return
-        written = [m for m in self.members.values() if m.watch.written_externally()]
+        written = written_externally(self.members.values(), check_written_params)
         if not written:
             return
-        check_written_params([m.registered for m in written])
-        for member in written:
-            if member.sharded is not None:
-                member.follow_local_shard()
         drain()
         cast = [m for m in written if m.param.dtype != m.slab.dtype]
         for member in written:

@@ -5,7 +5,7 @@
 holds a block of rows of every column (possibly none). That fits ZenFlow's column selection exactly: a rank's
 state of a parameter is the state of its own rows (a member's `param` is the local tensor, `local_shard`), and a
 column's score is the sum over ranks of each rank's partial squared norm, so one all-reduce of the step's scores
-(`Sharding.all_reduce_scores`) gives every rank the same scores, hence the same decisions and collectives.
+(`ZenFlowRuntime._all_reduce_scores`) gives every rank the same scores, hence the same decisions and collectives.
 
 Refused, each with the fix in its error: a 2-D (HSDP) mesh and any placement other than `Shard(0)` (a column
 would be split in ways the per-column scores do not add up over one group); FSDP2's `CPUOffloadPolicy` (it
@@ -48,7 +48,7 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Sharding:
-    """The 1-D mesh a ZenFlowAdamW's parameters are sharded over, and its one collective per step."""
+    """The 1-D mesh a ZenFlowAdamW's parameters are sharded over, and its collectives."""
 
     def __init__(self, mesh):
         self.mesh = mesh
@@ -81,12 +81,6 @@ class Sharding:
                     "assign=True (model.load_state_dict(sd) or torch.distributed.checkpoint's "
                     "set_model_state_dict copy the values into the parameters, and ZenFlow trains on from "
                     "them), or build the optimizer after loading")
-
-    def all_reduce_scores(self, scores: list[torch.Tensor]) -> None:
-        """Each rank's partial column scores (squared norms over its rows) become the full scores, in place:
-        one all-reduce for all of them. Called with the same tensors' shapes in the same order on every
-        rank (slabs keyed by global shapes)."""
-        self.collectives.all_reduce_packed(scores)
 
     # -- checkpoints (torch.distributed.checkpoint) -----------------------------------------------------------
     def dcp_entry(self, entry: dict, param: torch.Tensor) -> dict:

@@ -69,10 +69,6 @@ def _plain(grad: torch.Tensor, shape: tuple) -> torch.Tensor:
     return grad if grad.shape == shape else grad.reshape(shape)
 
 
-def _fp32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.float()
-
-
 def take_grads(slab: Slab, grads: list[torch.Tensor], scores: Optional[list], grad_slot: int) -> int:
     """The first backward's gradient of every member (member order), in a fixed number of calls; returns
     the bytes sent device -> host. Keeps no reference to the gradients (the compiled graph reuses them)."""
@@ -87,7 +83,7 @@ def take_grads(slab: Slab, grads: list[torch.Tensor], scores: Optional[list], gr
         else:
             torch.stack([s.reshape(C) for s in scores], out=slab.scores)
     else:
-        torch.sum(_fp32(g).square(), 1, out=slab.scores)
+        torch.sum(g.float().square(), 1, out=slab.scores)
     return _take_stacked(slab, g, grad_slot)
 
 

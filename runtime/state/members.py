@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -83,6 +83,19 @@ class Member:
             torch.index_select(g.t(), 0, slab.host_columns[i], out=host.view(slab.u, slab.R))
 
 
+def written_externally(members: Iterable[Member], check_written_params: Callable[[list[torch.Tensor]], None]
+                       ) -> list[Member]:
+    """The members whose parameter someone else wrote, checked (`check_written_params` refuses what their state
+    cannot follow); a sharded one's state follows its new local tensor."""
+    written = [m for m in members if m.watch.written_externally()]
+    if written:
+        check_written_params([m.registered for m in written])
+        for member in written:
+            if member.sharded is not None:
+                member.follow_local_shard()
+    return written
+
+
 def slab_key(member: Member, num_selected: int) -> SlabKey:
     param = member.param
     large = member.key_numel > SHARED_SLAB_MAX_NUMEL.get(param.device.type, 0)
@@ -128,4 +141,4 @@ class MemberState:
                    torch.full((cols,), math.nan, device="cpu"), selected)
 
 
-__all__ = ["Member", "MemberState", "slab_key"]
+__all__ = ["Member", "MemberState", "slab_key", "written_externally"]

@@ -88,16 +88,6 @@ class PendingPlacements:
             self.slabs.append(PendingSlab(key, grouped, grouped[0].param.device))
         self.members.update((m.pid, m) for m in members)
 
-    def check_writes(self, check_written_params: Callable[[list[torch.Tensor]], None]) -> None:
-        """A pending matrix's master is read from its parameter when it is laid out, so a write since its first
-        gradient needs no adoption: only the checks any write gets, and a sharded one's new local tensor."""
-        written = [m for m in self.members.values() if m.watch.written_externally()]
-        if written:
-            check_written_params([m.registered for m in written])
-            for member in written:
-                if member.sharded is not None:
-                    member.follow_local_shard()
-
     def follow_param_groups(self, group_of: dict[int, int]) -> None:
         """`group_of`: every pid still in the param groups -> its group (see `ZenFlowRuntime.follow_param_groups`)."""
         for slab in list(self.slabs):
