@@ -19,13 +19,10 @@ and `has_state` (a 0-d bool) says whether it is a state at all or the template o
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from zenflow_compile.runtime.state.layout import host_order
+from zenflow_compile.runtime.state.layout import host_order, matrix_shape
 from zenflow_compile.runtime.state.members import Member, MemberState
-from zenflow_compile.runtime.state.slab import Slab
 
 
 def export_entry(member: Member) -> dict:
@@ -44,7 +41,11 @@ def _entry(member: Member) -> dict:
         shape = member.param.shape
         return dict(master=state.master.reshape(shape), exp_avg=state.exp_avg.reshape(shape),
                     exp_avg_sq=state.exp_avg_sq.reshape(shape), step=state.step.clone())
-    selection = _selection_entry(member)
+    selected = torch.zeros(member.cols, dtype=torch.bool, device="cpu")
+    selected[slab.selected_cpu[i]] = True
+    selection = dict(selected=selected, steps_accumulated=member.steps_accumulated,
+                     zen_auto=torch.tensor([member.sum_selected_score, member.sum_unselected_score],
+                                           dtype=torch.float64, device="cpu"))
     if slab.u and not slab.has_host_part:
         return dict(selection, host_owner=member.owner, host_columns=slab.host_columns_cpu[i].clone(),
                     selected_master=slab.master[i].cpu(), selected_exp_avg=slab.exp_avg[i].cpu(),
@@ -58,8 +59,9 @@ def _entry(member: Member) -> dict:
     if slab.accumulate_squares:
         entry["square_accumulator"] = (state.square_accumulator if state.square_accumulator is not None
                                        else torch.zeros(member.rows, member.cols, device="cpu"))
-    host = slab.host_columns_cpu[i]
-    entry["host_row"] = _host_rows(host, member.cols)
+    host = slab.host_columns_cpu[i]  # ([u] in row order: `host_row` is each one's row, -1 for a selected column)
+    entry["host_row"] = torch.full((member.cols,), -1, dtype=torch.long, device="cpu").scatter_(
+        0, host, torch.arange(len(host), device="cpu"))
     if slab.u:
         # What the device holds for the host columns, where it is not the master cast: until a pending update
         # is applied (overlap), or after a cast.
@@ -70,12 +72,6 @@ def _entry(member: Member) -> dict:
     return entry
 
 
-def _host_rows(host_columns: torch.Tensor, cols: int) -> torch.Tensor:
-    """[C]: the host row of each of `host_columns` ([u], in row order), -1 for the other (selected) columns."""
-    rows = torch.full((cols,), -1, dtype=torch.long, device="cpu")
-    return rows.scatter_(0, host_columns, torch.arange(len(host_columns), device="cpu"))
-
-
 def _host_columns(entry: dict) -> "torch.Tensor | None":
     """The host columns in row order that an entry's `host_row` gives (None: it gives none, the counts decide)."""
     host_row = entry.get("host_row")
@@ -83,15 +79,6 @@ def _host_columns(entry: dict) -> "torch.Tensor | None":
         return None
     selected = int((host_row < 0).sum())
     return torch.argsort(host_row, stable=True)[selected:].clone()
-
-
-def _selection_entry(member: Member) -> dict:
-    slab, i = member.slab, member.index
-    selected = torch.zeros(member.cols, dtype=torch.bool, device="cpu")
-    selected[slab.selected_cpu[i]] = True
-    return dict(selected=selected, steps_accumulated=member.steps_accumulated,
-                zen_auto=torch.tensor([member.sum_selected_score, member.sum_unselected_score], dtype=torch.float64,
-                                      device="cpu"))
 
 
 def state_from_entry(member: Member, entry: dict) -> MemberState:
@@ -137,7 +124,7 @@ def fresh_entry(values: torch.Tensor, accumulate_squares: bool) -> dict:
         master = local.float().cpu().clone()
         return dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
                     step=torch.zeros(1, device="cpu"))
-    rows, cols = local.shape[0], math.prod(local.shape[1:])
+    rows, cols = matrix_shape(local)
     master = local.reshape(rows, cols).float().cpu().clone()
     entry = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
                  step=torch.zeros(cols, device="cpu"), selected=torch.zeros(cols, dtype=torch.bool, device="cpu"),
@@ -188,9 +175,7 @@ def host_row_problem(entry: dict) -> "str | None":
 def expected_shape(param: torch.Tensor) -> tuple[int, ...]:
     """The shape of the state `param` (or a sharded one's local rows) takes: its own for a vector, [rows,
     columns] for a matrix."""
-    if param.dim() >= 2:
-        return param.shape[0], math.prod(param.shape[1:])
-    return tuple(param.shape)
+    return matrix_shape(param) if param.dim() >= 2 else tuple(param.shape)
 
 
 def holds_state(entry: dict) -> bool:
@@ -236,4 +221,4 @@ def with_device_parts(owned: dict[int, dict], pids: list[int], data_parallel) ->
 
 
 __all__ = ["export_entry", "state_from_entry", "fresh_entry", "dcp_form", "saved_shape", "host_row_problem",
-           "expected_shape", "holds_state", "device_part", "with_device_parts", "Slab"]
+           "expected_shape", "holds_state", "device_part", "with_device_parts"]

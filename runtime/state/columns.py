@@ -3,10 +3,10 @@ from its host row onto the device and each departing column's back into a host r
 number of calls per slab (k and u stay), while the boundary's CPU update runs on: the arriving columns' share
 of it is made first (`take_arriving`, on the device where it sums them), the device side moves
 (`_move_device_columns`), and each departing column is parked until `settle_departing` puts it into the host
-row its member's arriving column left (`reselect_in_flight`). The host rows stay out of update-count order
-(`kernels.cpu_adamw_` takes them in any order). Host state goes up in one pinned copy per slab (`_upload`),
-the move's indices in another (`_on_device`). Data parallel, the owner of a slab's host part broadcasts the
-arriving columns' state to the other ranks (`_rows_from_owner`)."""
+row its member's arriving column left (`reselect_in_flight`). The host rows stay out of update-count order:
+re-sorting them would copy the whole host state, and `kernels.cpu_adamw_` takes them in any order. Host state
+goes up in one pinned copy per slab (`_upload`), the move's indices in another. Data parallel, the owner of a
+slab's host part broadcasts the arriving columns' state to the other ranks (`_rows_from_owner`)."""
 
 from __future__ import annotations
 
@@ -141,8 +141,7 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
     made (`arriving`) and their new masters are written into the parameters at once; each departing column
     takes the host row its member's arriving column leaves, its state kept aside (`departing`) until that
     update has finished (`settle_departing`). Device tensors change in place, in a fixed number of calls.
-    The host rows are left out of count order (re-sorting them would copy the whole host state;
-    `kernels.cpu_adamw_` takes rows in any order). Returns how many columns changed sides."""
+    Returns how many columns changed sides."""
     if arriving is None:
         return 0
     old_selected, n, C, k = slab.selected_cpu, slab.n, slab.C, slab.k
@@ -154,7 +153,8 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
     old_slot = torch.zeros(n, C, dtype=torch.long, device="cpu")
     old_slot.scatter_(1, old_selected, torch.arange(k, device="cpu").expand(n, k))
     stay = old_slot.gather(1, selected)  # (an arriving column's entry is overwritten)
-    at = _on_device(slab, stay, departing_member, departing_slot, arriving, selected, host_columns, leaving.any(1))
+    at = MoveIndices(*slab.transfers.indices_to_device([stay, departing_member, departing_slot, arriving.member,
+                                                        arriving.place, selected, host_columns, leaving.any(1)]))
     in_param = slab.master.to(slab.dtype) if slab.selected_written is None else slab.selected_written
     weights = in_param.transpose(1, 2)[at.departing_member, at.departing_slot]
     departing = _move_device_columns(slab, at, arriving)
@@ -189,7 +189,7 @@ def settle_departing(slab: Slab) -> None:
 
 
 class MoveIndices(NamedTuple):
-    """A move's indices on the device (`_on_device`): each new slot i of member j takes old slot stay[j, i];
+    """A move's indices on the device: each new slot i of member j takes old slot stay[j, i];
     the departing columns by (member, old slot), the arriving ones by (member, new slot); the new column
     sets; which members' columns changed."""
 
@@ -201,14 +201,6 @@ class MoveIndices(NamedTuple):
     selected: torch.Tensor  # [n, k]
     host_columns: torch.Tensor  # [n, u]
     changed: torch.Tensor  # [n] bool
-
-
-def _on_device(slab: Slab, stay: torch.Tensor, departing_member: torch.Tensor, departing_slot: torch.Tensor,
-               arriving: MovingColumns, selected: torch.Tensor, host_columns: torch.Tensor,
-               changed: torch.Tensor) -> MoveIndices:
-    """A move's host-made indices on the device in one copy (no host synchronisation)."""
-    return MoveIndices(*slab.transfers.indices_to_device(
-        [stay, departing_member, departing_slot, arriving.member, arriving.place, selected, host_columns, changed]))
 
 
 def _move_device_columns(slab: Slab, at: MoveIndices, arriving: MovingColumns) -> torch.Tensor:

@@ -252,18 +252,6 @@ class Slab:
             buffers.clear()
 
     # -- export: the members' state in transit form -----------------------------------------------------------
-    def member_state(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Member i's (master, exp_avg, exp_avg_sq [R, C], step [C]) on the host; NaN where this rank does not
-        hold the host part."""
-        full = [self.natural(i, device_part, host_part) for device_part, host_part in
-                ((self.master, self.host_master), (self.exp_avg, self.host_exp_avg),
-                 (self.exp_avg_sq, self.host_exp_avg_sq))]
-        step = torch.full((self.C,), math.nan, device="cpu")
-        step[self.selected_cpu[i]] = self.counts[i].cpu()
-        if self.host_counts is not None:
-            step[self.host_columns_cpu[i]] = self.host_counts[i]
-        return (*full, step)
-
     def natural(self, i: int, device_part: Optional[torch.Tensor], host_part: Optional[torch.Tensor],
                 dtype=torch.float32, missing: float = math.nan) -> torch.Tensor:
         """Member i's [R, C] tensor from its device columns ([n, R, k]; None: `missing` there) and its host rows
@@ -279,11 +267,17 @@ class Slab:
         return by_column.t()
 
     def export_member(self, i: int, with_step_grad: Optional[int] = None) -> MemberState:
-        """Member i's whole state (after the CPU work that touches it is done). `with_step_grad`: the grad slot
-        whose gradient (this step's) goes along."""
+        """Member i's whole state on the host (after the CPU work that touches it is done; NaN where this rank does
+        not hold the host part). `with_step_grad`: the grad slot whose gradient (this step's) goes along."""
         if self.departing is not None:
             raise RuntimeError("internal: a slab's state was read before its departing columns were settled")
-        master, exp_avg, exp_avg_sq, step = self.member_state(i)
+        master, exp_avg, exp_avg_sq = (self.natural(i, device_part, host_part) for device_part, host_part in
+                                       ((self.master, self.host_master), (self.exp_avg, self.host_exp_avg),
+                                        (self.exp_avg_sq, self.host_exp_avg_sq)))
+        step = torch.full((self.C,), math.nan, device="cpu")
+        step[self.selected_cpu[i]] = self.counts[i].cpu()
+        if self.host_counts is not None:
+            step[self.host_columns_cpu[i]] = self.host_counts[i]
         state = MemberState(master, exp_avg, exp_avg_sq, step, self.selected_cpu[i].clone(),
                             host_columns=None if self.has_host_part else self.host_columns_cpu[i].clone(),
                             unapplied=self.unapplied)
