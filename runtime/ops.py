@@ -1,28 +1,20 @@
-"""The `zenflow::` custom ops that the rewritten backward graph calls.
+"""The `zenflow::` custom ops that the rewritten backward graph calls, one call per bucket of gradients.
 
 Schemas carry only tensors and integers (never a live object), so a compiled graph can be cached, replayed
-and shared by every model it is called with; `zenflow_compile.runtime.registry` resolves the integer at run
-time.
+and shared by every model it is called with: `registry` resolves each forward-input slot to the parameter of
+the call being differentiated, and each owning runtime gets its part of the bucket in one call. One op per
+bucket rather than per gradient: every custom-op call from Inductor's generated code costs a Python dispatch
+and a Python call chain, which dominates on models of many small tensors.
 
-    zenflow::accumulate_grads(Tensor[] grads, Tensor?[] column_scores, int[] slots) -> ()
-
-hands one bucket of a backward's gradients over at once: `grads[i]` is the gradient of the parameter in
-forward-input `slots[i]`, `column_scores[i]` its per-column squared-norm proxy (computed by fused aten
-reductions in the graph), or None for a small gradient the runtime scores with its like parameters. Each gradient goes to the runtime that owns that parameter in the call being
-differentiated; each runtime gets its part of the bucket in one call (`registry.accumulate_grads_from_graph`).
-One op per bucket rather than per gradient: every custom-op call from Inductor's generated code costs a
-Python dispatch and a Python call chain, which dominates on models of many small tensors.
-
-    zenflow::reduce_grads(Tensor[] grads, int[] slots) -> ()
-
-data parallel: hands one bucket of gradients over at once; the runtime starts their asynchronous
-reduction across ranks (`runtime/grad_reduce.py`) and computes the column scores from the averaged
-gradient, so the graph computes no norm proxy for them.
+- `accumulate_grads(grads, column_scores, slots)`: `column_scores[i]` is the per-column squared-norm proxy
+  computed in the graph (fused aten reductions), or None for a small gradient the runtime scores with its like
+  parameters.
+- `reduce_grads(grads, slots)`, data parallel: the runtime starts their asynchronous reduction across ranks
+  (`runtime/grad_reduce.py`) and scores the averaged gradient, so the graph computes no norm proxy for them.
 
 The ops return nothing, so both FX dead-code elimination and Inductor's scheduler would drop them as
 unused: `torch.fx.node.has_side_effect` marks them impure, which is the one registry both consult
-(`torch._library.utils.is_impure`, used by `Node.is_impure` and by Inductor's
-`FallbackKernel.has_side_effects`).
+(`torch._library.utils.is_impure`).
 
 Contract with the runtime: an op must not keep references to its gradients or column scores past the call
 (Inductor may reuse their buffers for later kernels once the op has run); copy or accumulate instead.
