@@ -32,7 +32,7 @@ from zenflow_compile.runtime.host_reads import HostReads, StepReadout
 from zenflow_compile.runtime.host_work import HostWork, Stepped, members_by_scale
 from zenflow_compile.runtime.landings import Landings
 from zenflow_compile.runtime.placement import Placement
-from zenflow_compile.runtime.schedule import Schedule
+from zenflow_compile.runtime.schedule import Schedule, per_phase
 from zenflow_compile.runtime.state import columns as column_moves, intake, update
 from zenflow_compile.runtime.state.intake import BucketPlan, rows_taken
 from zenflow_compile.runtime.state.members import Member, written_externally
@@ -580,11 +580,7 @@ class ZenFlowRuntime:
                              "to resume exactly")
         self.step_count = saved["step_count"]
         self.schedule.load(saved)
-        # (saved before phases: one value, the one phase's)
-        self.update_pending = (list(saved["update_pending"]) if isinstance(saved["update_pending"], list)
-                               else [saved["update_pending"]])
-        land_at = saved.get("land_at")
-        self.land_at = list(land_at) if isinstance(land_at, list) else [land_at]
+        self.update_pending, self.land_at = per_phase(saved["update_pending"]), per_phase(saved.get("land_at"))
         self.counters.update(saved["counters"])
         # States are re-created from the checkpoint (owners stay this optimizer's: see collectives.py).
         self.placement.clear()

@@ -115,11 +115,14 @@ class Schedule:
                     steps_accumulated=list(self.steps_accumulated))
 
     def load(self, saved: dict) -> None:
-        """(A checkpoint saved before phases holds one number per key: the one phase's.)"""
-        per_phase = lambda value: list(value) if isinstance(value, (list, tuple)) else [value]
         self.selection_start = per_phase(saved["selection_start"])
         self.selection_epoch = per_phase(saved.get("selection_epoch", 0))
         self.steps_accumulated = per_phase(saved["steps_accumulated"])
 
 
-__all__ = ["Schedule"]
+def per_phase(value) -> list:
+    """A per-phase value of a checkpoint as a list (saved before phases: one value, the one phase's)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+__all__ = ["Schedule", "per_phase"]
