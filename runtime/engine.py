@@ -483,7 +483,7 @@ class ZenFlowRuntime:
 
     # -- inspection and checkpoints -----------------------------------------------------------------------
     def stats(self) -> dict:
-        stats = dict(self.counters)
+        stats = dict(self.counters)  # (what each means: docs/stats.md)
         steps = max(1, self.counters["steps"])
         stats["bytes_device_to_host_per_step"] = self.counters["bytes_device_to_host"] / steps
         stats["bytes_host_to_device_per_step"] = self.counters["bytes_host_to_device"] / steps
@@ -491,15 +491,11 @@ class ZenFlowRuntime:
         host_wait = workers.stalled_seconds()
         device_idle = clock.device_idle_seconds() if clock else None
         stats["host_wait_seconds"] = host_wait
-        # Device idle caused by waiting for the CPU (events on the compute stream); where the device is the
-        # host, the host wait.
         stats["stall_seconds"] = host_wait if device_idle is None else device_idle
         stats["selection_seconds"] = self.selection_seconds
         stats["cpu_update_seconds"] = workers.update_worker.busy_seconds
         stats["accumulate_seconds"] = workers.accumulate_worker.busy_seconds
         stats["accumulate_copy_wait_seconds"] = workers.copy_wait_seconds  # (included in accumulate_seconds)
-        # CPU time of the worker threads (with torch's intra-op threads at 1, all of the work; on a shared
-        # machine the wall times above also count waiting for a core).
         stats["cpu_update_thread_seconds"] = workers.update_worker.busy_cpu_seconds
         stats["accumulate_thread_seconds"] = workers.accumulate_worker.busy_cpu_seconds
         stats["accumulate_on"] = self.placement.accumulate_on
@@ -507,10 +503,7 @@ class ZenFlowRuntime:
         stats["landing_wait_seconds"] = self.landings.wait_seconds
         stats["current_interval"] = max(self.schedule.steps_accumulated[q] for q in self.placement.phases_in_use)
         stats["update_pending"] = any(self.update_pending)
-        # Host memory held for optimizer state (data parallel: this rank's share).
         stats["host_state_bytes"] = sum(t.numel() * t.element_size() for s in self.slabs for t in s.host_buffers())
-        # Device memory held for optimizer state: selected columns' and vectors' state, gradients, scores,
-        # indices (the uploads' staging tensors live only until their merge).
         stats["device_state_bytes"] = sum(t.numel() * t.element_size() for s in self.slabs
                                           for t in s.device_buffers())
         if self.data_parallel is not None:

@@ -1,16 +1,15 @@
-"""Parameter ownership: which ZenFlow runtime owns a tensor, and which parameters a compiled graph ran with.
+"""Parameter ownership: which ZenFlow runtime owns a tensor, and which parameters a compiled graph ran with
+(ARCHITECTURE.md, "How gradients reach the runtime").
 
 Every optimized parameter gets an integer id owned by one runtime (weakly: a deleted optimizer frees its ids).
 Parameters are looked up by `id()` and held by the registry while their runtime lives (as the optimizer holds
 them), never weakly: torch refuses to swap the contents of a tensor that has weak references
 (`torch.utils.swap_tensors`, which `model.to()` / `model.float()` use for FSDP2's DTensor parameters).
 
-A compiled backward graph knows no ids: its hand-off op carries the parameter's *slot* (forward-input index),
-because one compiled graph serves every model it is called with (Dynamo reuses a graph for another instance
-of the same module class). Each call of the compiled forward resolves its slots to ids from the tensors it
-was actually called with (`bind_param_ids`) and attaches them to the autograd node that call created; the
-backward of that call finds them on the node it is running in (`accumulate_grads_from_graph`). So gradients
-reach the owner of the tensors the graph ran with, for any number of models and optimizers in a process.
+A compiled backward graph knows no ids, only forward-input *slots*, because one compiled graph serves every
+model of its class. Each call of the compiled forward resolves its slots to ids (`bind_param_ids`) on the
+autograd node it created; the backward of that call finds them on the node it runs in
+(`accumulate_grads_from_graph`), so gradients reach the owner of the tensors the graph ran with.
 """
 
 from __future__ import annotations
