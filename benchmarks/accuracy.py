@@ -39,11 +39,12 @@ rule thresholds at one half).
 
 Run names (--runs):
   adamw                                  torch.optim.AdamW (eager model)
-  zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1[,sm=1][,select=auto|stepN|epochN]
+  zenflow:topk=R,interval=S|auto,overlap=0|1,warmup=W,iau=0|1|sqrt[,sm=1][,select=auto|stepN|epochN]
           [,reselect=wait|incoming][,lag=L][,stagger=1]
                                          torch.compile(backend="zenflow") + ZenFlowAdamW; iau is the opt-in
-                                         interval_aware_update key, sm the opt-in interval_second_moment (needs
-                                         iau=1); select: select_strategy "auto", or "step" / "epoch" with
+                                         interval_aware_update key (sqrt: "sqrt"), sm the opt-in
+                                         interval_second_moment (needs iau=1 or sqrt); select:
+                                         select_strategy "auto", or "step" / "epoch" with
                                          select_interval N; omitted keys: topk=0.1, interval=4, overlap=1,
                                          warmup=0, iau=0, sm=0, select=auto, reselect=wait, no lag (the last
                                          four named only when set); reselect is the opt-in overlap_reselect
@@ -119,8 +120,8 @@ def parse_run(name: str) -> dict:
                                  "which a CPU update lands)")
             settings[key] = int(value)
         else:
-            settings[key] = value if (key == "interval" and value == "auto") else (
-                float(value) if key == "topk" else int(value))
+            settings[key] = value if (key == "interval" and value == "auto") or (key == "iau" and value == "sqrt") \
+                else (float(value) if key == "topk" else int(value))
     return dict(kind=kind, **settings)
 
 
@@ -180,8 +181,8 @@ def chart_labels(names: list[str]) -> tuple[dict[str, str], str]:
             labels[name] = "AdamW"
             continue
         words = [_setting_words(key, spec[key]) for key in keys if key not in shared]
-        update = ("interval-aware update" + (" + per-step second moment" if spec["sm"] else "")
-                  if spec["iau"] else "DeepSpeed's update rule")
+        update = ("interval-aware update" + (" at lr x sqrt(m)" if spec["iau"] == "sqrt" else "")
+                  + (" + per-step second moment" if spec["sm"] else "") if spec["iau"] else "DeepSpeed's update rule")
         kind = "ZenFlow" if spec["kind"] == "zenflow" else "ZenFlowReference"
         variant = [f"variant '{spec['variant']}' (benchmarks/accuracy_variants.py)"] if spec["variant"] else []
         labels[name] = ", ".join([kind, update] + words + variant)
@@ -205,7 +206,8 @@ def zenflow_keys(spec: dict, steps_per_epoch: int | None = None) -> dict:
     interval = spec["interval"]
     keys = dict(topk_ratio=spec["topk"], update_interval=interval if interval == "auto" else int(interval),
                 overlap_step=bool(spec["overlap"]), full_warm_up_rounds=spec["warmup"],
-                interval_aware_update=bool(spec["iau"]), interval_second_moment=bool(spec["sm"]))
+                interval_aware_update=spec["iau"] if spec["iau"] == "sqrt" else bool(spec["iau"]),
+                interval_second_moment=bool(spec["sm"]))
     # Named whatever their value, so the optimizer's preset never fills in another schedule than the run's name.
     keys.update(overlap_reselect=spec.get("reselect", "wait"), landing_lag=spec.get("lag"),
                 stagger_boundaries=bool(spec.get("stagger", 0)))

@@ -1,17 +1,11 @@
-"""Exploration, not library code: other sizings of the unselected columns' interval update, on the reference.
+"""Exploration, not library code: other schedules of the unselected columns' interval update, on the reference.
 
-    python benchmarks/accuracy_variants.py --variant sqrt --runs reference:iau=1 --seed 0 --eval-size 2000 \\
+    python benchmarks/accuracy_variants.py --variant next-step --runs reference:iau=1 --seed 0 --eval-size 2000 \\
         --eval-steps 200 250 300 --out variants_seed0.json      # then any other benchmarks/accuracy.py flag
 
-`interval_aware_update=True` (the opt-in key) gives the interval's one AdamW step lr x m. Its second moment
-is fed the mean gradient squared, whose expectation is mu^2 + sigma^2 / m instead of the mu^2 + sigma^2 AdamW
-sees per step: where the gradient is mostly noise (small batches, late in a fine-tune) the step is up to
-sqrt(m) times larger than m AdamW steps would be, i.e. AdamW at a higher lr. The variants here, each run by
-`ZenFlowReference` (eager, synchronous, docs/semantics.md plus the variant) under the run name
-`reference[<variant>]:...`:
+Each variant is run by `ZenFlowReference` (eager, synchronous, docs/semantics.md plus the variant) under the run
+name `reference[<variant>]:...`:
 
-  sqrt             lr x sqrt(m) instead of lr x m: equals AdamW where the gradient is noise, half its speed
-                   (m = 4) where it is signal. The decoupled decay follows the lr (lr x sqrt(m) x wd per interval).
   next-step        with overlap_step, a boundary's CPU update lands at the start of the next step() instead of
                    at the next boundary: the forward and backward of one step see the unselected columns stale,
                    instead of a whole interval's (a schedule that stalls wherever the CPU update takes longer
@@ -27,8 +21,9 @@ sqrt(m) times larger than m AdamW steps would be, i.e. AdamW at a higher lr. The
                    phase 0's, so with landing_lag=1 no other phase's update lands between a phase's boundary
                    and its landing (with S phases one does). Asks whether that is what staggering costs.
 
-The "second-moment" variant explored here first (exp_avg_sq fed the mean of the per-step squared
-gradients) is now the opt-in key `interval_second_moment` (benchmarks/accuracy.py run setting sm=1).
+The sizings first explored here are keys now: exp_avg_sq fed the mean of the per-step squared gradients,
+`interval_second_moment` (benchmarks/accuracy.py run setting sm=1), and lr x sqrt(m) instead of lr x m,
+`interval_aware_update="sqrt"` (iau=sqrt).
 
 Each is made by patching the reference's source at import (asserting the patched lines are found), so a
 change to zenflow_compile/reference.py fails here loudly instead of silently measuring something else.
@@ -37,7 +32,6 @@ change to zenflow_compile/reference.py fails here loudly instead of silently mea
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import types
 from pathlib import Path
@@ -49,11 +43,10 @@ import accuracy  # noqa: E402  (benchmarks/accuracy.py)
 import zenflow_compile.reference  # noqa: E402
 
 STAGGER_AFTER = (100, 200)
-VARIANTS = ("sqrt", "next-step", *(f"stagger-after-{n}" for n in STAGGER_AFTER), "stagger-spaced")
+VARIANTS = ("next-step", *(f"stagger-after-{n}" for n in STAGGER_AFTER), "stagger-spaced")
 _STAGGER_BOUNDARIES = "if (t + q - W + 1) % cfg.update_interval == 0]"
 _STAGGER_CLOCK = 'zp, tq = z["phases"][q], t + q'
 
-_LR_TIMES_M = 'hp = dict(group, lr=group["lr"] * m)'
 _STEP_START = '        self._adopt_external_writes()\n        live = ['
 
 
@@ -65,11 +58,9 @@ def _patch(source: str, old: str, new: str) -> str:
 
 
 def variant_reference(variant: str) -> type:
-    """ZenFlowReference with the interval update of ``variant`` (with interval_aware_update=True)."""
+    """ZenFlowReference with the schedule of ``variant``."""
     source = Path(zenflow_compile.reference.__file__).read_text()
-    if variant == "sqrt":
-        source = _patch(source, _LR_TIMES_M, 'hp = dict(group, lr=group["lr"] * math.sqrt(m))')
-    elif variant == "next-step":
+    if variant == "next-step":
         source = _patch(source, _STEP_START, '        self._adopt_external_writes()\n'
                         '        for q in range(len(self.zf["phases"])):  # next-step: what is in flight lands\n'
                         '            self._land(q)\n'
@@ -89,7 +80,6 @@ def variant_reference(variant: str) -> type:
     else:
         raise ValueError(f"variant {variant!r}: expected one of {VARIANTS}")
     module = types.ModuleType(f"reference_{variant.replace('-', '_')}")
-    module.__dict__.update(math=math)
     exec(compile(source, zenflow_compile.reference.__file__ + f" [{variant}]", "exec"), module.__dict__)
     return module.ZenFlowReference
 
@@ -105,11 +95,8 @@ def main(argv=None) -> int:
 
     def parse_variant_run(name):
         if not name.startswith(("reference:", tag + ":")):
-            raise ValueError(f"run {name!r}: this script runs reference:<settings> runs only (with iau=1)")
-        spec = parse_run(name.replace(tag, "reference", 1))
-        if not spec["iau"]:
-            raise ValueError(f"run {name!r}: the variants size the interval_aware_update step; add iau=1")
-        return spec
+            raise ValueError(f"run {name!r}: this script runs reference:<settings> runs only")
+        return parse_run(name.replace(tag, "reference", 1))
 
     accuracy.parse_run = parse_variant_run
     accuracy.run_name = lambda spec: run_name(spec).replace("reference", tag, 1)

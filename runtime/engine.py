@@ -404,10 +404,10 @@ class ZenFlowRuntime:
             with self._selection_moves():
                 self.host_work.wait_for_accumulation()
                 arrived = [column_moves.take_arriving(slab, selected,
-                                                      members_by_scale(slab, self.config.interval_aware_update),
+                                                      members_by_scale(slab, self.config.interval_lr_scale),
                                                       hyperparameters[slab.key.group_index], self.data_parallel)
                            for slab, selected in arriving]
-        launched = self.host_work.launch_update(phase, slabs, hyperparameters, self.config.interval_aware_update)
+        launched = self.host_work.launch_update(phase, slabs, hyperparameters, self.config.interval_lr_scale)
         self.landings.launched(phase, t, launched, overlapped=overlap)
         self.schedule.interval_started(phase, list(self.members.values()))
         for slab in slabs:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import Future
-from typing import Optional
+from typing import Callable, Optional
 
 from torch.profiler import record_function
 
@@ -27,15 +27,15 @@ from zenflow_compile.runtime.worker import CpuWorker, joined, wait_for
 Stepped = list[tuple[Slab, Optional[list[int]]]]  # slabs with the members that took a gradient (None: all)
 
 
-def members_by_scale(slab: Slab, interval_aware: bool) -> dict[float, list[tuple[int, int]]]:
-    """The members of a slab whose host columns a boundary's CPU update takes, by lr multiplier (1, or with
-    `interval_aware` the member's accumulated steps: its update stands for them): [(member index, steps
-    accumulated)]. Empty for a slab with no host columns or no gradient all interval."""
+def members_by_scale(slab: Slab, lr_scale: Callable[[int], float]) -> dict[float, list[tuple[int, int]]]:
+    """The members of a slab whose host columns a boundary's CPU update takes, by lr multiplier (`lr_scale` of
+    the member's accumulated steps: the config's `interval_lr_scale`): [(member index, steps accumulated)].
+    Empty for a slab with no host columns or no gradient all interval."""
     by_scale: dict[float, list[tuple[int, int]]] = {}
     if slab.is_matrix and slab.u:
         for i, m in enumerate(slab.members):
             if m.steps_accumulated:
-                by_scale.setdefault(m.steps_accumulated if interval_aware else 1, []).append((i, m.steps_accumulated))
+                by_scale.setdefault(lr_scale(m.steps_accumulated), []).append((i, m.steps_accumulated))
     return by_scale
 
 
@@ -115,7 +115,7 @@ class HostWork:
             self.update_worker.submit(lambda: [kernels.prepare_cpu_adamw(*variant) for variant in new])
 
     def launch_update(self, phase: int, slabs: list[Slab], hyperparameters: list[dict],
-                      interval_aware: bool) -> Future:
+                      lr_scale: Callable[[int], float]) -> Future:
         """One task on the update worker for a boundary of `phase` (its `slabs`; the worker runs the phases'
         tasks in launch order): per slab, one CPU AdamW over its host rows (each member's lr
         multiplier and steps: `members_by_scale`), with each param group's `hyperparameters` at launch. A
@@ -123,7 +123,7 @@ class HostWork:
         rank: their new columns reach the device at the next `apply_update`."""
         work = []
         for slab in slabs:
-            by_scale = members_by_scale(slab, interval_aware)
+            by_scale = members_by_scale(slab, lr_scale)
             if not by_scale:
                 continue
             slab.unapplied = True

@@ -101,7 +101,9 @@ class Landings:
         if isinstance(interval, int) and cfg.landing_lag is not None and cfg.landing_lag < lag <= interval:
             fixes.append(f"landing_lag={lag}")
         if not cfg.stagger_boundaries and isinstance(interval, int) and interval > 1:
-            fixes.append(f"stagger_boundaries=True (each step then takes 1/{interval} of the update)")
+            sizing = (', best with interval_aware_update="sqrt" on two of the three fine-tunes measured'
+                      if cfg.interval_aware_update is True else "")
+            fixes.append(f"stagger_boundaries=True (each step then takes 1/{interval} of the update){sizing}")
         if isinstance(interval, int) and lag > interval:
             fixes.append(f"update_interval >= {lag}")
         fixes.append("more cores for the CPU workers (pt_reserved_cores_perc)")

@@ -57,14 +57,15 @@ def test_chart_legends_speak_words_not_run_codes():
         sys.path.remove(str(BENCH.parent))
     shared = "topk=0.1,interval=4,overlap=1,warmup=0"
     names = ["adamw", f"zenflow:{shared},iau=0", f"zenflow:{shared},iau=1", f"zenflow:{shared},iau=1,sm=1",
-             f"reference[sqrt]:{shared},iau=1"]
+             f"reference[next-step]:{shared},iau=1", f"zenflow:{shared},iau=sqrt"]
     labels, title = accuracy.chart_labels(names)
     assert labels == {
         "adamw": "AdamW",
         names[1]: "ZenFlow, DeepSpeed's update rule",
         names[2]: "ZenFlow, interval-aware update",
         names[3]: "ZenFlow, interval-aware update + per-step second moment",
-        names[4]: "ZenFlowReference, interval-aware update, variant 'sqrt' (benchmarks/accuracy_variants.py)",
+        names[4]: "ZenFlowReference, interval-aware update, variant 'next-step' (benchmarks/accuracy_variants.py)",
+        names[5]: "ZenFlow, interval-aware update at lr x sqrt(m)",
     }
     assert title == "ZenFlow: top-k ratio 0.1, CPU update every 4 steps, overlap on, no warm-up"
     labels, _ = accuracy.chart_labels(["adamw", "zenflow:interval=auto,iau=1", "zenflow:warmup=30,overlap=0"])

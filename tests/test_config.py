@@ -85,6 +85,7 @@ INVALID = [
     ("overlap_step", 1), ("overlap_step", "true"), ("overlap_step", None),
     ("offload", 0), ("offload", "yes"),
     ("interval_aware_update", 1), ("interval_aware_update", "true"), ("interval_aware_update", None),
+    ("interval_aware_update", "Sqrt"), ("interval_aware_update", 0.5),
     ("interval_second_moment", 1), ("interval_second_moment", "yes"),
     ("auto_ratio", 1.5), ("auto_ratio", -0.01), ("auto_ratio", float("nan")), ("auto_ratio", "0.9"),
     ("auto_ratio", False),
@@ -130,6 +131,7 @@ def test_message_format():
     dict(select_strategy="epoch", select_interval=1, steps_per_epoch=1),
     dict(max_update_interval=1), dict(steps_per_epoch=1), dict(overlap_step=True, offload=True),
     dict(interval_aware_update=True, interval_second_moment=True),
+    dict(interval_aware_update="sqrt"), dict(interval_aware_update="sqrt", interval_second_moment=True),
 ])
 def test_valid_edges(kwargs):
     c = ZenFlowConfig(**kwargs)

@@ -11,6 +11,8 @@
   float64, and the runtime (eager, compiled, gradient accumulation, bf16) against the reference.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -36,8 +38,9 @@ def loss_fn(model, i):
     return ((model(x) - y) ** 2).mean()
 
 
-@pytest.mark.parametrize("interval_aware", [False, True])
-def test_boundary_update_is_adamw_with_lr_times_m(interval_aware, device):
+@pytest.mark.parametrize("interval_aware,lr_factor", [(False, 1), (True, 3), ("sqrt", math.sqrt(3))],
+                         ids=["off", "lr*m", "lr*sqrt(m)"])
+def test_boundary_update_is_adamw_with_lr_times_m(interval_aware, lr_factor, device):
     m, k = 3, 2  # interval, selected columns of 8
     torch.manual_seed(0)
     w0 = torch.randn(5, 8)
@@ -54,7 +57,7 @@ def test_boundary_update_is_adamw_with_lr_times_m(interval_aware, device):
     # By hand: one torch.optim.AdamW step of the unselected columns from w0 with the mean gradient.
     q = torch.nn.Parameter(w0[:, unselected].clone())
     q.grad = (sum(grads) / m)[:, unselected]
-    torch.optim.AdamW([q], lr=LR * (m if interval_aware else 1), weight_decay=WD).step()
+    torch.optim.AdamW([q], lr=LR * lr_factor, weight_decay=WD).step()
     torch.testing.assert_close(p.detach()[:, unselected], q.detach(), atol=1e-7, rtol=1e-6)
 
 
@@ -106,6 +109,28 @@ def train_beside_reference(keys, compiled, *, dtype=torch.float32, backwards_per
 def test_equals_reference_with_key_on(keys, compiled, second_moment, device):
     keys = dict(keys, interval_aware_update=True, interval_second_moment=second_moment)
     a, opt, b, ref = train_beside_reference(keys, compiled)
+    opt.synchronize()
+    ref.synchronize()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+    assert opt.stats()["cpu_updates"] == ref.stats()["cpu_updates"] > 0
+
+
+SQRT_CONFIGS = {
+    # the setting "sqrt" is measured for: staggered boundaries landing a step late, arriving columns
+    "stagger-lag1-incoming": dict(topk_ratio=0.25, update_interval=4, overlap_step=True, landing_lag=1,
+                                  stagger_boundaries=True, overlap_reselect="incoming", select_strategy="step",
+                                  select_interval=2),
+    "auto-interval-overlap": CONFIGS["auto-interval-overlap"],
+}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("keys", list(SQRT_CONFIGS.values()), ids=list(SQRT_CONFIGS))
+def test_equals_reference_with_sqrt_scale(keys, compiled, device):
+    """interval_aware_update="sqrt": the runtime's CPU updates (at boundaries, and of the columns a reselection
+    brings to the device) take lr * sqrt(m), as the reference's."""
+    a, opt, b, ref = train_beside_reference(dict(keys, interval_aware_update="sqrt"), compiled)
     opt.synchronize()
     ref.synchronize()
     for p, q in zip(a.parameters(), b.parameters()):

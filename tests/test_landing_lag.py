@@ -141,7 +141,8 @@ def test_a_landing_that_waits_is_said_once_with_the_lag_that_would_not(monkeypat
     step after its boundary: the training thread waits at every landing. The optimizer says so once, from
     the caller's line, with the measured length and the landing_lag that covers it; with that lag the waits
     all but stop and nothing is said."""
-    slow = dict(update_seconds=0.1, step_seconds=0.02, steps=50, update_interval=8, select_interval=16)
+    slow = dict(update_seconds=0.1, step_seconds=0.02, steps=50, update_interval=8, select_interval=16,
+                interval_aware_update=True)
     opt, said = train_beside_a_slow_cpu(monkeypatch, landing_lag=1, **slow)
     measured, waited = opt.stats()["cpu_update_steps"], opt.stats()["landing_wait_seconds"]
     assert 1.0 < measured < 8.0, measured
@@ -149,7 +150,9 @@ def test_a_landing_that_waits_is_said_once_with_the_lag_that_would_not(monkeypat
     message = str(said[0].message)
     advised = int(re.search(r"To stop the wait: landing_lag=(\d+);", message).group(1))
     assert abs(advised - math.ceil(measured)) <= 1  # (the advice's length is the first window's, `measured` the last's)
-    assert "lands at landing_lag=1" in message and "stagger_boundaries=True" in message
+    assert "lands at landing_lag=1" in message
+    assert ('stagger_boundaries=True (each step then takes 1/8 of the update), best with interval_aware_update="sqrt"'
+            in message)  # (said where interval_aware_update=True: "sqrt" is what staggering was measured with)
     assert waited > 0.2
 
     opt, said = train_beside_a_slow_cpu(monkeypatch, landing_lag=advised, **slow)

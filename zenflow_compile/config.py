@@ -114,13 +114,16 @@ class ZenFlowConfig:
         update boundary the unselected columns take one AdamW step with the mean of the m accumulated
         gradients, so they move about 1/m as far as under AdamW. True sizes that step for the m steps it
         stands for: lr * m (weight decay included, so the decay is (1 - lr*wd)^m to first order, as the
-        selected columns get). m is the column's steps accumulated since its last update: update_interval,
-        or under Zen-auto up to max_update_interval (lower that cap to bound the largest step).
-    interval_second_moment: opt-in, needs interval_aware_update=True (this project's key). The interval step's
-        second moment takes the mean of the m per-step squared gradients, what AdamW's m steps would have fed
-        exp_avg_sq, instead of the square of their mean (smaller by the gradient's variance / m, so the
-        lr * m step runs too long where the gradient is mostly noise). Costs one more fp32 host accumulator
-        per unselected column and one more multiply-add per offloaded element per step.
+        selected columns get). "sqrt": lr * sqrt(m), the distance m AdamW steps cover where the gradient is
+        noise, half of it (m = 4) where it is signal; with stagger_boundaries it measured closer to AdamW
+        early in a fine-tune than True on two of three tasks (docs/sizing.md). m is the column's steps
+        accumulated since its last update: update_interval, or under Zen-auto up to max_update_interval
+        (lower that cap to bound the largest step).
+    interval_second_moment: opt-in, needs interval_aware_update True or "sqrt" (this project's key). The
+        interval step's second moment takes the mean of the m per-step squared gradients, what AdamW's m steps
+        would have fed exp_avg_sq, instead of the square of their mean (smaller by the gradient's variance / m,
+        so the lr * m step runs too long where the gradient is mostly noise). Costs one more fp32 host
+        accumulator per unselected column and one more multiply-add per offloaded element per step.
     overlap_reselect: what a reselecting update boundary does with its own CPU update under overlap_step=True
         (this project's key; "wait" keeps DeepSpeed's semantics). "wait": the boundary waits for it and applies
         it, so the parameters are fully current when the selection changes (that boundary does not overlap).
@@ -159,7 +162,7 @@ class ZenFlowConfig:
     pt_reserved_cores_perc: float = 0.5
     steps_per_epoch: Optional[int] = None
     max_update_interval: int = 16
-    interval_aware_update: bool = False
+    interval_aware_update: Union[bool, str] = False  # False, True or "sqrt"
     interval_second_moment: bool = False
     overlap_reselect: str = "wait"
     landing_lag: Optional[int] = None
@@ -210,10 +213,12 @@ class ZenFlowConfig:
             raise _bad("select_strategy", self.select_strategy, 'one of "auto", "step", "epoch"')
         int_at_least("select_interval", 1, '"auto" or an int >= 1', auto=True)
         int_at_least("update_interval", 1, '"auto" or an int >= 1', auto=True)
-        for key in ("overlap_step", "offload", "interval_aware_update", "interval_second_moment",
-                    "stagger_boundaries"):
+        for key in ("overlap_step", "offload", "interval_second_moment", "stagger_boundaries"):
             if not isinstance(getattr(self, key), bool):
                 raise _bad(key, getattr(self, key), "a bool (True or False)")
+        if not (isinstance(self.interval_aware_update, bool) or self.interval_aware_update == "sqrt"):
+            raise _bad("interval_aware_update", self.interval_aware_update,
+                       'True (the interval step at lr * m), "sqrt" (at lr * sqrt(m)) or False (at lr)')
         real_in("auto_ratio", 0.0, 1.0, False, "a float in [0, 1]")
         int_at_least("full_warm_up_rounds", 0, "an int >= 0")
         real_in("pt_reserved_cores_perc", 0.0, 1.0, False, "a float in [0, 1]")
@@ -248,10 +253,11 @@ class ZenFlowConfig:
                 "ZenFlowConfig.stagger_boundaries=True needs an int update_interval: it deals the matrices into "
                 "update_interval phases, and Zen-auto's boundaries ('auto') are not known in advance. Set "
                 "update_interval to an int, or stagger_boundaries=False")
-        if self.interval_second_moment and not self.interval_aware_update:
+        if self.interval_second_moment and self.interval_aware_update is False:
             raise ValueError(
                 "ZenFlowConfig.interval_second_moment=True needs interval_aware_update=True: it sizes the second "
-                "moment of the interval step that interval_aware_update scales by m. Set both, or neither")
+                "moment of the interval step that interval_aware_update scales (True or \"sqrt\"). Set both, or "
+                "neither")
         # Cross-key rules, as DeepSpeed's engine (deepspeed/runtime/zenflow/engine.py) applies them.
         if self.select_strategy in ("step", "epoch") and self.select_interval == "auto":
             raise ValueError(
@@ -322,6 +328,12 @@ class ZenFlowConfig:
     def auto_update(self) -> bool:
         """True when the update interval is chosen by Zen-auto."""
         return self.update_interval == "auto"
+
+    def interval_lr_scale(self, steps: int) -> float:
+        """The lr multiplier of a CPU update standing for `steps` accumulated steps (interval_aware_update)."""
+        if self.interval_aware_update == "sqrt":
+            return math.sqrt(steps)
+        return steps if self.interval_aware_update else 1
 
     @property
     def num_phases(self) -> int:

@@ -25,7 +25,8 @@ Its decisions in detail (the rest of the project follows them):
   acc[:, U] += g[:, U] and acc_n[U] += 1. acc_n counts, per column, the steps in its accumulator (equal to
   the global m_acc unless some grads were None). A CPU update of columns gives each column j one AdamW update with
   g = acc[:, j] / acc_n[j] (columns with acc_n 0 are left alone), then empties their acc and acc_n.
-  Opt-in keys: interval_aware_update multiplies that update's lr by acc_n[j]; interval_second_moment also
+  Opt-in keys: interval_aware_update multiplies that update's lr by acc_n[j] ("sqrt": by its square root);
+  interval_second_moment also
   accumulates acc_sq[:, U] += g[:, U]**2 and feeds exp_avg_sq acc_sq / acc_n instead of g * g.
   Each matrix also counts acc_steps, its steps accumulated since its last boundary, for Zen-auto.
 - Zen-auto: per matrix sumK += mean(s[S]), sumU += mean(s[U]) (fp32 means summed as Python floats). Ripe
@@ -265,7 +266,7 @@ class ZenFlowReference(torch.optim.Optimizer):
         for m in sorted(set(n.tolist()) - {0}):
             hp = group
             if cfg.interval_aware_update:  # opt-in: the step stands for its m steps
-                hp = dict(group, lr=group["lr"] * m)
+                hp = dict(group, lr=group["lr"] * cfg.interval_lr_scale(m))
             mean_sq = st["acc_sq"] / m if cfg.interval_second_moment else None
             self._update_columns(st, st["acc"] / m, cols[n == m], hp, mean_sq)
         st["acc"][:, cols] = 0
