@@ -26,8 +26,8 @@ Its decisions in detail (the rest of the project follows them):
   the global m_acc unless some grads were None). A CPU update of columns gives each column j one AdamW update with
   g = acc[:, j] / acc_n[j] (columns with acc_n 0 are left alone), then empties their acc and acc_n.
   Opt-in keys: interval_aware_update multiplies that update's lr by acc_n[j] ("sqrt": by its square root);
-  interval_second_moment also
-  accumulates acc_sq[:, U] += g[:, U]**2 and feeds exp_avg_sq acc_sq / acc_n instead of g * g.
+  interval_second_moment also accumulates acc_sq[:, U] += g[:, U]**2 and feeds exp_avg_sq acc_sq / acc_n
+  instead of g * g.
   Each matrix also counts acc_steps, its steps accumulated since its last boundary, for Zen-auto.
 - Zen-auto: per matrix sumK += mean(s[S]), sumU += mean(s[U]) (fp32 means summed as Python floats). Ripe
   iff sumU >= sumK / acc_steps, or U is empty. Boundary iff #ripe >= auto_ratio * #matrices or
@@ -264,9 +264,7 @@ class ZenFlowReference(torch.optim.Optimizer):
         cfg, st = self.config, self.state[p]
         n = st["acc_n"][cols]
         for m in sorted(set(n.tolist()) - {0}):
-            hp = group
-            if cfg.interval_aware_update:  # opt-in: the step stands for its m steps
-                hp = dict(group, lr=group["lr"] * cfg.interval_lr_scale(m))
+            hp = dict(group, lr=group["lr"] * cfg.interval_lr_scale(m))  # (1 unless interval_aware_update)
             mean_sq = st["acc_sq"] / m if cfg.interval_second_moment else None
             self._update_columns(st, st["acc"] / m, cols[n == m], hp, mean_sq)
         st["acc"][:, cols] = 0
