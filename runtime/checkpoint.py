@@ -47,9 +47,10 @@ def _entry(member: Member) -> dict:
                      zen_auto=torch.tensor([member.sum_selected_score, member.sum_unselected_score],
                                            dtype=torch.float64, device="cpu"))
     if slab.u and not slab.has_host_part:
+        exp_avg, exp_avg_sq = slab.moments_for_host()
         return dict(selection, host_owner=member.owner, host_columns=slab.host_columns_cpu[i].clone(),
-                    selected_master=slab.master[i].cpu(), selected_exp_avg=slab.exp_avg[i].cpu(),
-                    selected_exp_avg_sq=slab.exp_avg_sq[i].cpu(), selected_step=slab.counts[i].cpu(),
+                    selected_master=slab.master[i].cpu(), selected_exp_avg=exp_avg[i].cpu(),
+                    selected_exp_avg_sq=exp_avg_sq[i].cpu(), selected_step=slab.counts[i].cpu(),
                     unapplied=slab.unapplied)
     state = slab.export_member(i)
     entry = dict(master=state.master, exp_avg=state.exp_avg, exp_avg_sq=state.exp_avg_sq, step=state.step,

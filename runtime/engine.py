@@ -40,7 +40,7 @@ from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
 
 # Config keys that say where work runs, not what it computes: a checkpoint resumes across them.
-PLACEMENT_KEYS = ("accumulate_on",)
+PLACEMENT_KEYS = ("accumulate_on", "offload")
 # What a key a checkpoint lacks meant when it was saved (before the key existed); other keys: None.
 _BEFORE_THE_KEY = dict(stagger_boundaries=False)
 
@@ -336,6 +336,10 @@ class ZenFlowRuntime:
             if pending and t == self.land_at[phase]:  # landing_lag: the update lands at the end of b + L
                 self._apply_host_columns(phase, landing_step=t)
 
+        for slab in self.slabs:  # offload: the selected columns' moments went up and down
+            self.counters["bytes_host_to_device"] += slab.moment_bytes_moved // 2
+            self.counters["bytes_device_to_host"] += slab.moment_bytes_moved // 2
+            slab.moment_bytes_moved = 0
         self.step_count += 1
         self.counters["steps"] += 1
         self.grad_slot ^= 1

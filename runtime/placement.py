@@ -112,7 +112,7 @@ class Placement:
             slab = Slab(key, [members[p] for p in positions], [states[p] for p in positions], self.transfers,
                         accumulate_squares=self.config.interval_second_moment,
                         accumulate_on_device=self.accumulates_on_device(),
-                        upload_early=self.data_parallel is None)
+                        upload_early=self.data_parallel is None, offload_moments=self.config.offload)
             self.slabs.append(slab)
         for member in members:
             self.members[member.pid] = member

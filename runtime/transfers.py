@@ -190,10 +190,11 @@ class Transfers:
         if self.traced:
             self.streams.note_compute_access(writes=sources)
 
-    def to_device(self, pinned: torch.Tensor):
-        """Upload host `pinned`; the compute stream waits for it. Returns the device tensor and the event
-        after which `pinned` may be overwritten (None where the device is the host: `pinned` itself)."""
-        target, done = self.upload_ahead(pinned)
+    def to_device(self, pinned: torch.Tensor, after=None):
+        """Upload host `pinned` (after the copy event `after`, if any: a copy down into it); the compute stream
+        waits for it. Returns the device tensor and the event after which `pinned` may be overwritten (None
+        where the device is the host: `pinned` itself)."""
+        target, done = self.upload_ahead(pinned, after)
         self.use_upload(target, done)
         return target, done
 
@@ -212,9 +213,10 @@ class Transfers:
         packed, _ = self.to_device(pinned)
         return [part.view(t.shape).to(t.dtype) for part, t in zip(packed.split(sizes), indices)]
 
-    def upload_ahead(self, pinned: torch.Tensor):
-        """Queue the upload of host `pinned` (from any host thread) without making the compute stream wait:
-        `use_upload` does, before the first kernel that reads the target. Returns (target, event)."""
+    def upload_ahead(self, pinned: torch.Tensor, after=None):
+        """Queue the upload of host `pinned` (from any host thread; after the copy event `after`, if any)
+        without making the compute stream wait: `use_upload` does, before the first kernel that reads the
+        target. Returns (target, event)."""
         if self.device_is_host:
             return pinned, None
         streams, stream = self.streams, self.host_to_device
@@ -222,6 +224,8 @@ class Transfers:
         if self.traced:
             streams.note_compute_access(writes=[target])  # its memory may have served earlier compute work
         stream.wait_stream(streams.current_stream())
+        if after is not None:
+            stream.wait_event(after)
         with record_function("zenflow::upload"):
             streams.copy_([target], [pinned], stream)
         done = streams.event()

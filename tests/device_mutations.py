@@ -48,8 +48,8 @@ MUTATIONS = [
              "runtime/transfers.py", "        streams.keep_alive(sources, stream)\n", ""),
     Mutation("M04", "upload: its stream does not wait for the compute stream (the target's memory)",
              "runtime/transfers.py",
-             "        stream.wait_stream(streams.current_stream())\n        with record_function(\"zenflow::upload\"):",
-             "        with record_function(\"zenflow::upload\"):"),
+             "        stream.wait_stream(streams.current_stream())\n        if after is not None:",
+             "        if after is not None:"),
     Mutation("M05", "upload: no event recorded after the copy",
              "runtime/transfers.py", "        done.record(stream)\n        streams.keep_alive([target], stream)",
              "        streams.keep_alive([target], stream)"),
@@ -144,6 +144,12 @@ MUTATIONS = [
     Mutation("M33", "a staggered phase's update lands without waiting for it (the wait looks up phase 0's)",
              "runtime/host_work.py", "        launched = self._updates.pop(phase, None)\n",
              "        launched = self._updates.pop(0, None)\n"),
+    Mutation("M34", "offload: the selected columns' moments go up before their last copy down has landed",
+             "runtime/state/slab.py",
+             "        moments, _ = self.transfers.to_device(self.parked_moments, after=self.moments_parked)\n",
+             "        moments, _ = self.transfers.to_device(self.parked_moments)\n"),
+    Mutation("M35", "offload: a checkpoint reads the parked moments before their copy down has landed",
+             "runtime/state/slab.py", "            wait_events([self.moments_parked])\n", ""),
 ]
 
 # A mutated line is no longer in its file, so this check fails under every mutation: it would report each one as
@@ -152,7 +158,7 @@ APPLICABILITY_TEST = "tests/test_device_path.py::test_every_device_mutation_stil
 
 DEFAULT_TESTS = ["tests/test_device_path.py", "tests/test_transfers.py", "tests/test_optimizer.py",
                  "tests/test_workflows.py", "tests/test_slab_workflows.py", "tests/test_overlap_reselect.py",
-                 "tests/test_landing_lag.py"]
+                 "tests/test_landing_lag.py", "tests/test_offload.py"]
 
 
 def why_not_applicable(mutation: Mutation) -> Optional[str]:

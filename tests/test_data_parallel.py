@@ -62,6 +62,9 @@ PARITY = {
     "stagger": dict(steps=8, model="repeated", keys=dict(BASE, update_interval=3, select_interval=3,
                                                          overlap_step=True, overlap_reselect="incoming",
                                                          landing_lag=1, stagger_boundaries=True)),
+    # offload=True: the selected columns' moments between their device trips, reselections in flight
+    "offload": dict(steps=8, keys=dict(BASE, update_interval=3, select_interval=3, overlap_step=True,
+                                       overlap_reselect="incoming", landing_lag=1, offload=True)),
 }
 MODES = ("eager", "compiled")
 CHECKPOINT = dict(name="checkpoint", compiled=True, steps=5, resume_steps=4, keys=dict(BASE, overlap_step=True))

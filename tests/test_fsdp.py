@@ -60,6 +60,9 @@ PARITY = {
     "stagger": dict(steps=8, clip=0.05, keys=dict(BASE, update_interval=3, select_interval=3,
                                                   overlap_reselect="incoming", landing_lag=1,
                                                   stagger_boundaries=True)),
+    # offload=True: the selected columns' moments of each rank's rows between their device trips
+    "offload": dict(steps=8, clip=0.05, keys=dict(BASE, select_interval=2, overlap_reselect="incoming",
+                                                  offload=True)),
 }
 COMPILED = ("overlap_reselect_clip_nan", "zen_auto", "bf16_compute", "load_weights", "incoming", "landing_lag",
             "stagger")

@@ -801,13 +801,6 @@ def test_config_and_keys_together_is_an_error():
     assert opt.config.topk_ratio == 0.5 and opt.config.update_interval == 2
 
 
-def test_offload_true_is_not_implemented():
-    with pytest.raises(NotImplementedError):
-        ZenFlowAdamW(tiny_model().parameters(), offload=True)
-    with pytest.raises(NotImplementedError):
-        ZenFlowAdamW(tiny_model().parameters(), config=ZenFlowConfig(offload=True))
-
-
 def test_a_parameter_owned_by_two_optimizers_is_an_error():
     model = tiny_model()
     first = ZenFlowAdamW(model.parameters(), lr=LR)

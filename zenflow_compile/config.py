@@ -103,7 +103,8 @@ class ZenFlowConfig:
     update_interval: "auto" (Zen-auto) or the int >= 1 number of steps between CPU updates of the other columns.
     overlap_step: run the CPU update of a boundary while the device goes on (applied at the next boundary, or
         sooner with landing_lag).
-    offload: offload the selected columns' optimizer state to the host too (DeepSpeed's flag).
+    offload: keep the selected columns' and the vectors' moments in host memory too (DeepSpeed's flag): they
+        visit the device for each step's update, one slab at a time (no effect where the model is on the CPU).
     auto_ratio: fraction in [0, 1] of matrices that must be ripe for Zen-auto to make a boundary.
     full_warm_up_rounds: number W >= 0 of initial steps with plain full AdamW updates, before any selection.
     pt_reserved_cores_perc: fraction in [0, 1] of CPU cores left to PyTorch threads (the rest run CPU AdamW).

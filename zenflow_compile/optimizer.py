@@ -135,10 +135,6 @@ class ZenFlowAdamW(torch.optim.Optimizer):
         if config is not None and preset is not None:
             raise ValueError(f"pass either config= or preset={preset!r}, not both (a config's keys are all set)")
         config = config if config is not None else ZenFlowConfig.from_dict(zenflow_keys, preset=preset)
-        if config.offload:
-            raise NotImplementedError(
-                "ZenFlowConfig.offload=True (selected columns' state on the CPU too) is not implemented; "
-                "set offload=False: selected columns' state lives on the device")
         params = _param_list(params)
         # FSDP2-sharded (DTensor) parameters: the mesh comes from them, and FSDP2 reduces the gradients.
         sharding = sharded.sharding_of(_tensors_in(params), process_group)

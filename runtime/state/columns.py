@@ -157,7 +157,8 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
                                                         arriving.place, selected, host_columns, leaving.any(1)]))
     in_param = slab.master.to(slab.dtype) if slab.selected_written is None else slab.selected_written
     weights = in_param.transpose(1, 2)[at.departing_member, at.departing_slot]
-    departing = _move_device_columns(slab, at, arriving)
+    with slab.moments_on_device():
+        departing = _move_device_columns(slab, at, arriving)
     if slab.has_host_part:  # (data parallel: the owner alone has host rows to settle them into)
         # Copied down on the copy stream, not read here: nothing needs them before the update has finished.
         rows, done = slab.transfers.copy_to_host(torch.cat([departing, weights.float()], 1))

@@ -12,6 +12,9 @@ A slab holds n like parameters: one param group, one dtype, one [R, C] shape, k 
             host_grads[2] [n, u, R] (by step parity), host_weights[2] [n, u, R] (by update parity): pinned,
             the param dtype; host_scores [n, u] pinned
 
+With `offload` the selected columns' exp_avg and exp_avg_sq live in pinned host memory, `parked_moments`
+[2, n, R, k], and are on the device only for the work that needs them (`moments_on_device`).
+
 Where the device sums the unselected columns' gradients (`accumulate_on`), they are gathered into `rest_grad`
 [n, u, R] (param dtype) and added into `device_acc` (and `device_sq_acc`) [n, u, R] fp32, which a boundary
 copies into the pinned accumulators once per interval (host_grads then do not exist). A slab before its first
@@ -24,6 +27,7 @@ them lives beside it: `state/intake.py`, `state/update.py`, `state/columns.py`, 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -39,7 +43,8 @@ class Slab:
     """The state of n like parameters (see the module docstring)."""
 
     def __init__(self, key: SlabKey, members: list[Member], states: list[MemberState], transfers: Transfers,
-                 accumulate_squares: bool, accumulate_on_device: bool = False, upload_early: bool = False):
+                 accumulate_squares: bool, accumulate_on_device: bool = False, upload_early: bool = False,
+                 offload_moments: bool = False):
         self.key, self.members, self.transfers = key, members, transfers
         self.n, self.R, self.C, self.k = len(members), members[0].rows, key.cols, key.num_selected
         self.u = self.C - self.k
@@ -65,8 +70,14 @@ class Slab:
         # that is not the host); `uploaded` is that (device tensor, event) until the apply merges it.
         self.upload_early = upload_early and self.has_host_part and not transfers.device_is_host
         self.uploaded = None
+        # offload: the selected columns' moments between their device updates (see `moments_on_device`)
+        self.parks_moments = offload_moments and k > 0 and not transfers.device_is_host
+        self.moments_resident = not self.parks_moments
+        self.parked_moments = self.moments_parked = None  # (pinned [2, n, R, k]; the event of its last copy down)
+        self.moment_bytes_moved = 0  # both ways, since the engine last counted them
         host_state = {}
         for name in ("master", "exp_avg", "exp_avg_sq"):
+            moments_on = "cpu" if self.parks_moments and name != "master" else dev
             naturals = [getattr(s, name) for s in states]
             if name == "master" and any(t is None for t in naturals):  # fresh: the parameters' values
                 if not all(t is None for t in naturals):
@@ -75,11 +86,16 @@ class Slab:
                                                               host_columns if self.has_host_part else None, dev)
                 continue
             if all(t is None for t in naturals):  # fresh moments: zeros, laid out directly
-                setattr(self, name, torch.zeros(n, R, k, device=dev))
+                setattr(self, name, torch.zeros(n, R, k, device=moments_on))
                 host_state[name] = torch.zeros(n, u, R, device="cpu") if self.has_host_part else None
                 continue
-            setattr(self, name, device_columns(naturals, torch.float32, selected, dev))
+            setattr(self, name, device_columns(naturals, torch.float32, selected, moments_on))
             host_state[name] = columns_as_rows(naturals, torch.float32, host_columns) if self.has_host_part else None
+        if self.parks_moments:
+            self.parked_moments = transfers.host_zeros((2, n, R, k), torch.float32)
+            transfers.host_access(writes=[self.parked_moments])
+            torch.stack([self.exp_avg, self.exp_avg_sq], out=self.parked_moments)
+            self.exp_avg, self.exp_avg_sq = self.parked_moments.unbind(0)
         self.counts = counts.gather(1, selected).to(dev)
         # What the members' selected columns hold where it is not their master in the slab's dtype (after a
         # cast: an upcast leaves bf16 values beside fp32 masters), until the device update rewrites them.
@@ -201,16 +217,47 @@ class Slab:
         self._params = None
 
     def device_buffers(self) -> list[torch.Tensor]:
+        """What the slab holds on the device between steps."""
         written = [] if self.selected_written is None else [self.selected_written]
         staging = [] if self.rest_grad is None else [self.rest_grad]
-        return [self.master, self.exp_avg, self.exp_avg_sq, self.counts, self.grad, self.scores, self.selected,
-                self.host_columns, *written, *self.device_sums(), *staging]
+        moments = [] if self.parks_moments else [self.exp_avg, self.exp_avg_sq]
+        return [self.master, *moments, self.counts, self.grad, self.scores, self.selected, self.host_columns,
+                *written, *self.device_sums(), *staging]
 
     def host_buffers(self) -> list[torch.Tensor]:
+        parked = [] if self.parked_moments is None else [self.parked_moments]
         if not self.has_host_part:
-            return []
+            return parked
         return [self.host_master, self.host_exp_avg, self.host_exp_avg_sq, *self.host_grads, *self.accumulators,
-                *self.square_accumulators, *self.host_weights]
+                *self.square_accumulators, *self.host_weights, *parked]
+
+    @contextlib.contextmanager
+    def moments_on_device(self):
+        """The selected columns' exp_avg and exp_avg_sq on the device for the work inside the block. With
+        `offload` they go up from their pinned home (one copy on the upload stream, after their last copy down,
+        that the compute stream waits for) and back down after it (one copy on the copy stream, not waited for
+        here): the device holds one slab's moments at a time."""
+        if self.moments_resident:
+            yield
+            return
+        moments, _ = self.transfers.to_device(self.parked_moments, after=self.moments_parked)
+        self.exp_avg, self.exp_avg_sq = moments.unbind(0)
+        self.moments_resident = True
+        try:
+            yield
+        finally:
+            self.moments_parked = self.transfers.to_host_many([self.exp_avg, self.exp_avg_sq],
+                                                              list(self.parked_moments.unbind(0)))
+            self.exp_avg, self.exp_avg_sq = self.parked_moments.unbind(0)
+            self.moments_resident = False
+            self.moment_bytes_moved += 2 * self.parked_moments.numel() * self.parked_moments.element_size()
+
+    def moments_for_host(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selected columns' exp_avg and exp_avg_sq for a host read (parked: once their copy down landed)."""
+        if not self.moments_resident:
+            wait_events([self.moments_parked])
+            self.transfers.host_access(reads=[self.parked_moments])
+        return self.exp_avg, self.exp_avg_sq
 
     def applied_weights(self) -> torch.Tensor:
         """[n, u, R]: the host columns as the device holds them (the last uploaded CPU update)."""
@@ -271,9 +318,10 @@ class Slab:
         not hold the host part). `with_step_grad`: the grad slot whose gradient (this step's) goes along."""
         if self.departing is not None:
             raise RuntimeError("internal: a slab's state was read before its departing columns were settled")
+        exp_avg, exp_avg_sq = self.moments_for_host()
         master, exp_avg, exp_avg_sq = (self.natural(i, device_part, host_part) for device_part, host_part in
-                                       ((self.master, self.host_master), (self.exp_avg, self.host_exp_avg),
-                                        (self.exp_avg_sq, self.host_exp_avg_sq)))
+                                       ((self.master, self.host_master), (exp_avg, self.host_exp_avg),
+                                        (exp_avg_sq, self.host_exp_avg_sq)))
         step = torch.full((self.C,), math.nan, device="cpu")
         step[self.selected_cpu[i]] = self.counts[i].cpu()
         if self.host_counts is not None:

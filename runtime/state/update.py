@@ -20,9 +20,10 @@ def update_on_device(slab: Slab, rows: Optional[list[int]], *, grad_scale, **hyp
     if not slab.k:
         return
     index = None if rows is None else slab.transfers.indices_to_device([torch.tensor(rows, device="cpu")])[0]
-    kernels.device_adamw_(slab.grad, slab.master, slab.exp_avg, slab.exp_avg_sq, slab.counts,
-                          slab.params, slab.selected, rows=rows, index=index, whole=slab.whole,
-                          grad_scale=grad_scale, master_rows=slab.master_rows, **hyperparameters)
+    with slab.moments_on_device():
+        kernels.device_adamw_(slab.grad, slab.master, slab.exp_avg, slab.exp_avg_sq, slab.counts,
+                              slab.params, slab.selected, rows=rows, index=index, whole=slab.whole,
+                              grad_scale=grad_scale, master_rows=slab.master_rows, **hyperparameters)
     if slab.selected_written is not None:  # the update wrote the masters into these members' columns
         if rows is None:
             slab.selected_written = None
