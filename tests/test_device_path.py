@@ -187,18 +187,20 @@ def test_device_accumulation_sends_the_sums_once_per_interval(dtype, emulated_de
     assert sent["host"] == (steps - 1) * unselected * torch.finfo(dtype).bits // 8
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
 @pytest.mark.parametrize("overlap_reselect", ["wait", "incoming"])
 @pytest.mark.parametrize("accumulate_on", ["device", "host"])
 def test_the_training_thread_touches_no_host_state_unless_the_selection_changes(accumulate_on, overlap_reselect,
-                                                                                 emulated_device):
+                                                                                 offload, emulated_device):
     """Plain steps and update boundaries (overlapped or not) leave the host state to the workers and the copy
     streams: the training thread touches none of it (it writes only small staging buffers of indices). A
     reselection that waits for its update moves host rows on it, one made in flight none; neither touches the
-    gradient buffers (a step's first backward overwrites them)."""
+    gradient buffers (a step's first backward overwrites them). With `offload`, the selected columns' moments
+    in host memory too: they travel on the copy streams."""
     model = tiny_model()
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True,
                        select_strategy="step", select_interval=6, accumulate_on=accumulate_on,
-                       overlap_reselect=overlap_reselect)
+                       overlap_reselect=overlap_reselect, offload=offload)
     batches = make_batches(6)
     train_steps(model, opt, batches[:1])  # the first selection lays the state out
     storage = lambda tensors: {t.untyped_storage().data_ptr() for t in tensors}
@@ -223,7 +225,7 @@ def test_the_training_thread_touches_no_host_state_unless_the_selection_changes(
     assert not touched & grad_buffers
 
 
-def _train_after_the_layout(device: str, accumulate_on: str, overlap_reselect: str, guard) -> dict:
+def _train_after_the_layout(device: str, accumulate_on: str, overlap_reselect: str, guard, offload: bool) -> dict:
     """TinyRepeated on `device`: the first step lays the state out; then 13 steps and `synchronize()`, each
     inside `guard` (plain steps, boundaries, landings, reselecting boundaries at t = 5 and 11, and at t = 2,
     5, 8, 11 a member of the blocks' slab without a gradient: its slab updated in part). Returns stats()."""
@@ -231,7 +233,7 @@ def _train_after_the_layout(device: str, accumulate_on: str, overlap_reselect: s
     model = TinyRepeated().to(device)
     opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, overlap_step=True,
                        select_strategy="step", select_interval=6, accumulate_on=accumulate_on,
-                       overlap_reselect=overlap_reselect)
+                       overlap_reselect=overlap_reselect, offload=offload)
     batches = make_batches(14, device=device)
     train_steps(model, opt, batches[:1])
     for t, batch in enumerate(batches[1:], start=1):
@@ -246,23 +248,25 @@ def _train_after_the_layout(device: str, accumulate_on: str, overlap_reselect: s
     return opt.stats()
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
 @pytest.mark.parametrize("overlap_reselect", ["wait", "incoming"])
 @pytest.mark.parametrize("accumulate_on", ["host", "device"])
-def test_after_the_layout_no_step_makes_a_pageable_upload(accumulate_on, overlap_reselect, emulated_device):
+def test_after_the_layout_no_step_makes_a_pageable_upload(accumulate_on, overlap_reselect, offload, emulated_device):
     """Once the first selection has laid the state out, what the runtime computes on the host for the device
     (a reselection's indices and column sets, the members a partial step updates) goes up in pinned copies the
     compute stream waits for: on a GPU a pageable `.to(device)` blocks the training thread until the compute
     stream drains, once per tensor."""
     uploads = PageableUploads()
-    stats = _train_after_the_layout("cpu", accumulate_on, overlap_reselect, uploads)
+    stats = _train_after_the_layout("cpu", accumulate_on, overlap_reselect, uploads, offload)
     assert uploads.calls == []
     assert stats["reselections"] == 2 and stats["selection_churn"] > 0
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
 @pytest.mark.parametrize("overlap_reselect", ["wait", "incoming"])
 @pytest.mark.parametrize("accumulate_on", ["host", "device"])
-def test_after_the_layout_the_training_thread_synchronises_only_to_read(accumulate_on, overlap_reselect,
+def test_after_the_layout_the_training_thread_synchronises_only_to_read(accumulate_on, overlap_reselect, offload,
                                                                          monkeypatch):
     """The same steps on CUDA under `torch.cuda.set_sync_debug_mode("error")`: any call that synchronises with
     a stream raises, except the step's counted blocking reads (`Transfers.read_to_host`)."""
@@ -284,7 +288,7 @@ def test_after_the_layout_the_training_thread_synchronises_only_to_read(accumula
         def __exit__(self, *exc):
             torch.cuda.set_sync_debug_mode(0)
 
-    stats = _train_after_the_layout("cuda", accumulate_on, overlap_reselect, SyncsRaise())
+    stats = _train_after_the_layout("cuda", accumulate_on, overlap_reselect, SyncsRaise(), offload)
     assert stats["reselections"] == 2 and stats["selection_churn"] > 0
 
 
