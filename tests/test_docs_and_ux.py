@@ -283,6 +283,18 @@ def _path_exists(path: str, files: set[str]) -> bool:
     return path in files or f"zenflow_compile/{path}" in files or any(f.endswith("/" + path) for f in files)
 
 
+def _class_files(name: str, classes: dict) -> list[Path]:
+    """The files that define class `name` and its bases defined here: a base's members are the class's
+    (`ZenFlowAdamW.load_state_dict`, defined by its base `CheckpointMixin`)."""
+    files = list(classes[name])
+    for path in classes[name]:
+        header = re.search(rf"^class {name}\(([^)]*)\)", path.read_text(encoding="utf-8"), flags=re.M)
+        for base in re.findall(r"\w+", header.group(1)) if header else []:
+            if base in classes and base != name:
+                files += _class_files(base, classes)
+    return files
+
+
 def _resolves(token: str, classes: dict, modules: dict) -> Optional[bool]:
     """Whether a backticked `token` names something the repository defines; None when it is not the
     project's to define (torch, a user's variable, another library)."""
@@ -310,7 +322,7 @@ def _resolves(token: str, classes: dict, modules: dict) -> Optional[bool]:
             found = getattr(found, name)
         return True
     if head in classes:  # `Slab.export_member`, `Placement.adopt_casts`
-        return any(_definitions(p, rest[0]) for p in classes[head])
+        return any(_definitions(p, rest[0]) for p in _class_files(head, classes))
     if head in modules and head not in AMBIGUOUS_MODULES:  # `kernels.cpu_adamw_`, `layout.SHARED_SLAB_MAX_NUMEL`
         return any(_definitions(p, rest[0]) for p in modules[head])
     return None
