@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zenflow_compile import check
+from zenflow_compile import check, check_report
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 
@@ -61,10 +61,10 @@ def test_cpu_run_by_default_is_quick_and_reports_no_speed_ratio(tmp_path):
 def test_cpu_run_reports_every_part_and_the_benchmark_figures(tmp_path):
     proc, report, markdown = run_check(tmp_path, "--parts", "tests,bench", "--pytest-args", "-k test_worker")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert check.NO_GPU_STATEMENT in proc.stdout
+    assert check_report.NO_GPU_STATEMENT in proc.stdout
 
     assert report["passed"] is True
-    assert report["no_gpu"] == check.NO_GPU_STATEMENT
+    assert report["no_gpu"] == check_report.NO_GPU_STATEMENT
     machine = report["machine"]
     assert machine["gpu"] is False and machine["gpu_name"] is None
     assert {"torch", "triton", "cuda", "deepspeed", "python"} <= set(machine)
@@ -88,7 +88,7 @@ def test_cpu_run_reports_every_part_and_the_benchmark_figures(tmp_path):
     assert bench["targets"] and all(t["verdict"] == "not judged: no GPU" for t in bench["targets"])
     assert bench_targets().items() <= report["targets"].items()
 
-    assert check.NO_GPU_STATEMENT in markdown
+    assert check_report.NO_GPU_STATEMENT in markdown
     assert "not run: no GPU" in markdown
     for heading in ("## Parts", "## Benchmark", "## Targets", "## Commands"):
         assert heading in markdown
@@ -133,7 +133,7 @@ def test_a_smoke_run_reports_no_speed_ratio(tmp_path, smoke):
     """A CPU smoke run's 0.1M-parameter model shows that the pipeline runs; its step-time ratio (ZenFlow at
     "0.26 x fused AdamW") would read as a speed result: neither the JSON nor the report has one. A GPU run's
     report keeps its ratios and verdicts."""
-    figures = check.benchmark_figures(_bench_json(tmp_path / "bench.json", smoke))
+    figures = check_report.benchmark_figures(_bench_json(tmp_path / "bench.json", smoke))
     zenflow = next(row for row in figures["systems"] if row["kind"] == "zenflow")
     assert zenflow["mean_step_s"] == 0.13
     assert (zenflow["ratio_to_fused_adamw"] is None) == smoke and (figures["targets"][0]["value"] is None) == smoke
@@ -143,7 +143,7 @@ def test_a_smoke_run_reports_no_speed_ratio(tmp_path, smoke):
                   host=None, files_dir=str(tmp_path),
                   targets=dict(judged_on="mean step time", ratio_to_fused_adamw_max=1.25,
                                speedup_over_zero_offload_min=3, stall_fraction_max=0.05, bytes_per_step_max="x"))
-    markdown = check.render_markdown(report)
+    markdown = check_report.render_markdown(report)
     assert ("0.26" in markdown) != smoke and ("| x fused AdamW |" in markdown) != smoke
     assert ("130.0" in markdown) != smoke  # (nor its step times side by side)
     assert ("no speed ratio" in markdown) == smoke
