@@ -104,15 +104,21 @@ class HostWork:
     def prepare(self, slabs: list[Slab]) -> None:
         """After a layout: the update worker builds the compiled CPU AdamW the slabs' updates will take (their
         weights' dtype and square sums; Dynamo keys it on the thread count too, so on the worker that runs
-        them) while the next steps run: the first boundary does not wait for the compile. (The arriving
+        them), and the accumulate worker the host accumulation of the slabs summed on the host, while the next
+        steps run: neither the first boundary nor the first accumulation waits for a compile. (The arriving
         columns' step where the host sums runs on the training thread: its variant is built at the first
         reselection.)"""
-        variants = {(slab.dtype, slab.accumulate_squares) for slab in slabs
-                    if slab.has_host_part and slab.is_matrix and kernels.compiles(slab.n * slab.u * slab.R)}
-        new = sorted(variants - self._prepared, key=str)
-        if new:
-            self._prepared.update(new)
-            self.update_worker.submit(lambda: [kernels.prepare_cpu_adamw(*variant) for variant in new])
+        large = [slab for slab in slabs if slab.has_host_part and slab.is_matrix
+                 and kernels.compiles(slab.n * slab.u * slab.R)]
+        for worker, prepare, chosen in (
+                (self.update_worker, kernels.prepare_cpu_adamw, large),
+                (self.accumulate_worker, kernels.prepare_accumulate,
+                 [slab for slab in large if not slab.accumulates_on_device])):
+            variants = {(prepare, slab.dtype, slab.accumulate_squares) for slab in chosen}
+            new = sorted(variants - self._prepared, key=str)
+            if new:
+                self._prepared.update(new)
+                worker.submit(lambda new=new: [build(*variant) for build, *variant in new])
 
     def launch_update(self, phase: int, slabs: list[Slab], hyperparameters: list[dict],
                       lr_scale: Callable[[int], float]) -> Future:

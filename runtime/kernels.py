@@ -9,11 +9,10 @@
 - `column_scores`: per-column squared norms of a gradient, for the eager path (the compiled backward
   computes them itself, fused by Inductor into the kernels that produce the gradient).
 - `accumulate_scaled_many_`: the host accumulator's `acc += coef * grad` (fp32 accumulator, fp32/bf16/fp16
-  gradient): an fp32 gradient in one fused add; a bf16/fp16 one converted chunk by chunk into a small reused
-  fp32 scratch (~65% of the memory-bandwidth bound on one core: a mixed-dtype add_ runs ~4x slower here, and
-  `grad.float() * coef` allocates and streams two full-size temporaries). This is the path of a device without
-  room for the accumulators (`accumulate_on="host"`); a one-pass native kernel measured 1.3-1.5x faster on one
-  thread, not enough to carry a C++ build.
+  gradient), the path of a device without room for the accumulators (`accumulate_on="host"`) and of a model
+  on the CPU. From `COMPILED_MIN_NUMEL` elements, the math written in torch (`_accumulate_flat`) and compiled
+  by Inductor into one pass (1.5-1.7x the eager path below on 1 and 2 threads, bf16, 134M elements); below it
+  an fp32 gradient in one fused add, a bf16/fp16 one converted chunk by chunk into a reused fp32 scratch.
 - `cpu_adamw_`: the host AdamW of the unselected columns, the math written once in torch (`_adamw_rows`) and
   compiled by Inductor into one pass over the host rows, each row at its own update count, lr multiplier and
   divisor, with the cast of the new masters for the upload in the same pass. Reselections leave rows at other
@@ -86,6 +85,15 @@ def column_scores(grad2d: torch.Tensor, out: Optional[torch.Tensor] = None) -> t
     return torch.sum((grad2d if grad2d.dtype == torch.float32 else grad2d.float()).square(), 0, out=out)
 
 
+def _accumulate_flat(acc, grad, coef, square):
+    """acc += coef * grad (and square += (coef * grad)**2) over flat tensors, the gradient in any float dtype;
+    `coef` a float64 0-d tensor (a Python float would be compiled again for each value)."""
+    scaled = grad.float() * coef.float()
+    acc.add_(scaled)
+    if square is not None:
+        square.add_(scaled * scaled)
+
+
 # Elements per conversion chunk (a 4 MB fp32 scratch): measured here on one thread, 64K / 256K / 1M / 4M
 # elements gave 1.56 / 2.42 / 2.56 / 2.30 Gparam/s; fewer, larger chunks also mean fewer parallel regions
 # when the worker runs several intra-op threads.
@@ -101,22 +109,25 @@ def accumulate_scaled_many_(accs: list[torch.Tensor], grads: list[torch.Tensor],
         raise ValueError(f"accumulate_scaled_many_: {len(square_accs)} square_accs for {len(accs)} accs; pass "
                          "one per acc (or None)")
     squares = square_accs if square_accs is not None else [None] * len(accs)
-    same, converted = [], []
-    for triple in zip(accs, grads, squares):
-        (same if triple[1].dtype == triple[0].dtype else converted).append(triple)
-    if same:
-        torch._foreach_add_([a for a, _, _ in same], [g for _, g, _ in same], alpha=coef)
-        if square_accs is not None:
-            same_grads = [g for _, g, _ in same]
-            torch._foreach_addcmul_([q for _, _, q in same], same_grads, same_grads, value=coef * coef)
-    if not converted:
-        return
-    for acc, grad, square in converted:
+    for acc, grad, square in zip(accs, grads, squares):
         if not (acc.is_contiguous() and grad.is_contiguous() and (square is None or square.is_contiguous())):
             raise ValueError(
                 f"accumulate_scaled_many_: a {grad.dtype} gradient is accumulated into a {acc.dtype} accumulator "
                 f"through a flat view, so both (and the square accumulator) must be contiguous; got strides "
                 f"{acc.stride()} and {grad.stride()}. Pass .contiguous() tensors (the runtime's host buffers are).")
+    same, converted, large = [], [], []
+    for triple in zip(accs, grads, squares):
+        (large if compiles(triple[0].numel()) else same if triple[1].dtype == triple[0].dtype
+         else converted).append(triple)
+    if large:
+        coef_tensor = torch.tensor(coef, dtype=torch.float64, device="cpu")
+        for acc, grad, square in large:
+            _accumulate_kernel(acc.view(-1), grad.view(-1), coef_tensor, None if square is None else square.view(-1))
+    if same:
+        torch._foreach_add_([a for a, _, _ in same], [g for _, g, _ in same], alpha=coef)
+        if square_accs is not None:
+            same_grads = [g for _, g, _ in same]
+            torch._foreach_addcmul_([q for _, _, q in same], same_grads, same_grads, value=coef * coef)
     for acc, grad, square in converted:
         _accumulate_converted_(acc, grad, coef, square)
 
@@ -169,18 +180,19 @@ def _adamw_rows(master, grad, exp_avg, exp_avg_sq, weights, counts, lr_scale, di
     return rows
 
 
-class _CompiledRows:
-    """`_adamw_rows` compiled once per process (any row count: dynamic shapes), with Inductor's C++ wrapper,
-    which lets go of the GIL while the kernel runs (its Python wrapper holds it: an update on a worker thread
-    would stop the training thread for its whole length), and the thread count read where it runs (the
-    worker's own). Where Inductor cannot build it (no C++ compiler), the same function runs unfused, with one
-    warning: the same arithmetic, several passes slower."""
+class _CompiledKernel:
+    """`fn` (one of the host kernels' math in torch) compiled once per process (any size: dynamic shapes), with
+    Inductor's C++ wrapper, which lets go of the GIL while the kernel runs (its Python wrapper holds it: work on
+    a worker thread would stop the training thread for its whole length), and the thread count read where it
+    runs (the worker's own). Where Inductor cannot build it (no C++ compiler), the same function runs unfused
+    (`unfused`), with one warning: the same arithmetic, several passes slower."""
 
-    def __init__(self):
+    def __init__(self, fn, what: str):
         options = {"cpp_wrapper": True}
         if hasattr(torch._inductor.config.cpp, "dynamic_threads"):
             options["cpp.dynamic_threads"] = True
-        self.compiled = torch.compile(_adamw_rows, fullgraph=True, dynamic=True, options=options)
+        self.fn, self.what = fn, what
+        self.compiled = torch.compile(fn, fullgraph=True, dynamic=True, options=options)
         self.failed = None
 
     def __call__(self, *args):
@@ -194,15 +206,20 @@ class _CompiledRows:
                 if not isinstance(error, torch._dynamo.exc.TorchDynamoException) and "torch.compile" not in str(error):
                     raise  # (the kernel's own error, not the compiler's)
                 self.failed = error
-                warnings.warn(f"ZenFlow: torch.compile could not build the CPU AdamW ("
+                warnings.warn(f"ZenFlow: torch.compile could not build {self.what} ("
                               f"{type(error).__name__}: {str(error).strip().splitlines()[0]}); it runs unfused, "
                               "several times slower. Where the cause is a missing C++ compiler, install one (g++) "
                               "and Python's headers, which torch.compile needs on the CPU.", RuntimeWarning,
                               stacklevel=3)
-        _unfused_rows(*args)
+        self.unfused(*args)
+
+    def unfused(self, *args):
+        with torch.no_grad():
+            return self.fn(*args)
 
 
-_rows_kernel = _CompiledRows()
+_rows_kernel = _CompiledKernel(_adamw_rows, "the CPU AdamW")
+_accumulate_kernel = _CompiledKernel(_accumulate_flat, "the host accumulation")
 
 # Host rows smaller than this (elements per call, a 1024 x 1024 matrix) take `_adamw_rows` unfused: the compiled
 # kernel costs a process seconds at its first call (the compile, or 4-5 s to load it from Inductor's cache),
@@ -214,11 +231,6 @@ COMPILED_MIN_NUMEL = 1 << 20
 def compiles(numel: int) -> bool:
     """Whether a call over `numel` elements of host rows takes the compiled kernel."""
     return numel >= COMPILED_MIN_NUMEL
-
-
-def _unfused_rows(*args) -> None:
-    with torch.no_grad():
-        _adamw_rows(*args)
 
 
 def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -238,7 +250,7 @@ def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         return
     hyperparameters = [torch.tensor(x, dtype=torch.float64, device="cpu")
                        for x in (lr, beta1, beta2, eps, weight_decay)]
-    kernel = _rows_kernel if (compiles(master.numel()) if compiled is None else compiled) else _unfused_rows
+    kernel = _rows_kernel if (compiles(master.numel()) if compiled is None else compiled) else _rows_kernel.unfused
     # (`detach`: the same memory, without the view's base, and the per-row tensors contiguous: the compiled
     # kernel guards on both and would be compiled again for each new base shape or stride)
     kernel(*(None if t is None else t.detach() for t in (master, grad, exp_avg, exp_avg_sq, weights, counts)),
@@ -256,6 +268,14 @@ def prepare_cpu_adamw(weights_dtype: Optional[torch.dtype], squares: bool) -> No
     cpu_adamw_(*state[:4], torch.zeros(rows), lr_scale=torch.zeros(rows, dtype=torch.float64),
                divisor=torch.ones(rows), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, weights=weights,
                grad_sq=state[4] if squares else None, compiled=True)
+
+
+def prepare_accumulate(grad_dtype: torch.dtype, squares: bool) -> None:
+    """Build the compiled host accumulation for gradients of `grad_dtype` (and square sums) on a few elements
+    (the accumulate worker runs this at a layout, as `prepare_cpu_adamw`)."""
+    size = 144  # (not 0 or 1: a size Dynamo would specialise)
+    _accumulate_kernel(torch.zeros(size), torch.zeros(size, dtype=grad_dtype), torch.tensor(0.0, dtype=torch.float64),
+                       torch.zeros(size) if squares else None)
 
 
 def shift_second_moment_(exp_avg_sqs: list[torch.Tensor], grads: list[torch.Tensor], grad_sqs: list[torch.Tensor],

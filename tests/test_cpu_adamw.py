@@ -132,7 +132,7 @@ def test_without_a_cpp_compiler_the_same_arithmetic_runs_unfused_with_one_warnin
     state = rows_state()
     want = ours(state, squares=True)
     torch._dynamo.reset()  # (compiled again, by the compiler below)
-    monkeypatch.setattr(kernels, "_rows_kernel", kernels._CompiledRows())
+    monkeypatch.setattr(kernels, "_rows_kernel", kernels._CompiledKernel(kernels._adamw_rows, "the CPU AdamW"))
     with config.patch({"cpp.cxx": (None, "/nonexistent/g++"), "fx_graph_cache": False}):
         with pytest.warns(RuntimeWarning, match=r"could not build the CPU AdamW \(.*No working C\+\+ compiler.*\); "
                                                 r"it runs unfused.*install one \(g\+\+\)"):
