@@ -5,10 +5,13 @@ and visit the device for the work that needs them (each step's device update, a 
   `ZenFlowReference`, eager and compiled, cpu and emulated, through warm-up, overlapped boundaries,
   reselections ("wait" and "incoming"), both accumulation placements, data parallel.
 - Checkpoints: the same `state_dict`; one saved with the flag loads without it and back.
+- Workflows (param-group edits, weights loaded, deep copies, a checkpoint loaded mid-run): bit for bit.
 - What it costs and saves, recomputed from the shapes: 8 bytes per selected element move from the device's
   state to the host's, and each step moves them up and down once (`stats()`).
 - Where the model is on the CPU the device is the host: the flag changes nothing.
 """
+
+import copy
 
 import pytest
 import torch
@@ -153,3 +156,56 @@ def test_on_the_cpu_the_flag_changes_nothing():
     for key in ("device_state_bytes", "host_state_bytes", "bytes_host_to_device_per_step",
                 "bytes_device_to_host_per_step"):
         assert stats[True][key] == stats[False][key], key
+
+
+def _edit_groups(opt, model) -> None:
+    """fc1.weight moved into the other group (another lr), fc2.bias out of the groups."""
+    first, second = opt.param_groups
+    first["params"] = [p for p in first["params"] if p is not model.fc1.weight and p is not model.fc2.bias]
+    second["params"] = [*second["params"], model.fc1.weight]
+
+
+def test_workflows_equal_the_moments_on_the_device(device):
+    """One run through what users do mid-training, with and without the flag, bit for bit: param groups edited
+    (a parameter moved to another group, one removed: their slabs laid out again from the moments), weights
+    loaded into the model (adopted), the optimizer and model deep-copied and the copy trained on, gradient
+    clipping, and a checkpoint loaded into a fresh optimizer."""
+    keys = CONFIGS["warmup-overlap-incoming"]
+    runs = []
+    for offload in (True, False):
+        model = tiny_model()
+        groups = [dict(params=[p for p in model.parameters() if p is not model.fc1.bias]),
+                  dict(params=[model.fc1.bias], lr=LR / 3)]
+        opt = ZenFlowAdamW(groups, lr=LR, weight_decay=WD, max_grad_norm=0.5, offload=offload, **keys)
+        runs.append([model, opt])
+    batches = make_batches(12, seed=5)
+    snapshot = None
+    for i, batch in enumerate(batches):
+        if i == 3:
+            for run in runs:
+                _edit_groups(run[1], run[0])
+                run[0].fc2.bias.requires_grad_(False)
+        if i == 5:
+            snapshot = {k: v.clone() for k, v in runs[0][0].state_dict().items()}
+        if i == 7:
+            for model, _ in runs:
+                model.load_state_dict(snapshot)
+        if i == 8:
+            runs = [list(copy.deepcopy(tuple(run))) for run in runs]
+        if i == 10:
+            for run in runs:
+                saved, groups = run[1].state_dict(), [dict(g) for g in run[1].param_groups]
+                offload = run[1].config.offload
+                run[1] = None  # (dropped: its parameters are free for the new optimizer)
+                run[1] = ZenFlowAdamW(groups, lr=LR, weight_decay=WD, max_grad_norm=0.5, offload=offload, **keys)
+                run[1].load_state_dict(saved)
+        for run in runs:
+            loss_fn(run[0], batch).backward()
+            run[1].step()
+            run[1].zero_grad()
+        for (name, p), q in zip(runs[0][0].named_parameters(), runs[1][0].parameters()):
+            assert torch.equal(p, q), f"step {i} {name}"
+    for run in runs:
+        run[1].synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()))
+    assert runs[0][1].stats()["reselections"] == runs[1][1].stats()["reselections"] > 0
