@@ -75,6 +75,45 @@ class Slab:
         self.moments_resident = not self.parks_moments
         self.parked_moments = self.moments_parked = None  # (pinned [2, n, R, k]; the event of its last copy down)
         self.moment_bytes_moved = 0  # both ways, since the engine last counted them
+        host_state = self._lay_out_columns(states, counts)
+        self.grad = torch.zeros(n, R, k, dtype=self.dtype, device=dev)
+        self.scores = torch.zeros(n, C, device=dev)
+        self.selected, self.host_columns = selected.to(dev), host_columns.to(dev)
+        # gather indexes of the selected and the host columns over [n, R, C]
+        self.selected_index, self.host_index = columns_index(self.selected, R), columns_index(self.host_columns, R)
+        # Whole-parameter slabs (vectors, matrices with every column selected): the device layout is the
+        # parameter's own, no gather.
+        self.whole = k == C
+        self.offload_done: list[list] = [[], []]  # copy events into host_grads[slot] (and a step's extras)
+        self.upload_done: list = [None, None]  # upload events of host_weights[slot]
+        self.extra_grads: list[dict] = [{}, {}]  # later backwards of a step: member index -> [host buffers]
+        self.extra_pool: list[dict] = [{}, {}]  # the pinned buffers extra_grads reuses, per member
+        self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
+        self.unapplied = any(s.unapplied for s in states)
+        # A reselection during an in-flight CPU update (overlap_reselect="incoming"): the departing columns'
+        # state, waiting for their host rows until that update has finished (`settle_departing`).
+        self.departing = None  # (a columns.DepartingCopy)
+        self._params = None  # see `params`
+        self.master_rows = list(self.master.unbind(0))  # (the tensors are rewritten in place, never replaced)
+        # This step: how many members took a gradient, and whether any took several backwards.
+        self.members_taken = sum(1 for s in states if s.step_grad is not None)
+        self.several_backwards = any(m.num_grads > 1 for m in members)
+        self._take_step_grads(states)
+        self.device_acc = self.device_sq_acc = self.rest_grad = None
+        # The accumulators this interval fills (where the host sums, the two alternate at each boundary: the
+        # update reads one while the worker adds into the other); a slab laid out anew starts in 0, where its
+        # members' sums go.
+        self.acc_slot = 0
+        self.acc_landed: list = [None, None]  # device accumulation: the copy events into accumulators[slot]
+        self.acc_sent = None  # device accumulation: the sums were sent at a boundary, not yet emptied (an event)
+        self._lay_out_host_part(states, host_state, counts)
+
+    def _lay_out_columns(self, states: list[MemberState], counts: torch.Tensor) -> dict:
+        """The members' masters and moments: their selected columns on the device (with `offload`, the moments
+        parked on the host) and their update counts; returns their host rows by name (None without a host
+        part), for `_lay_out_host_part`."""
+        n, R, k, u, dev, transfers = self.n, self.R, self.k, self.u, self.device, self.transfers
+        selected, host_columns, members = self.selected_cpu, self.host_columns_cpu, self.members
         host_state = {}
         for name in ("master", "exp_avg", "exp_avg_sq"):
             moments_on = "cpu" if self.parks_moments and name != "master" else dev
@@ -106,47 +145,29 @@ class Slab:
             written = torch.stack([c if w is None else w.to(dev, self.dtype) for c, w in zip(cast, written)])
             if not torch.equal(written, cast):
                 self.selected_written = written
-        self.grad = torch.zeros(n, R, k, dtype=self.dtype, device=dev)
-        self.scores = torch.zeros(n, C, device=dev)
-        self.selected, self.host_columns = selected.to(dev), host_columns.to(dev)
-        # gather indexes of the selected and the host columns over [n, R, C]
-        self.selected_index, self.host_index = columns_index(self.selected, R), columns_index(self.host_columns, R)
-        # Whole-parameter slabs (vectors, matrices with every column selected): the device layout is the
-        # parameter's own, no gather.
-        self.whole = k == C
-        self.offload_done: list[list] = [[], []]  # copy events into host_grads[slot] (and a step's extras)
-        self.upload_done: list = [None, None]  # upload events of host_weights[slot]
-        self.extra_grads: list[dict] = [{}, {}]  # later backwards of a step: member index -> [host buffers]
-        self.extra_pool: list[dict] = [{}, {}]  # the pinned buffers extra_grads reuses, per member
-        self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
-        self.unapplied = any(s.unapplied for s in states)
-        # A reselection during an in-flight CPU update (overlap_reselect="incoming"): the departing columns'
-        # state, waiting for their host rows until that update has finished (`settle_departing`).
-        self.departing = None  # (a columns.DepartingCopy)
-        self._params = None  # see `params`
-        self.master_rows = list(self.master.unbind(0))  # (the tensors are rewritten in place, never replaced)
-        # This step: how many members took a gradient, and whether any took several backwards.
-        self.members_taken = sum(1 for s in states if s.step_grad is not None)
-        self.several_backwards = any(m.num_grads > 1 for m in members)
+        return host_state
+
+    def _take_step_grads(self, states: list[MemberState]) -> None:
+        """This step's gradients and scores that came with the states (a layout at step()), device part."""
         step_grads = [s.step_grad for s in states]
-        has_step_grad = any(g is not None for g in step_grads)
-        if has_step_grad:
-            self.grad.copy_(device_columns(step_grads, self.dtype, selected, dev))
+        if any(g is not None for g in step_grads):
+            self.grad.copy_(device_columns(step_grads, self.dtype, self.selected_cpu, self.device))
             for i, s in enumerate(states):
                 if s.step_scores is not None:
                     self.scores[i].copy_(s.step_scores)
-        self.device_acc = self.device_sq_acc = self.rest_grad = None
-        # The accumulators this interval fills (where the host sums, the two alternate at each boundary: the
-        # update reads one while the worker adds into the other); a slab laid out anew starts in 0, where its
-        # members' sums go.
-        self.acc_slot = 0
-        self.acc_landed: list = [None, None]  # device accumulation: the copy events into accumulators[slot]
-        self.acc_sent = None  # device accumulation: the sums were sent at a boundary, not yet emptied (an event)
+
+    def _lay_out_host_part(self, states: list[MemberState], host_state: dict, counts: torch.Tensor) -> None:
+        """The host rows of the unselected columns (masters, moments, counts), the interval's sums, the
+        gradients' landing buffers and the weights buffers for the upload (none without a host part)."""
         if not self.has_host_part:
             self.host_master = self.host_exp_avg = self.host_exp_avg_sq = self.host_counts = None
             self.accumulators, self.square_accumulators, self.host_grads, self.host_weights = [], [], [], []
             self.host_grad_bytes = 0
             return
+        n, R, u, dev, transfers = self.n, self.R, self.u, self.device, self.transfers
+        host_columns, accumulate_squares = self.host_columns_cpu, self.accumulate_squares
+        step_grads = [s.step_grad for s in states]
+        has_step_grad = any(g is not None for g in step_grads)
         host_zeros = transfers.host_zeros
         self.host_master, self.host_exp_avg, self.host_exp_avg_sq = (host_state[name] for name in
                                                                      ("master", "exp_avg", "exp_avg_sq"))
