@@ -5,6 +5,8 @@ below `kernels.COMPILED_MIN_NUMEL` elements, Inductor's one-pass kernel from it;
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -63,3 +65,34 @@ def test_refuses_non_contiguous_and_mismatched_arguments():
     with pytest.raises(ValueError, match="1 square_accs for 2 accs"):
         kernels.accumulate_scaled_many_([acc, acc], [grad.contiguous()] * 2, 1.0, square_accs=[torch.zeros(8, 6)])
     assert torch.equal(acc, torch.zeros(8, 6))  # (refused before anything was written)
+
+
+@pytest.mark.parametrize("accumulate_on", ["host", "device"])
+def test_the_workers_build_their_compiled_kernels_at_the_layout(accumulate_on, monkeypatch, emulated_device):
+    """Once the first selection lays a large slab out, each worker builds the compiled kernel it will run on its
+    own thread, before any boundary: the update worker the CPU AdamW, the accumulate worker the host
+    accumulation where the host sums (not where the device does)."""
+    from zenflow_compile import ZenFlowAdamW
+    from helpers import loss_fn, make_batches, tiny_model
+
+    built = []
+    monkeypatch.setattr(kernels, "COMPILED_MIN_NUMEL", 0)  # (the tiny model's slabs count as large)
+    monkeypatch.setattr(kernels, "prepare_cpu_adamw",
+                        lambda *variant: built.append(("cpu_adamw", variant, threading.current_thread().name)))
+    monkeypatch.setattr(kernels, "prepare_accumulate",
+                        lambda *variant: built.append(("accumulate", variant, threading.current_thread().name)))
+    model = tiny_model()
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=4,
+                       accumulate_on=accumulate_on)
+    loss_fn(model, make_batches(1)[0]).backward()
+    opt.step()  # the first selection: the layout
+    opt.synchronize()
+    assert opt.stats()["cpu_updates"] == 0
+    workers = {kind: {thread for k, _, thread in built if k == kind} for kind in ("cpu_adamw", "accumulate")}
+    assert {variant for k, variant, _ in built if k == "cpu_adamw"} == {(torch.float32, False)}
+    assert workers["cpu_adamw"] and all("update" in thread for thread in workers["cpu_adamw"])
+    if accumulate_on == "host":
+        assert {variant for k, variant, _ in built if k == "accumulate"} == {(torch.float32, False)}
+        assert workers["accumulate"] and all("accumulate" in thread for thread in workers["accumulate"])
+    else:
+        assert not workers["accumulate"]

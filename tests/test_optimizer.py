@@ -239,9 +239,9 @@ def test_equals_reference(case, dtype, accumulate_on, device):
 @pytest.mark.parametrize("case", ["step3", "incoming-step2", "incoming-auto-iau-sm",
                                   "incoming-accumulation-groups-clip"])
 def test_the_compiled_cpu_adamw_equals_reference(case, monkeypatch):
-    """The small models here take the CPU AdamW unfused (`kernels.COMPILED_MIN_NUMEL`); a model of real size takes
-    Inductor's kernel of the same function: here each case takes it, reselections in flight included (host
-    rows out of count order)."""
+    """The small models here take the CPU AdamW and the host accumulation unfused (`kernels.COMPILED_MIN_NUMEL`);
+    a model of real size takes Inductor's kernels of the same functions: here each case takes them, reselections
+    in flight included (host rows out of count order)."""
     monkeypatch.setattr(kernels, "COMPILED_MIN_NUMEL", 0)
     check_equals_reference(case, torch.float32, accumulate_on="host")
 
