@@ -102,23 +102,24 @@ _ACCUMULATE_CHUNK = 1 << 20
 
 def accumulate_scaled_many_(accs: list[torch.Tensor], grads: list[torch.Tensor], coef: float,
                             square_accs: Optional[list[torch.Tensor]] = None) -> None:
-    """acc += coef * grad over many tensors: the same-dtype ones in one `_foreach_add_`, the bf16/fp16 ones
-    chunk by chunk through a reused fp32 scratch. `square_accs` (interval_second_moment): also square_acc +=
-    (coef * grad)**2, one per acc."""
+    """acc += coef * grad over many tensors: those of `COMPILED_MIN_NUMEL` elements or more one by one in the
+    compiled pass; of the others, the same-dtype ones in one `_foreach_add_`, the bf16/fp16 ones chunk by chunk
+    through a reused fp32 scratch. `square_accs` (interval_second_moment): also square_acc += (coef * grad)**2,
+    one per acc."""
     if square_accs is not None and len(square_accs) != len(accs):
         raise ValueError(f"accumulate_scaled_many_: {len(square_accs)} square_accs for {len(accs)} accs; pass "
                          "one per acc (or None)")
     squares = square_accs if square_accs is not None else [None] * len(accs)
-    for acc, grad, square in zip(accs, grads, squares):
+    same, converted, large = [], [], []
+    for triple in zip(accs, grads, squares):
+        (large if compiles(triple[0].numel()) else same if triple[1].dtype == triple[0].dtype
+         else converted).append(triple)
+    for acc, grad, square in large + converted:  # (read through flat views)
         if not (acc.is_contiguous() and grad.is_contiguous() and (square is None or square.is_contiguous())):
             raise ValueError(
                 f"accumulate_scaled_many_: a {grad.dtype} gradient is accumulated into a {acc.dtype} accumulator "
                 f"through a flat view, so both (and the square accumulator) must be contiguous; got strides "
                 f"{acc.stride()} and {grad.stride()}. Pass .contiguous() tensors (the runtime's host buffers are).")
-    same, converted, large = [], [], []
-    for triple in zip(accs, grads, squares):
-        (large if compiles(triple[0].numel()) else same if triple[1].dtype == triple[0].dtype
-         else converted).append(triple)
     if large:
         coef_tensor = torch.tensor(coef, dtype=torch.float64, device="cpu")
         for acc, grad, square in large:
