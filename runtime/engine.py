@@ -336,10 +336,11 @@ class ZenFlowRuntime:
             if pending and t == self.land_at[phase]:  # landing_lag: the update lands at the end of b + L
                 self._apply_host_columns(phase, landing_step=t)
 
-        for slab in self.slabs:  # offload: the selected columns' moments went up and down
-            self.counters["bytes_host_to_device"] += slab.moment_bytes_moved // 2
-            self.counters["bytes_device_to_host"] += slab.moment_bytes_moved // 2
-            slab.moment_bytes_moved = 0
+        if self.config.offload:  # the selected columns' moments went up and down
+            for slab in self.slabs:
+                self.counters["bytes_host_to_device"] += slab.moment_bytes_moved
+                self.counters["bytes_device_to_host"] += slab.moment_bytes_moved
+                slab.moment_bytes_moved = 0
         self.step_count += 1
         self.counters["steps"] += 1
         self.grad_slot ^= 1
