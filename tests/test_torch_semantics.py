@@ -322,9 +322,7 @@ def test_compiled_parameter_removed_between_backward_and_step_equals_the_referen
     like matrices sharing its slab go on as the reference's. At step 0 the matrices wait for their first
     selection with only their gradients (pending); at step 3 they are laid out."""
     skip_where_dynamo_misses_parameter_changes()
-    a, b = _LikeLayers(), _LikeLayers()
-    zen = ZenFlowAdamW(a.parameters(), lr=LR, weight_decay=WD, **KEYS)
-    ref = ZenFlowReference(b.parameters(), lr=LR, weight_decay=WD, **KEYS)
+    a, zen, b, ref = zenflow_and_reference(_LikeLayers(), _LikeLayers())
     run_a = torch.compile(a, backend="zenflow")
     g = seeded_generator(7)
     for step in range(6):
