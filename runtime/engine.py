@@ -1,18 +1,15 @@
 """ZenFlowRuntime: the state and schedule of one ZenFlowAdamW (docs/semantics.md), eager and compiled.
 
-Every gradient source (the compiled graph's op, the eager `.grad`s handed over at `step()`, the data-parallel
-reducer) reaches the runtime through `take_grads`. `step()` then makes the step's decisions in this order
-(ARCHITECTURE.md, "One training step"): global norm (skip if non-finite, else clip coefficient) -> first
-selection -> device AdamW on the selected columns and vectors -> the unselected columns' gradient to the
-accumulate worker -> update boundary? -> apply the previous CPU update (overlap) and launch this one ->
-reselection, made while that update runs on (`columns.reselect_in_flight`).
+Every gradient source (the compiled graph's op, the eager `.grad`s at `step()`, the data-parallel reducer)
+arrives through `take_grads`. `step()` then decides, in this order (ARCHITECTURE.md, "One training step"):
+global norm (skip if non-finite, else clip) -> first selection -> device AdamW of the selected columns ->
+the unselected columns' gradient summed -> update boundary? -> land the previous CPU update and launch this
+one -> reselection, while that update runs on.
 
-Data parallel: the step all-reduces the column scores first, so every decision is computed from the same
-numbers on every rank and every rank issues the same collectives in the same order.
-
-Determinism: the device only ever receives a CPU update at a fixed point of the schedule (with overlap, the
-end of step b + landing_lag or the next boundary, whichever comes first; without, its own boundary), so
-results never depend on thread timing; if the CPU is late the training thread waits, counted as stall time.
+Data parallel and sharded: the column scores are all-reduced first, so every rank decides from the same
+numbers and issues the same collectives in the same order. Determinism: a CPU update reaches the device only
+at a fixed point of the schedule (end of step b + landing_lag, or the next boundary), never by thread timing;
+a late CPU makes the training thread wait, counted as stall.
 """
 
 from __future__ import annotations
@@ -58,11 +55,10 @@ class ZenFlowRuntime:
         self.config = config
         self.max_grad_norm = max_grad_norm
         self.data_parallel = data_parallel
-        self.sharding = sharding  # FSDP2-sharded parameters: runtime/sharding.py (exclusive with data_parallel)
+        self.sharding = sharding  # FSDP2 (runtime/sharding.py); exclusive with data_parallel
         self.bucket_numel = reduce_bucket_numel  # gradient hand-off buckets (compiled graphs; reducer)
         self.reducer = (GradReducer(data_parallel, reduce_bucket_numel, self._take_reduced)
                         if data_parallel is not None else None)
-        # The parameters and where their state is (slabs, members, owners, accumulate_on): runtime/placement.py.
         self.placement = Placement(config, data_parallel, sharded=sharding is not None)
         self._planned_version = 0  # the placement's layout that _plans and host_reads were made for
         self.params, self.owners, self.pending = self.placement.params, self.placement.owners, self.placement.pending
@@ -70,8 +66,7 @@ class ZenFlowRuntime:
         self._plans: dict[tuple, BucketPlan] = {}  # bucket's pids -> plan, for the current slabs
         self.step_count = 0  # t: completed (non-skipped) steps
         self.schedule = Schedule(config)  # boundaries and reselections: when they come
-        # Per phase (stagger_boundaries; else one): a launched CPU update not yet applied to the device
-        # (overlap), and the step at whose end it lands (landing_lag).
+        # Per phase: a launched CPU update not yet on the device, and the step at whose end it lands.
         self.update_pending = [False] * config.num_phases
         self.land_at: list[Optional[int]] = [None] * config.num_phases
         self.grad_slot = 0  # which host-gradient buffer this step's backward fills
@@ -83,8 +78,7 @@ class ZenFlowRuntime:
         self.selection_seconds = 0.0  # the training thread's time moving state for (re)selections (not saved)
         self.host_work = HostWork(config.pt_reserved_cores_perc, self.counters)
         self.host_reads = HostReads(self.counters)
-        # How long the overlapped updates take, and advice where they stall (no reference back to the runtime:
-        # a constructor that raises frees it at once, and with it the ownership of its parameters).
+        # (No reference back to the runtime: a constructor that raises frees it, and its parameters, at once.)
         self.landings = Landings(config, self.host_work.stalled_seconds)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
         if config.accumulate_on == "device" and data_parallel is not None:
@@ -92,8 +86,8 @@ class ZenFlowRuntime:
                 "ZenFlowConfig.accumulate_on='device' is not implemented with ZenFlow's own data parallelism "
                 "(process_group=...: each rank's host columns are summed on the rank that owns them); use "
                 "accumulate_on='auto' or 'host' there")
-        # Called with the parameters written by someone else, before their values are adopted (the owner
-        # refuses layouts and dtypes the states cannot follow).
+        # Called with the parameters written by someone else before their values are adopted: the optimizer
+        # refuses layouts and dtypes the states cannot follow.
         self.check_written_params: Callable[[list[torch.Tensor]], None] = lambda params: None
 
     # -- parameters ---------------------------------------------------------------------------------------
@@ -115,10 +109,9 @@ class ZenFlowRuntime:
         return pid
 
     def follow_param_groups(self, group_of: dict[int, int]) -> None:
-        """The optimizer's param groups were edited: `group_of` maps every id still in them to its group. An id
-        left out is no longer optimized (its state is dropped, with its accumulated gradient and any CPU update
-        not yet applied, as torch.optim leaves a removed parameter alone); a moved one takes its new group's
-        hyperparameters from the next update on."""
+        """Param groups were edited (`group_of`: every id still in them -> its group). A removed id's state is
+        dropped, unapplied work included (torch.optim leaves a removed parameter alone); a moved one takes its
+        new group's hyperparameters from the next update on."""
         self._drain()  # CPU work in flight reads the states
         for pid in [pid for pid in self.params if pid not in group_of]:
             del self.params[pid]
@@ -160,7 +153,6 @@ class ZenFlowRuntime:
         return members
 
     def _follow_layout(self) -> None:
-        """After the placement laid state out: what was planned for the old layout goes."""
         if self.placement.version != self._planned_version:
             self._planned_version = self.placement.version
             self._layout_changed()
@@ -173,9 +165,8 @@ class ZenFlowRuntime:
     # -- gradients ----------------------------------------------------------------------------------------
     def take_grads(self, pids: list[int], grads: list[torch.Tensor],
                    scores: "list[Optional[torch.Tensor]] | None" = None) -> None:
-        """One bucket of backward gradients: the compiled graph's `zenflow::accumulate_grads`, the eager `.grad`s
-        handed over at `step()`, a data-parallel hook's one gradient. `scores`: per gradient, its column scores
-        or None. Data parallel: they join the reducer's open bucket (local scores unused)."""
+        """One bucket of backward gradients (compiled graph, eager `.grad`s, a data-parallel hook); `scores`:
+        per gradient, its column scores or None. Data parallel: they join the reducer's open bucket."""
         self._open_step()
         if self.reducer is not None:
             for pid, grad in zip(pids, grads):
@@ -190,9 +181,8 @@ class ZenFlowRuntime:
             self.counters["bytes_device_to_host"] += plan.take(grads, scores, self.grad_slot)
 
     def reduce_grads(self, pids: list[int], grads: list[torch.Tensor]) -> None:
-        """Data parallel, compiled: one bucket of gradients (graph order), reduced asynchronously. A graph
-        compiled for a data-parallel owner can be reused (Dynamo shares graphs across instances) by an
-        optimizer without one: its gradients are then taken as the single-process graph would."""
+        """Data parallel, compiled: one bucket of gradients, reduced asynchronously. Dynamo shares graphs across
+        instances, so an optimizer without data parallelism can get here too: it takes them as usual."""
         self._open_step()
         if self.reducer is None:
             self.take_grads(pids, grads)
@@ -214,9 +204,8 @@ class ZenFlowRuntime:
         self.counters["bytes_device_to_host"] += sent
 
     def _all_reduce_scores(self, slabs: list[Slab]) -> None:
-        """Every rank's scores become the full scores, in one all-reduce for all of them: data parallel, each
-        slab's owner reports those of the averaged gradient (the others contribute zeros); sharded, each rank's
-        partial sums over its rows add up (every rank owns every slab; slabs keyed by global shapes)."""
+        """One all-reduce makes every rank's scores the full ones: data parallel, the slab's owner contributes
+        those of the averaged gradient (others zeros); sharded, the ranks' partial sums over their rows add."""
         for slab in slabs:
             if slab.key.owner != self.rank:
                 slab.scores.zero_()
@@ -225,7 +214,7 @@ class ZenFlowRuntime:
 
     @property
     def holds_step_grads(self) -> bool:
-        """Gradients of this step have been handed over (a backward ran since the last step / zero_grad)."""
+        """A backward handed over gradients since the last step or zero_grad."""
         return self._step_open
 
     def discard_step_grads(self) -> None:
@@ -233,17 +222,15 @@ class ZenFlowRuntime:
             self.reducer.finish_all()  # every rank runs the same collectives, used or not
         for slab in self.slabs:
             intake.end_step(slab)
-        if self.pending.members:  # (a step skipped or dropped before their first selection: no state made)
+        if self.pending.members:  # (dropped before their first selection: no state made)
             self.pending.clear()
             self._layout_changed()
         self._step_open = False
 
     # -- the step -----------------------------------------------------------------------------------------
     def step(self, param_groups: list[dict], grad_scale: Optional[torch.Tensor] = None) -> bool:
-        """One optimizer step; False if it was skipped for a non-finite gradient.
-
-        `grad_scale`: the loss scale the gradients carry (torch.amp.GradScaler), divided out here.
-        """
+        """One optimizer step; False if skipped for a non-finite gradient. `grad_scale`: the loss scale the
+        gradients carry (torch.amp.GradScaler), divided out here."""
         self.check_failure()
         self._check_hyperparameters(param_groups)
         if self.reducer is not None:
@@ -258,8 +245,7 @@ class ZenFlowRuntime:
             self._all_reduce_scores([slab for slab, _ in stepped])
         warmed_up = t >= cfg.full_warm_up_rounds
         stepped_members = [m for slab, _ in stepped for m in slab.members if m.num_grads]
-        # First selection (a matrix's first gradient at t >= W, or a pending one), before the updates: needs its
-        # scores here.
+        # First selection (a matrix's first gradient at t >= W), before the updates.
         selecting = [m for m in stepped_members
                      if warmed_up and m.is_matrix and (not m.slab.k or m.pid in self.pending)]
         zen_auto = [(slab, rows) for slab, rows in stepped
@@ -272,9 +258,9 @@ class ZenFlowRuntime:
             return False
         coef = 1.0 if self.max_grad_norm is None else min(1.0, self.max_grad_norm / (readout.norm + 1e-6))
         coef /= readout.scale  # the clip coefficient of the unscaled gradient, applied to the scaled one
-        # From here on the step changes state (device columns, host work, selections, counters) in several
-        # places: an exception part-way (KeyboardInterrupt, out of memory, a worker failure) leaves them
-        # out of step with each other, so the optimizer refuses to go on until a checkpoint is loaded.
+        # From here the step changes state in several places: an exception part-way (KeyboardInterrupt, out of
+        # memory, a worker failure) leaves them inconsistent, so the optimizer refuses to go on until a
+        # checkpoint is loaded.
         try:
             self._apply_step(t, param_groups, stepped_members, selecting, readout, coef, warmed_up)
         except BaseException as error:
@@ -284,7 +270,6 @@ class ZenFlowRuntime:
 
     def _apply_step(self, t: int, param_groups: list[dict], stepped_members: list[Member], selecting: list[Member],
                     readout: StepReadout, coef: float, warmed_up: bool) -> None:
-        """Everything a finite step changes, in order (see the module docstring)."""
         cfg = self.config
         if t == cfg.full_warm_up_rounds:
             self.schedule.selection_start = [t] * cfg.num_phases
@@ -320,9 +305,8 @@ class ZenFlowRuntime:
             host_scores = self.host_reads.scores(reselecting) if may_reselect else None
             reselect = host_scores is not None and schedule.should_reselect(reselecting, host_scores)
             chosen = schedule.chosen_selections(reselecting, host_scores) if reselect else []
-            # A reselection: the arriving columns get their share of the boundary's update before it is launched,
-            # the columns move while it runs, and it lands as any boundary's (overlap_reselect="incoming") or
-            # right after the move ("wait", or no overlap).
+            # Reselecting, the arriving columns take their share of the update before its launch and the
+            # columns move while it runs; it lands as usual ("incoming") or right after the move ("wait").
             arriving = [(slab, selected) for (slab, _), selected in zip(reselecting, chosen)]
             overlap = cfg.overlap_step and warmed_up and (not reselect or cfg.overlap_reselect == "incoming")
             arrived = self._update_boundary(t, phase, hyperparameters, overlap=overlap, arriving=arriving)
@@ -348,8 +332,7 @@ class ZenFlowRuntime:
 
     @contextlib.contextmanager
     def _selection_moves(self, stall: bool = True):
-        """The training thread moves state for a selection: timed (`selection_seconds`) and, for a reselection,
-        part of the stall."""
+        """The training thread moves state for a selection: timed, and part of the stall if `stall`."""
         started = time.perf_counter()
         try:
             with (self.host_work.stalling() if stall else contextlib.nullcontext()), \
@@ -359,7 +342,7 @@ class ZenFlowRuntime:
             self.selection_seconds += time.perf_counter() - started
 
     def _check_hyperparameters(self, param_groups: list[dict]) -> None:
-        """Before anything changes: values the config cannot work with (param groups change at any time)."""
+        """Param groups change at any time: refuse values the config cannot work with, before any change."""
         if self.config.interval_second_moment:
             for g, group in enumerate(param_groups):
                 if not group["betas"][1] > 0.0:
@@ -373,9 +356,8 @@ class ZenFlowRuntime:
 
     # -- boundaries ---------------------------------------------------------------------------------------
     def _fold_accumulated_grads(self, stepped: Stepped) -> None:
-        """Gradient accumulation (several backwards in one step): the accumulate worker sums the offloaded host
-        parts and scores them (the norm needs the scores of the summed gradient); the training thread only
-        waits, counted. Then the scores of every such member are made exact."""
+        """Several backwards in one step: the accumulate worker sums the offloaded host parts (the training
+        thread waits, counted), then every such member's scores are made exact for the norm."""
         several = [(slab, [i for i, m in enumerate(slab.members) if m.num_grads > 1])
                    for slab, _ in stepped if slab.several_backwards]
         several = [(slab, rows) for slab, rows in several if rows]
@@ -392,16 +374,15 @@ class ZenFlowRuntime:
 
     def _update_boundary(self, t: int, phase: int, hyperparameters: list[dict], overlap: bool,
                          arriving: list[tuple[Slab, torch.Tensor]]) -> list:
-        """At a boundary of `phase`, for its slabs: apply the previous boundary's update if it is still pending,
-        launch this boundary's (with overlap it lands at the end of step t + landing_lag, or at the next
-        boundary if that comes first; without, now, or after the reselection when there is one). `arriving`:
-        the slabs reselecting while it runs on, with their new selections: their arriving columns are updated
-        first, from this step's accumulators; returns that state, slab by slab (`columns.take_arriving`)."""
+        """A boundary of `phase`: land the previous update if pending, launch this one (overlapped: it lands at
+        step t + landing_lag or the next boundary; else now, or after the reselection). `arriving`: the
+        reselecting slabs and their new selections; their arriving columns are updated first, from this step's
+        sums. Returns that state, slab by slab (`columns.take_arriving`)."""
         if self.update_pending[phase]:  # overlap: the previous boundary's update lands, before the next launch
             self._apply_host_columns(phase, landing_step=t)
         slabs = self._phase_slabs(phase)
-        # Device accumulation: the interval's sums go down into the accumulators the update will read (the
-        # update that last read them was applied at the previous boundary, at the latest just above).
+        # Device accumulation: the sums go down into the accumulators the update reads (their last reader
+        # landed just above at the latest).
         with record_function("zenflow::send_accumulators"):
             self.counters["bytes_device_to_host"] += sum(intake.send_accumulators(slab) for slab in slabs)
         arrived = []
@@ -426,8 +407,8 @@ class ZenFlowRuntime:
         return arrived
 
     def _apply_host_columns(self, phase: int, landing_step: Optional[int] = None) -> None:
-        """The last launched CPU update of `phase` (waited for) written into the device parameters of the slabs
-        it updated; `landing_step`: where the schedule lands it (timed: `Landings`), not a synchronize."""
+        """The last CPU update of `phase`, waited for, into the device parameters; `landing_step`: a scheduled
+        landing (timed by `Landings`), not a synchronize."""
         mark = self.landings.mark()
         with record_function("zenflow::apply_update"):
             self.counters["bytes_host_to_device"] += self.host_work.apply_update(phase, self._phase_slabs(phase),
@@ -438,8 +419,8 @@ class ZenFlowRuntime:
             self.landings.landed(phase, landing_step, mark)
 
     def _reselect(self, t: int, phase: int, slabs: list, chosen: list[torch.Tensor], arrived: list) -> None:
-        """The chosen selections take effect while this boundary's CPU update runs on, with the arriving
-        columns' state (`arrived`, slab by slab, from `_update_boundary`)."""
+        """The chosen selections take effect while the boundary's update runs on (`arrived`: from
+        `_update_boundary`)."""
         moved = total = 0
         for (slab, rows), selected, arriving in zip(slabs, chosen, arrived):
             total += slab.k * (slab.n if rows is None else len(rows))
@@ -455,8 +436,7 @@ class ZenFlowRuntime:
         return self.host_work.failure.failed
 
     def check_failure(self) -> None:
-        """Raise if the optimizer failed (a worker's error, an interrupted step): a failed optimizer refuses to
-        go on until a checkpoint is loaded."""
+        """Raise if a worker failed or a step was interrupted (until a checkpoint is loaded)."""
         self.host_work.check()
 
     def settle_after_failure(self) -> None:
@@ -466,8 +446,7 @@ class ZenFlowRuntime:
         self.host_work.failure.clear()
 
     def _drain(self) -> None:
-        """Wait for all CPU work; the host state is then whole (departing columns of a reselection made in
-        flight are in their rows)."""
+        """Wait for all CPU work; departing columns are then in their host rows."""
         self.host_work.drain()
         for slab in self.slabs:
             column_moves.settle_departing(slab)
@@ -529,13 +508,12 @@ class ZenFlowRuntime:
         return checkpoint.export_entry(self.members[pid])
 
     def import_states(self, entries: dict[int, dict]) -> None:
-        """Checkpoint entries (pid -> entry), after `import_globals`: every state laid out anew. Data parallel:
-        `entries` are those of the parameters this rank owns (others are ignored), and every rank calls it
-        together: each owner then gives every rank the device part of its parameters' state."""
+        """Checkpoint entries (pid -> entry), after `import_globals`. Data parallel: every rank calls it
+        together; an owner's entries give every rank the device part of its parameters' state."""
         if self.data_parallel is not None:
-            # A parameter that required no grad when the optimizer took it has no owner yet: every rank assigns
-            # the same, in pid order, whichever ranks' entries hold its state.
-            pids = list(self.params)  # (ranks name a parameter by its place: ids are each process's own)
+            # A parameter frozen when the optimizer took it has no owner yet: every rank assigns the same, in
+            # order of place (ids are each process's own).
+            pids = list(self.params)
             place = {pid: i for i, pid in enumerate(pids)}
             unowned = [place[pid] for pid in entries if pid not in self.owners]
             for index in sorted(set().union(*self.data_parallel.all_gather_object(unowned))):
@@ -553,7 +531,7 @@ class ZenFlowRuntime:
             self._follow_layout()
 
     def quiesce(self) -> None:
-        """Finish all CPU work without applying anything to the device (a checkpoint must not change the run)."""
+        """Finish all CPU work, applying nothing to the device (a checkpoint must not change the run)."""
         self.check_failure()
         self._drain()
         self._adopt_external_writes()
@@ -565,7 +543,6 @@ class ZenFlowRuntime:
 
     def import_globals(self, saved: dict) -> None:
         """The schedule of a checkpoint (`export_globals`); the states follow (`import_states`)."""
-        # A key the checkpoint lacks was saved before the key existed, when it meant what None means now.
         mine = self.config.to_dict()
         saved_config = {**_BEFORE_THE_KEY, **saved["config"]}
         differing = sorted(k for k in {*saved_config, *mine}

@@ -1,12 +1,9 @@
 """Landings: how long an overlapped CPU update takes, in training steps, and what to change when it stalls.
 
-An overlapped update launched at the end of step b lands at the end of step b + L (`landing_lag`, or the
-next boundary). Each such landing is timed: the training thread's time per step while the update was in
-flight, less its waits for ZenFlow (T); when the update finished, so its length in steps (U); and how long
-the training thread waited for it. Where, over a window of updates, those waits take more than a tenth of
-the time, the optimizer warns once (`take_advice`) with what would not wait: a `landing_lag` of at least U
-where one up to the update interval fits, staggered boundaries (each step then takes 1/S of the update), a
-longer interval, more worker cores. Nothing here changes the schedule: results never depend on these timings.
+Each landing is timed: the training thread's time per step while the update ran, less its waits; the
+update's length in those steps; the wait at its landing. Where, over a window of updates, the waits take more
+than a tenth of the time, the optimizer warns once (`take_advice`) with what would not wait. Nothing here
+changes the schedule: results never depend on these timings.
 """
 
 from __future__ import annotations
@@ -48,7 +45,6 @@ class Landings:
         self._advised = False
 
     def launched(self, phase: int, step: int, update: Future, overlapped: bool) -> None:
-        """An update launched at the end of `step`; only an overlapped one is timed."""
         self._flights.pop(phase, None)
         if overlapped:
             self._flights[phase] = _Flight(step, time.perf_counter(), self._stalled_seconds(), task_end(update))
@@ -58,7 +54,6 @@ class Landings:
         return time.perf_counter(), self._stalled_seconds()
 
     def landed(self, phase: int, step: int, mark: tuple[float, float]) -> None:
-        """The update of `phase` was applied at the end of `step`, its wait starting at `mark`."""
         landing_started, stalled = mark
         flight = self._flights.pop(phase, None)
         finished_at = None if flight is None else flight.ended.at
@@ -79,16 +74,14 @@ class Landings:
             self._since_judged, self._window_started = 0, landing_started + wait
 
     def forget(self) -> None:
-        """A checkpoint was loaded: the updates in flight are gone."""
         self._flights.clear()
 
     @property
     def update_steps(self) -> Optional[float]:
-        """The mean length of the last (up to WINDOW) updates timed, in training steps; None before one."""
+        """The mean length of the last updates timed, in training steps; None before one."""
         return sum(length for length, _ in self._recent) / len(self._recent) if self._recent else None
 
     def _judge(self, seconds: float) -> None:
-        """The window's landings (`_recent`), over `seconds` of training."""
         waited = sum(wait for _, wait in self._recent)
         share = waited / max(seconds, 1e-9)
         if self._advised or share <= STALL_SHARE or waited < MIN_WAIT_SECONDS:
@@ -116,7 +109,6 @@ class Landings:
             "warnings.filterwarnings('ignore', category=zenflow_compile.LandingStallWarning).)")
 
     def take_advice(self) -> Optional[str]:
-        """The warning to give, once."""
         advice, self._advice = self._advice, None
         return advice
 

@@ -1,10 +1,8 @@
-"""Placement: which parameters one optimizer holds and where their state is. A parameter's owner (the rank
-holding its host state, data parallel), the slabs and each parameter's member in one of them, the matrices
-waiting for their first selection (`state/pending.py`), and where the unselected columns' gradients are
-summed (`accumulate_on`). The engine asks it to lay state out (a parameter's first gradient, a first
-selection, a cast, a param-group edit, a checkpoint load); `version` counts the layouts (the engine drops
-what it planned for the old one). Values written into the parameters by anyone else are adopted here too
-(`adopt_external_writes`): the parameter is the source of truth, and a cast lays its state out again."""
+"""Placement: which parameters one optimizer holds and where their state is: owners (data parallel), slabs and
+members, matrices waiting for their first selection (`state/pending.py`), and `accumulate_on`. The engine asks
+it to lay state out (first gradient, first selection, cast, param-group edit, checkpoint load); `version`
+counts the layouts. Values others write into the parameters are adopted here: the parameter is the source of
+truth."""
 
 from __future__ import annotations
 
@@ -20,9 +18,8 @@ from zenflow_compile.runtime.state.pending import PendingPlacements
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import Transfers
 
-# Auto placement of the accumulators (`accumulate_on="auto"`): on the device when they take at most this share
-# of its free memory when the state is first laid out; the rest is left for activations that grow later
-# (longer sequences, a larger batch at evaluation) and the allocator's fragmentation.
+# accumulate_on="auto": the device when the accumulators take at most this share of its free memory at the first
+# layout; the rest is for activations that grow later (longer sequences, evaluation batches) and fragmentation.
 DEVICE_ACCUMULATOR_SHARE = 0.5
 
 _DTYPE = operator.attrgetter("dtype")
@@ -32,7 +29,7 @@ class Placement:
     def __init__(self, config, data_parallel, sharded: bool = False):
         self.config = config
         self.data_parallel = data_parallel
-        self.sharded = sharded  # FSDP2: a member watches its parameter's DTensor (`watch.watch_keys`)
+        self.sharded = sharded  # FSDP2: members watch their parameters' DTensors
         self.rank = data_parallel.rank if data_parallel is not None else 0
         self.transfers: Optional[Transfers] = None  # set by the first parameter: one device per optimizer
         self.owners: dict[int, int] = {}  # data parallel: pid -> rank holding its host state (set at creation)
@@ -41,20 +38,17 @@ class Placement:
         self.phases: dict[int, int] = {}
         self._phase_numel = [0] * config.num_phases
         self.phases_in_use = [0]  # phase 0 and the phases holding a matrix (one without has no boundaries)
-        # Optimizer state exists only for parameters that got a gradient: a frozen (or never used) parameter
-        # costs no host memory and no transfers, and is never written.
+        # State only for parameters that got a gradient: a frozen one costs nothing and is never written.
         self.members: dict[int, Member] = {}  # pid -> its place in a slab, in registration (pid) order
         self.slabs: list[Slab] = []
         self.pending = PendingPlacements()  # matrices laid out at this step's first selection
-        # Where the unselected columns' gradients are summed, "device" or "host"; None until the first state is
-        # laid out ("auto" looks at the device's free memory then).
+        # "device" or "host": where the unselected columns' gradients are summed; decided at the first layout.
         self.accumulate_on: Optional[str] = None
         self.version = 0  # layouts of the slabs so far
         self._watched = None  # (version, params, what their watches saw) for the current members
 
     def owner(self, pid: int, param: torch.Tensor) -> int:
-        """The rank that holds the parameter's host state: decided when the optimizer takes a trainable
-        parameter (else when its state is created), in the same order on every rank."""
+        """The rank holding the parameter's host state, assigned in the same order on every rank."""
         if self.data_parallel is None:
             return 0
         if pid not in self.owners:
@@ -62,8 +56,8 @@ class Placement:
         return self.owners[pid]
 
     def assign_phase(self, pid: int, param: torch.Tensor) -> None:
-        """A matrix the optimizer takes joins the phase holding the fewest elements so far (the lowest on a
-        tie): the phases' CPU updates stay about equal whatever the model, the same on every rank."""
+        """A matrix joins the phase holding the fewest elements so far (lowest on a tie), so that the phases'
+        CPU updates stay about equal, the same on every rank."""
         if param.dim() >= 2 and pid not in self.phases:
             phase = self.phases[pid] = self._phase_numel.index(min(self._phase_numel))
             self._phase_numel[phase] += param.numel()  # (a DTensor's: the whole parameter's)
@@ -76,11 +70,10 @@ class Placement:
         return Member(param, pid, group_index, owner, owns_host=owner == self.rank, phase=self.phases.get(pid, 0))
 
     def create_members(self, pids: list[int], selects_now: bool) -> list[Member]:
-        """State for the parameters of `pids` that have none yet, from their current values (a parameter's state
-        is created at its first gradient), in new slabs; with `selects_now` (warm-up is over) a matrix waits for
-        its first selection at this step holding only its gradient (`state/pending.py`), except with ZenFlow's
-        own data parallelism, whose reducer splits each gradient by its slab's columns as it arrives. Returns
-        every pid's member."""
+        """State for those of `pids` without any, from their current values, in new slabs. With `selects_now`
+        (warm-up over) a matrix waits for its first selection holding only its gradient (`state/pending.py`),
+        except with ZenFlow's data parallelism, whose reducer splits gradients by columns as they arrive.
+        Returns every pid's member."""
         new = []
         for pid in dict.fromkeys(pids):
             if pid not in self.members and pid not in self.pending:
@@ -101,8 +94,7 @@ class Placement:
         return [self.members[pid] if pid in self.members else self.pending.members[pid] for pid in pids]
 
     def add_slabs(self, members: list[Member], states: list[MemberState], together: Optional[list] = None) -> None:
-        """New slabs for `members` (their states laid out), one per key; `together`: per member, a group id
-        (members of different groups never share a slab: those of one old slab stay together)."""
+        """New slabs for `members`, one per key; `together`: per member, a group id that slabs do not mix."""
         groups: dict[tuple, list[int]] = {}
         for position, member in enumerate(members):
             k = member.cols if not member.is_matrix else states[position].selected.numel()
@@ -116,28 +108,25 @@ class Placement:
             self.slabs.append(slab)
         for member in members:
             self.members[member.pid] = member
-        # Registration order (ids grow with it): the global norm sums the members in this order.
+        # Registration (pid) order: the global norm sums the members in this order.
         self.members = dict(sorted(self.members.items()))
         self.version += 1
 
     def replace_slabs(self, old: list[Slab], members: list[Member], states: list[MemberState]) -> None:
-        """`old` slabs give way to new ones for `members` (laid out from `states`)."""
         gone = {id(slab) for slab in old}
         together = [id(m.slab) for m in members]
         self.slabs = [slab for slab in self.slabs if id(slab) not in gone]
         self.add_slabs(members, states, together)
 
     def clear(self) -> None:
-        """No state at all (a checkpoint's states follow)."""
         self.members, self.slabs = {}, []
         self.pending.clear()
         self.version += 1
 
     # -- first selection ------------------------------------------------------------------------------------
     def select_first(self, selecting: list[Member], readout, grad_slot: int) -> int:
-        """The first selection of these members (top-k of this step's scores, `readout`: the step's
-        `host_reads.StepReadout`): their state, with this step's gradient, moves into slabs of k selected columns
-        (pending ones are laid out there at once). Returns the bytes their gradients sent to the host."""
+        """The members' first selection (top-k of the step's scores in `readout`): their state and this step's
+        gradient move into slabs of k selected columns. Returns the bytes their gradients sent to the host."""
         sent = 0
         old_slabs = list({id(m.slab): m.slab for m in selecting if m.pid not in self.pending}.values())
         while old_slabs:  # one slab at a time: the host holds one slab's state twice, never the model's
@@ -160,7 +149,7 @@ class Placement:
         return sent
 
     def _first_selection(self, member: Member, readout) -> torch.Tensor:
-        """A matrix's first selected columns: the top-k of this step's scores (Zen-auto: their means too)."""
+        """Top-k of the step's scores (Zen-auto: their means too)."""
         host_scores = readout.selecting_scores[member.pid]
         selected = top_k_columns(host_scores, self.config.num_selected(member.cols))
         if self.config.auto_update and selected.numel() < member.cols:
@@ -179,11 +168,9 @@ class Placement:
 
     def adopt_external_writes(self, grad_slot: int, check_written_params: Callable[[list[torch.Tensor]], None],
                               drain: Callable[[], None]) -> None:
-        """The parameter is the source of truth (docs/semantics.md). Values written into it by anyone else
-        since the optimizer's last write (its version counter or storage changed) become the master. A
-        sharded parameter's state follows the local tensor its DTensor holds now (`follow_local_shard`).
-        `check_written_params` refuses what the state cannot follow; `drain` waits for the CPU work in flight
-        (it reads and writes the host masters)."""
+        """Values written into a parameter by anyone else since the optimizer's last write (version counter
+        or storage changed) become the master (docs/semantics.md). `check_written_params` refuses what the
+        state cannot follow; `drain` waits for the CPU work in flight (it uses the host masters)."""
         params, seen = self._watched_params()
         if watch.watch_keys(params, self.sharded) == seen:
             return
@@ -200,21 +187,17 @@ class Placement:
         self._watched = None
 
     def adopt_casts(self, grad_slot: int, check_written_params, drain) -> None:
-        """A parameter cast since the last step (model.to(dtype)) gets its state's buffers in the new dtype
-        before the step's first gradient lands in them (else an upcast's gradient is rounded to the old dtype
-        on the way in); any other write is adopted at the step, as usual."""
+        """A cast parameter (model.to(dtype)) gets buffers in its new dtype before the step's first gradient
+        lands (else an upcast's gradient is rounded to the old dtype); other writes wait for the step."""
         params, seen = self._watched_params()
         if list(map(_DTYPE, params)) != [s[-1] for s in seen]:
             self.adopt_external_writes(grad_slot, check_written_params, drain)
 
     def _adopt_cast(self, cast: list[Member], grad_slot: int) -> None:
-        """Parameters cast since the last look (model.to(dtype)): their slabs are laid out again in the new
-        dtypes. As with any write, a parameter's values become the master elementwise where they differ from what
-        the optimizer left in it (in the old dtype): an upcast keeps every master bit, a downcast adopts the
-        values it rounded. What the old buffers hold moves over: the accumulators, a pending CPU update (still
-        applied at the next apply), and any gradient this step's backwards already handed over (the step's
-        first gradient adopts a cast before any arrives; a cast between a backward and the step is adopted at
-        the step)."""
+        """Slabs of cast parameters laid out again in the new dtypes. As with any write, values that differ from
+        what the optimizer left (in the old dtype) become the master: an upcast keeps every master bit, a
+        downcast adopts what it rounded. Accumulators, a pending CPU update and this step's gradients move
+        over."""
         old = {id(m.slab): m.slab for m in cast}
         members = [m for slab in old.values() for m in slab.members]
         states = []
@@ -233,11 +216,9 @@ class Placement:
 
     # -- where the sums are ---------------------------------------------------------------------------------
     def accumulates_on_device(self) -> bool:
-        """Where the unselected columns' gradients are summed, decided once, when the first state is laid out:
-        `accumulate_on`, or for "auto" the device where it is not the host, without ZenFlow's own data
-        parallelism, and where the accumulators of every parameter that trains (fp32, with the gradient's
-        staging buffer and, with interval_second_moment, the squares) take at most `DEVICE_ACCUMULATOR_SHARE`
-        of the device's free memory."""
+        """Decided once, at the first layout: `accumulate_on`; "auto" is the device where it is not the host,
+        without ZenFlow's data parallelism, and where every trainable parameter's accumulators (`accumulator_bytes`)
+        take at most `DEVICE_ACCUMULATOR_SHARE` of its free memory."""
         if self.accumulate_on is None:
             choice = self.config.accumulate_on
             if choice == "auto":

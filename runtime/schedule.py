@@ -1,9 +1,7 @@
-"""When things happen (docs/semantics.md): update boundaries (an int interval, or Zen-auto's ripeness) and
-reselections (every `select_interval` steps, on the epoch grid, or on drift), and the columns a reselection
-chooses. The engine asks at each step; the schedule keeps only what those decisions read, per phase: when the
-current selection started, the epoch-grid point it was made at, and the steps since the last update boundary.
-With stagger_boundaries, phase q runs the one-phase schedule at step t + q (`config.num_phases` phases; else
-one)."""
+"""When things happen (docs/semantics.md): update boundaries (an int interval, or Zen-auto's ripeness),
+reselections (every `select_interval` steps, on the epoch grid, or on drift) and the columns they choose. It
+keeps, per phase, what those decisions read. With stagger_boundaries, phase q runs the one-phase schedule at
+step t + q."""
 
 from __future__ import annotations
 
@@ -23,9 +21,8 @@ class Schedule:
 
     def boundaries(self, t: int, phases: list[int], stepped_matrices: list[Member], members: list[Member],
                    mean_scores: dict[int, tuple[float, float]], coef: float) -> list[int]:
-        """Which of `phases` (those in use) have their update boundary at step t (whose matrices with a gradient
-        are `stepped_matrices`, of all `members`). Zen-auto adds the step's mean scores (of the clipped
-        gradient) to the members' sums."""
+        """The `phases` in use with an update boundary at step t. Zen-auto adds the step's mean scores (of the
+        clipped gradient) to the members' sums."""
         cfg = self.config
         if t < cfg.full_warm_up_rounds:
             return phases  # warm-up: a plain synchronous AdamW of every column, every step
@@ -50,8 +47,7 @@ class Schedule:
             self.steps_accumulated[phase] += 1
 
     def interval_started(self, phase: int, members: list[Member]) -> None:
-        """An update boundary of `phase` took its interval's accumulation: the counts and Zen-auto's sums of its
-        members start again."""
+        """A boundary of `phase` took its interval's sums: its members' counts and Zen-auto sums restart."""
         self.steps_accumulated[phase] = 0
         for m in members:
             if m.phase == phase:
@@ -98,7 +94,6 @@ class Schedule:
         return chosen
 
     def reselected(self, t: int, phase: int) -> None:
-        """The boundary of step t of `phase` reselected."""
         self.selection_start[phase] = t + phase + 1
         self.selection_epoch[phase] = self._epoch_grid_point(t + phase)
 
