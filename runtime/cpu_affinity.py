@@ -1,24 +1,15 @@
 """Core reservation: keep the host workers off the cores the training thread needs (`pt_reserved_cores_perc`).
 
-Same meaning as DeepSpeed ZenFlow (`deepspeed/runtime/zenflow/zenflow_utils.py::_split_affinity`): of the
-cores this process may run on, the first ceil(perc * n) are reserved for PyTorch's training thread and the
-rest go to the optimizer's host work; when the reserve rounds to no core or to every core there is nothing
-to isolate and both sides share all cores. (DeepSpeed moves its CPU Adam into a separate process and
-re-pins the training process; here the workers are threads, so only the worker threads are pinned and the
-training thread, its intra-op pool and any other thread keep their affinity and thread count.)
+As DeepSpeed ZenFlow (`deepspeed/runtime/zenflow/zenflow_utils.py::_split_affinity`): of the cores this process
+may run on, the first ceil(perc * n) are the training thread's, the rest the host workers'; a reserve of no core
+or of every core isolates nothing (both sides share all cores). The workers are threads, so only they are
+pinned: the training thread and its intra-op pool keep their affinity and thread count.
 
-How a worker thread is pinned, and why it is per thread (Linux, torch's OpenMP backend):
-- `os.sched_setaffinity(0, cores)` binds the *calling thread* (Linux affinity is per task). OpenMP threads
-  that thread later creates for its own parallel regions inherit its mask, so the worker's whole intra-op
-  team stays on the worker cores.
-- `torch.set_num_threads` is not per thread: it also stores a process-wide value that every thread reads
-  when it first runs a parallel op, so calling it in a worker would silently change the thread count of
-  threads started later. OpenMP's thread count (`omp_set_num_threads`) is a per-thread setting, which torch
-  reads back (`torch.get_num_threads()` is `omp_get_max_threads()` of the calling thread), so it is set
-  there, in the OpenMP runtime torch loaded, after torch's per-thread lazy initialisation (which would
-  otherwise overwrite it on the thread's first parallel op).
-Pinning is best effort: where a step is not possible (no sched_setaffinity, a non-OpenMP torch build) the
-worker runs unpinned or with the default thread count, and `ThreadPlacement` says what was applied.
+Per thread (Linux, torch's OpenMP backend): `os.sched_setaffinity(0, cores)` binds the calling thread, and the
+OpenMP team it creates inherits the mask. `torch.set_num_threads` would also set a process-wide value that
+threads started later read, so the count is set with `omp_set_num_threads` (per thread; torch reads it back
+as `omp_get_max_threads()`), after torch's per-thread lazy initialisation, which would overwrite it.
+Best effort: what could not be applied is said in `ThreadPlacement.notes`.
 """
 
 from __future__ import annotations
@@ -64,11 +55,8 @@ def available_cores() -> tuple[int, ...]:
 
 
 def split_cores(cores: Sequence[int], pt_reserved_cores_perc: float) -> CoreSplit:
-    """Reserve the first ceil(perc * n) of `cores` for training, the rest for the workers (DeepSpeed's rule).
-
-    The product is taken as the exact decimal (0.3 of 10 cores reserves 3, not the 4 that float rounding of
-    0.3 * 10 would give), like the top-k count (docs/semantics.md, "Selection").
-    """
+    """Reserve the first ceil(perc * n) of `cores` for training, the rest for the workers, the product taken
+    as the exact decimal (0.3 of 10 cores reserves 3, not float rounding's 4), like the top-k count."""
     if not 0.0 <= pt_reserved_cores_perc <= 1.0:
         raise ValueError(f"pt_reserved_cores_perc={pt_reserved_cores_perc!r} is outside [0, 1]: pass the fraction "
                          "of cores reserved for the training thread, e.g. 0.5")
@@ -87,9 +75,8 @@ def worker_split(pt_reserved_cores_perc: float) -> CoreSplit:
 
 
 def _openmp_runtimes() -> list[ctypes.CDLL]:
-    """The OpenMP runtimes mapped into this process (libgomp, libiomp5, libomp). There can be several (torch's
-    bundled libgomp beside the system's, loaded by another extension): which one torch uses is found by
-    setting each and reading torch's count back."""
+    """The OpenMP runtimes mapped into this process (libgomp, libiomp5, libomp): there can be several (torch's
+    bundled libgomp beside the system's); the one torch uses is found by setting each."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/" in line}
@@ -110,10 +97,7 @@ def _openmp_runtimes() -> list[ctypes.CDLL]:
 
 def pin_current_thread(cores: Sequence[int], num_threads: int) -> ThreadPlacement:
     """Bind the calling thread to `cores` and make its torch ops use `num_threads` threads (this thread only).
-
-    Call it first thing on a fresh thread (before it runs any parallel torch op, so its OpenMP team is
-    created with the new mask). Never raises: what could not be applied is reported in the notes.
-    """
+    Call it first on a fresh thread (before any parallel torch op creates its OpenMP team). Never raises."""
     notes = []
     applied_cores: Optional[tuple[int, ...]] = None
     if hasattr(os, "sched_setaffinity"):

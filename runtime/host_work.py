@@ -28,9 +28,8 @@ Stepped = list[tuple[Slab, Optional[list[int]]]]  # slabs with the members that 
 
 
 def members_by_scale(slab: Slab, lr_scale: Callable[[int], float]) -> dict[float, list[tuple[int, int]]]:
-    """The members of a slab whose host columns a boundary's CPU update takes, by lr multiplier (`lr_scale` of
-    the member's accumulated steps: the config's `interval_lr_scale`): [(member index, steps accumulated)].
-    Empty for a slab with no host columns or no gradient all interval."""
+    """The members whose host columns a boundary's CPU update takes, by lr multiplier (`lr_scale`, the config's
+    `interval_lr_scale`, of their accumulated steps): [(member index, steps accumulated)]; may be empty."""
     by_scale: dict[float, list[tuple[int, int]]] = {}
     if slab.is_matrix and slab.u:
         for i, m in enumerate(slab.members):
@@ -63,7 +62,6 @@ class HostWork:
         for worker in self.workers:
             worker.ordering = transfers.ordering
 
-    # -- accumulation ---------------------------------------------------------------------------------------
     def accumulate(self, stepped: Stepped, grad_slot: int, coef: float) -> None:
         """Fold this step's offloaded gradients (x `coef`) into the interval's accumulators: one task for every
         slab, run once the step's copies have landed (their events taken now: the next step replaces them)."""
@@ -80,9 +78,7 @@ class HostWork:
                         self.copy_wait_seconds += time.perf_counter() - started
                     intake.accumulate(slab, rows, grad_slot, acc_slot, coef)
 
-        future = self.accumulate_worker.submit(accumulate)
-        self._accumulate_done[grad_slot] = future
-        self._last_accumulate = future
+        self._accumulate_done[grad_slot] = self._last_accumulate = self.accumulate_worker.submit(accumulate)
 
     def free_grad_buffers(self, grad_slot: int) -> None:
         """Before a step's first gradient: the accumulate task of two steps ago read the buffers it fills."""
@@ -100,14 +96,11 @@ class HostWork:
 
         self.wait(self.accumulate_worker.submit(fold))
 
-    # -- the CPU update -------------------------------------------------------------------------------------
     def prepare(self, slabs: list[Slab]) -> None:
-        """After a layout: the update worker builds the compiled CPU AdamW the slabs' updates will take (their
-        weights' dtype and square sums; Dynamo keys it on the thread count too, so on the worker that runs
-        them), and the accumulate worker the host accumulation of the slabs summed on the host, while the next
-        steps run: neither the first boundary nor the first accumulation waits for a compile. (The arriving
-        columns' step where the host sums runs on the training thread: its variant is built at the first
-        reselection.)"""
+        """After a layout, while the next steps run: the update worker builds the compiled CPU AdamW variants
+        the slabs' updates will take (Dynamo keys them on the thread count too: built where they run), the
+        accumulate worker the host accumulation, so that no boundary or accumulation waits for a compile.
+        (The arriving columns' step where the host sums runs on the training thread: built at a reselection.)"""
         large = [slab for slab in slabs if slab.has_host_part and slab.is_matrix
                  and kernels.compiles(slab.n * slab.u * slab.R)]
         for worker, prepare, chosen in (
@@ -122,11 +115,10 @@ class HostWork:
 
     def launch_update(self, phase: int, slabs: list[Slab], hyperparameters: list[dict],
                       lr_scale: Callable[[int], float]) -> Future:
-        """One task on the update worker for a boundary of `phase` (its `slabs`; the worker runs the phases'
-        tasks in launch order): per slab, one CPU AdamW over its host rows (each member's lr
-        multiplier and steps: `members_by_scale`), with each param group's `hyperparameters` at launch. A
-        matrix that got no gradient all interval is skipped. The slabs updated are marked `unapplied` on every
-        rank: their new columns reach the device at the next `apply_update`."""
+        """One task on the update worker for a boundary of `phase` (its `slabs`; tasks run in launch order): per
+        slab, one CPU AdamW over its host rows (`members_by_scale`), with each param group's `hyperparameters`
+        at launch; a matrix with no gradient all interval is skipped. The slabs updated are marked `unapplied`
+        on every rank: their new columns reach the device at the next `apply_update`."""
         work = []
         for slab in slabs:
             by_scale = members_by_scale(slab, lr_scale)
@@ -161,7 +153,6 @@ class HostWork:
         with waiting:
             return sum(update.apply_host_columns(slab, data_parallel) for slab in unapplied)
 
-    # -- waiting --------------------------------------------------------------------------------------------
     def wait(self, future: Future) -> None:
         """The training thread waits for CPU work: the documented stall, measured."""
         if future.done():
@@ -177,16 +168,15 @@ class HostWork:
 
     @contextlib.contextmanager
     def counted_wait(self):
-        """Time the training thread spends waiting for CPU work (here or on another rank): counted and
-        measured as stall."""
+        """The training thread waits for CPU work (here or on another rank): counted and measured as stall."""
         self.counters["host_waits"] += 1
         with self.stalling():
             yield
 
     @contextlib.contextmanager
     def stalling(self):
-        """Work of the training thread that ZenFlow causes and the device may idle through (a selection's
-        state moves): measured as stall, not counted as a wait for CPU work."""
+        """Training-thread work of ZenFlow's the device may idle through (a selection's state moves): measured
+        as stall, not counted as a wait."""
         marker, start = self.stall_clock.before_wait(), time.perf_counter()
         try:
             yield
@@ -211,10 +201,9 @@ class HostWork:
         for worker in self.workers:
             worker.shutdown()
 
-    # -- failures -------------------------------------------------------------------------------------------
     def record_failure(self, what: str, error: BaseException) -> None:
-        """The optimizer failed (the first failure is kept). Its tasks' futures are let go: they hold the
-        exception, whose frames would keep the training loop's locals and this optimizer alive."""
+        """The optimizer failed (the first failure is kept). Its tasks' futures are let go: their exception's
+        frames would keep the training loop's locals and this optimizer alive."""
         if self.failure.record(what, error):
             self.reset()
             for worker in self.workers:
@@ -244,5 +233,3 @@ class HostWork:
             worker.wait_all()
             worker.forget_failures()
 
-
-__all__ = ["HostWork", "Stepped", "members_by_scale"]

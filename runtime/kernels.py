@@ -1,26 +1,18 @@
-"""The runtime's kernels, each choice behind one function.
+"""The runtime's kernels, each choice behind one function (swap a kernel here and nowhere else).
 
-- `device_adamw_`: AdamW of a slab's selected columns, in place on the device (every column owns its update
-  count), then the new columns written into the members' parameters. The Triton kernel (one launch for the
-  slab) on CUDA, or under TRITON_INTERPRET=1; its torch twin otherwise (torch's fused CPU AdamW while the
-  slab's counts agree).
-- `write_columns_`: write columns into the parameters of a slab (the device AdamW's, the CPU-updated ones),
-  in a fixed number of torch calls.
-- `column_scores`: per-column squared norms of a gradient, for the eager path (the compiled backward
-  computes them itself, fused by Inductor into the kernels that produce the gradient).
-- `accumulate_scaled_many_`: the host accumulator's `acc += coef * grad` (fp32 accumulator, fp32/bf16/fp16
-  gradient), the path of a device without room for the accumulators (`accumulate_on="host"`) and of a model
-  on the CPU. From `COMPILED_MIN_NUMEL` elements, the math written in torch (`_accumulate_flat`) and compiled
-  by Inductor into one pass (1.5-1.7x the eager path below on 1 and 2 threads, bf16, 134M elements); below it
-  an fp32 gradient in one fused add, a bf16/fp16 one converted chunk by chunk into a reused fp32 scratch.
-- `cpu_adamw_`: the host AdamW of the unselected columns, the math written once in torch (`_adamw_rows`) and
-  compiled by Inductor into one pass over the host rows, each row at its own update count, lr multiplier and
-  divisor, with the cast of the new masters for the upload in the same pass. Reselections leave rows at other
-  counts in any place: torch's fused CPU AdamW takes one count per tensor, and gathering the rows apart by
-  count made the update 2-10x slower at 5-50% of the rows apart; this kernel runs at the same rate in any
-  order (bench_host `update` / `update_apart`) and as fast as torch's fused kernel plus a cast in count order.
-  Calls under `COMPILED_MIN_NUMEL` elements run the same function unfused (the compile is not worth it there).
-  Swap the kernel here and nowhere else.
+- `device_adamw_`: AdamW of a slab's selected columns on the device (Triton on CUDA or under
+  TRITON_INTERPRET=1, else its torch twin), then the new columns written into the parameters (`write_columns_`).
+- `column_scores`: per-column squared norms of a gradient for the eager path (Inductor fuses them when compiled).
+- `accumulate_scaled_many_`: the host's `acc += coef * grad` (fp32 accumulator, fp32/bf16/fp16 gradient), where
+  `accumulate_on="host"` or the model is on the CPU. From `COMPILED_MIN_NUMEL` elements the torch math
+  (`_accumulate_flat`) compiled by Inductor into one pass (1.5-1.7x the eager path on 1 and 2 threads, bf16,
+  134M elements); below it, eager.
+- `cpu_adamw_`: the host AdamW of the unselected columns, the torch math (`_adamw_rows`) compiled into one pass
+  over the host rows, each row at its own update count, lr multiplier and divisor, the cast for the upload in
+  the same pass. Reselections leave rows at other counts anywhere: torch's fused CPU AdamW takes one count per
+  tensor, and gathering the rows by count made the update 2-10x slower at 5-50% of the rows apart; this kernel
+  runs at the same rate in any order (bench_host `update` / `update_apart`), as fast as torch's fused kernel
+  plus a cast in count order. Under `COMPILED_MIN_NUMEL` elements the same function runs unfused.
 
 All follow torch.optim.AdamW exactly: decoupled weight decay, then moments, then the bias-corrected step.
 """
@@ -60,10 +52,9 @@ def device_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tenso
 def write_columns_(params: list[torch.Tensor], columns: torch.Tensor, values: torch.Tensor,
                    whole: bool = False) -> None:
     """params[i][:, columns[i]] = values[i] (cast to the parameters' dtype) for n like [R, C] parameters,
-    `columns` [n, m], `values` [n, R, m] (any strides), in a fixed number of calls: one batched copy when
-    `whole` (the columns are all of them, in order), an index_copy_ for one parameter, else the parameters
-    gathered into one [n, R, C] buffer, the columns scattered in and the buffer copied back (the parameters of
-    a shared slab are small)."""
+    `columns` [n, m], `values` [n, R, m] (any strides), in a fixed number of calls; `whole`: the columns are
+    all of them, in order. Several parameters (a shared slab's, small) are gathered into one [n, R, C] buffer,
+    scattered into and copied back."""
     if whole:
         torch._foreach_copy_(params, list(values.unbind(0)))
         return
@@ -130,21 +121,15 @@ def accumulate_scaled_many_(accs: list[torch.Tensor], grads: list[torch.Tensor],
             same_grads = [g for _, g, _ in same]
             torch._foreach_addcmul_([q for _, _, q in same], same_grads, same_grads, value=coef * coef)
     for acc, grad, square in converted:
-        _accumulate_converted_(acc, grad, coef, square)
-
-
-def _accumulate_converted_(acc: torch.Tensor, grad: torch.Tensor, coef: float,
-                           square: Optional[torch.Tensor] = None) -> None:
-    flat_acc, flat_grad = acc.view(-1), grad.view(-1)
-    flat_square = None if square is None else square.view(-1)
-    scratch = torch.empty(min(_ACCUMULATE_CHUNK, flat_acc.numel()), dtype=acc.dtype, device="cpu")
-    for start in range(0, flat_acc.numel(), _ACCUMULATE_CHUNK):
-        end = min(start + _ACCUMULATE_CHUNK, flat_acc.numel())
-        chunk = scratch[:end - start]
-        chunk.copy_(flat_grad[start:end])
-        flat_acc[start:end].add_(chunk, alpha=coef)
-        if flat_square is not None:
-            flat_square[start:end].addcmul_(chunk, chunk, value=coef * coef)
+        flat_acc, flat_grad, numel = acc.view(-1), grad.view(-1), acc.numel()
+        scratch = torch.empty(min(_ACCUMULATE_CHUNK, numel), dtype=acc.dtype, device="cpu")
+        for start in range(0, numel, _ACCUMULATE_CHUNK):
+            end = min(start + _ACCUMULATE_CHUNK, numel)
+            chunk = scratch[:end - start]
+            chunk.copy_(flat_grad[start:end])
+            flat_acc[start:end].add_(chunk, alpha=coef)
+            if square is not None:
+                square.view(-1)[start:end].addcmul_(chunk, chunk, value=coef * coef)
 
 
 def _adamw_rows(master, grad, exp_avg, exp_avg_sq, weights, counts, lr_scale, divisor, lr, beta1, beta2, eps,
@@ -182,11 +167,10 @@ def _adamw_rows(master, grad, exp_avg, exp_avg_sq, weights, counts, lr_scale, di
 
 
 class _CompiledKernel:
-    """`fn` (one of the host kernels' math in torch) compiled once per process (any size: dynamic shapes), with
-    Inductor's C++ wrapper, which lets go of the GIL while the kernel runs (its Python wrapper holds it: work on
-    a worker thread would stop the training thread for its whole length), and the thread count read where it
-    runs (the worker's own). Where Inductor cannot build it (no C++ compiler), the same function runs unfused
-    (`unfused`), with one warning: the same arithmetic, several passes slower."""
+    """`fn` (a host kernel's math in torch) compiled once per process (dynamic shapes) with Inductor's C++
+    wrapper, which releases the GIL while the kernel runs (the Python wrapper would stop the training thread
+    for the worker's whole task), the thread count read where it runs. Where Inductor cannot build it (no C++
+    compiler), `fn` runs unfused with one warning: the same arithmetic, several passes slower."""
 
     def __init__(self, fn, what: str):
         options = {"cpp_wrapper": True}
@@ -222,10 +206,9 @@ class _CompiledKernel:
 _rows_kernel = _CompiledKernel(_adamw_rows, "the CPU AdamW")
 _accumulate_kernel = _CompiledKernel(_accumulate_flat, "the host accumulation")
 
-# Host rows smaller than this (elements per call, a 1024 x 1024 matrix) take `_adamw_rows` unfused: the compiled
-# kernel costs a process seconds at its first call (the compile, or 4-5 s to load it from Inductor's cache),
-# which small models never win back (one core here: 64K elements 0.43 ms unfused, 0.16 ms compiled; 1M
-# elements 26 ms and 1.1 ms). A large model's matrices are above it.
+# Calls under this many elements (a 1024 x 1024 matrix) run unfused: the compiled kernel costs a process seconds
+# at its first call (the compile, or 4-5 s from Inductor's cache), which small models never win back (one core:
+# 64K elements 0.43 ms unfused, 0.16 ms compiled; 1M elements 26 ms and 1.1 ms).
 COMPILED_MIN_NUMEL = 1 << 20
 
 
@@ -240,12 +223,10 @@ def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
                grad_sq: Optional[torch.Tensor] = None, compiled: Optional[bool] = None) -> None:
     """The CPU AdamW of host rows, in place: fp32 [rows, R] `master`, `exp_avg`, `exp_avg_sq` and the
     gradient sums `grad`, each row at its own update count (`counts` fp32 [rows], incremented for the rows that
-    step), its own lr multiplier (`lr_scale` [rows]; 0: the row does not step) and its own divisor (`divisor`
-    [rows]: the gradient is a sum of that many steps). Rows in any order: one pass, one call.
-    `weights`: [rows, R] in the parameters' dtype, written with every row's new master (the upload buffer).
+    step), lr multiplier (`lr_scale` [rows]; 0: no step) and divisor (`divisor` [rows]: the gradient is a sum
+    of that many steps). `weights`: [rows, R] in the parameters' dtype, written with every row's new master.
     `grad_sq` (interval_second_moment): exp_avg_sq takes grad_sq / divisor where AdamW takes (grad /
-    divisor)**2. The bias corrections are computed per row in float64 (as torch computes its Python floats)
-    and rounded to fp32. `compiled`: Inductor's kernel or the unfused function (None: by size, `compiles`)."""
+    divisor)**2. `compiled`: Inductor's kernel or the unfused function (None: by size, `compiles`)."""
     if not master.numel():  # (an empty shard's columns: their counts still advance, as every rank's do)
         counts.add_((lr_scale != 0).to(counts.dtype))
         return
@@ -260,9 +241,8 @@ def cpu_adamw_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
 
 
 def prepare_cpu_adamw(weights_dtype: Optional[torch.dtype], squares: bool) -> None:
-    """Build the compiled CPU AdamW for state with these upload weights (None: none) and square sums, on tiny
-    rows that take no step: a slab's first update then finds it built (the update worker runs this at a layout,
-    while the first steps run, instead of stalling the first boundary for the compile)."""
+    """Build the compiled CPU AdamW for these upload weights (None: none) and square sums on tiny rows that take
+    no step (the update worker, at a layout: the first boundary then does not wait for the compile)."""
     rows, R = 3, 48  # (not 0 or 1, not equal, R past a vector: sizes Dynamo would specialise or tie together)
     state = [torch.zeros(rows, R) for _ in range(5)]
     weights = None if weights_dtype is None else torch.zeros(rows, R, dtype=weights_dtype)
@@ -272,8 +252,8 @@ def prepare_cpu_adamw(weights_dtype: Optional[torch.dtype], squares: bool) -> No
 
 
 def prepare_accumulate(grad_dtype: torch.dtype, squares: bool) -> None:
-    """Build the compiled host accumulation for gradients of `grad_dtype` (and square sums) on a few elements
-    (the accumulate worker runs this at a layout, as `prepare_cpu_adamw`)."""
+    """Build the compiled host accumulation for `grad_dtype` (and square sums) on the accumulate worker, as
+    `prepare_cpu_adamw`."""
     size = 144  # (not 0 or 1: a size Dynamo would specialise)
     _accumulate_kernel(torch.zeros(size), torch.zeros(size, dtype=grad_dtype), torch.tensor(0.0, dtype=torch.float64),
                        torch.zeros(size) if squares else None)

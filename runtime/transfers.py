@@ -1,19 +1,13 @@
-"""Device <-> host copies on dedicated streams, ordered by events: one code path for every accelerator
-(ARCHITECTURE.md, "The device path").
+"""Device <-> host copies on a D2H and an H2D stream, ordered by events (ARCHITECTURE.md, "The device path").
 
-Where the device is the host (a model on the CPU) nothing is copied: an "offload" is a plain copy into host
-memory and an "upload" hands the host tensor itself back (`Transfers.device_is_host`). Any other device gets
-real copies through a stream API: `torch.accelerator` with `torch.Stream`, `torch.Event` and pinned memory
-(`AcceleratorStreams`), or, in tests, an emulated asynchronous device over CPU tensors (`emulate_async_device`).
+Where the device is the host (`Transfers.device_is_host`) nothing is copied: an offload is a plain copy, an
+upload hands the host tensor back. Any other device goes through a stream API: `AcceleratorStreams`
+(`torch.accelerator`, pinned memory) or, in tests, an emulated asynchronous device (`emulate_async_device`).
 
 Ordering: a copy's stream first waits for the compute stream (its source, or its target's memory, comes from
-compute work); a copy's device source is kept alive for its stream (`record_stream`), so the caching allocator
-does not hand its memory to another kernel while the copy is in flight; a host reader waits for a copy down's
-event, the compute stream for an upload's.
-
-The stream API also receives the declarations of which pinned buffers a host thread reads or writes
-(`host_access`) and of each host read of a device value (`read_to_host`): real hardware needs none, the
-emulated device checks each against its happens-before graph.
+compute work); its device tensor is kept alive for its stream (`record_stream`) while the copy is in flight; a
+host reader waits for a copy down's event, the compute stream for an upload's. The declarations of host
+accesses (`host_access`) and host reads (`read_to_host`) are checked by the emulated device only.
 """
 
 from __future__ import annotations
@@ -71,22 +65,18 @@ class AcceleratorStreams:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def free_bytes(self) -> int:
-        """Device memory a new tensor can take: free in the driver, plus what the caching allocator holds
-        unused."""
+        """Device memory a new tensor can take: free in the driver plus the caching allocator's unused."""
         free, _ = torch.accelerator.get_memory_info(self.device)
         return free + torch.accelerator.memory_reserved(self.device) - torch.accelerator.memory_allocated(self.device)
 
 
-# The stream API that serves CPU tensors as a device that is not the host: set only by tests
-# (`emulate_async_device`), None otherwise (the CPU is the host).
-_emulated_cpu_streams = None
+_emulated_cpu_streams = None  # the stream API serving CPU tensors as a device: set only by tests
 
 
 @contextlib.contextmanager
 def emulate_async_device(streams):
     """Within this block, optimizers built over CPU tensors treat them as living on an asynchronous device
-    served by `streams` (the test suite's emulated device): copies, events and pinned double buffers, as
-    on a GPU."""
+    served by `streams` (the test suite's emulated device)."""
     global _emulated_cpu_streams
     previous, _emulated_cpu_streams = _emulated_cpu_streams, streams
     try:
@@ -115,10 +105,8 @@ class Transfers:
             self.host_to_device = self.streams.stream()
 
     def free_device_bytes(self) -> int:
-        """Free memory of a device that is not the host."""
         return self.streams.free_bytes()
 
-    # -- host memory ----------------------------------------------------------------------------------------
     def host_zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer that copies read or write: pinned where the device is not the host."""
         if self.device_is_host:
@@ -126,18 +114,15 @@ class Transfers:
         return self.streams.host_zeros(shape, dtype)
 
     def host_access(self, reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = ()) -> None:
-        """The calling host thread is about to read / write these host buffers (after waiting for the copies
-        that touch them)."""
+        """The calling host thread is about to read / write these host buffers (after waiting for their copies)."""
         if self.traced:
             self.streams.note_host_access(reads, writes)
 
     @property
     def ordering(self):
-        """What orders host threads in the emulated device's record (None elsewhere): the CPU workers report
-        their task starts and ends to it."""
+        """What orders host threads in the emulated device's record (the CPU workers' tasks); None elsewhere."""
         return self.streams if self.traced else None
 
-    # -- copies ---------------------------------------------------------------------------------------------
     def to_host(self, source: torch.Tensor, pinned: torch.Tensor, rows: Optional[torch.Tensor] = None):
         """Copy device `source` (or its rows `rows`, gathered on the device) into host `pinned`; returns the
         event a host reader must wait for (None where the device is the host: the copy is done)."""
@@ -154,16 +139,15 @@ class Transfers:
         return self._copy_down([source], [pinned])
 
     def copy_to_host(self, source: torch.Tensor):
-        """A host copy of device `source`, made on the copy stream without blocking: (host tensor, the event a
-        host reader must wait for). Where the device is the host, `source` itself and None."""
+        """A host copy of device `source` on the copy stream: (host tensor, the event a host reader must wait
+        for); where the device is the host, (`source`, None)."""
         if self.device_is_host:
             return source, None
         pinned = self.host_zeros(source.shape, source.dtype)
         return pinned, self._copy_down([source], [pinned])
 
     def to_host_many(self, sources: Sequence[torch.Tensor], pinned: Sequence[torch.Tensor]):
-        """Copy each device tensor of `sources` into the host buffer at the same position, in one batched
-        copy; returns the one event a host reader must wait for."""
+        """`to_host` of each pair in one batched copy; returns the one event a host reader must wait for."""
         if self.device_is_host:
             torch._foreach_copy_(list(pinned), list(sources))
             return None
@@ -182,8 +166,8 @@ class Transfers:
         return done
 
     def after_copy_down(self, done, sources: Sequence[torch.Tensor]) -> None:
-        """The compute stream is about to overwrite the device `sources` of a copy down (`done`: its event): it
-        waits for the copy first (a wait on the device, not the host)."""
+        """The compute stream is about to overwrite the device `sources` of a copy down (`done`): it waits for
+        the copy first (on the device, not the host)."""
         if self.device_is_host:
             return
         self.streams.current_stream().wait_event(done)
@@ -256,13 +240,9 @@ def wait_events(events: list) -> None:
 
 
 class StallClock:
-    """Time the training thread waits for the CPU, or spends moving state for a selection: wall time on the
-    host, device idle time via events.
-
-    Where the device is not the host, a timing event is recorded on the compute stream before and after the
-    host wait; the time between them is how long the device had nothing to do because of the wait (zero if
-    enough work was queued). Elapsed times are read lazily (in `stats()`) so measuring never adds a
-    synchronisation.
+    """Time the training thread waits for the CPU, or moves state for a selection: wall time on the host, and
+    device idle time between timing events recorded on the compute stream before and after the wait (zero if
+    enough work was queued). Elapsed times are read lazily (in `stats()`): measuring never synchronises.
     """
 
     def __init__(self, transfers: Transfers):
@@ -273,8 +253,7 @@ class StallClock:
         self._pending: list = []
 
     def before_wait(self):
-        """Mark the start of a wait; a wait inside another (a selection's move waiting for a worker) is part of
-        the outer one and is not measured again."""
+        """Mark the start of a wait; a nested one (a selection's move waiting for a worker) is the outer's."""
         self._depth += 1
         if self.streams is None or self._depth > 1:
             return None

@@ -1,13 +1,10 @@
 """A background CPU worker: one thread, FIFO tasks, errors surfaced to the training thread.
 
-A task that raises leaves its exception in its Future; the runtime checks at every step and re-raises it in
-the training thread. Threads are daemonic-by-executor and tasks are finite, so interpreter exit never hangs.
-With a core reservation (`pt_reserved_cores_perc`, cpu_affinity.py) the worker thread is pinned to the cores
-left after the training thread's reserve and runs its torch ops with that many threads.
-
-Host-thread order, for the emulated device's happens-before record (`ordering`, None elsewhere): a task
-starts after what its submitter did before submitting it, and whoever waits for a task's future
-(`wait_for`) is after everything the task did.
+A task's exception stays in its Future; the runtime checks at every step and re-raises it there. Tasks are
+finite, so interpreter exit never hangs. With `pt_reserved_cores_perc` the thread is pinned to the cores left
+after the training thread's reserve (cpu_affinity.py). For the emulated device's happens-before record
+(`ordering`, None elsewhere): a task starts after what its submitter did before submitting it, and whoever
+waits for its future (`wait_for`) is after everything it did.
 """
 
 from __future__ import annotations
@@ -117,8 +114,7 @@ def joined(future: Future) -> None:
 
 class TaskEnd:
     """When a task of `CpuWorker.submit` ended (`time.perf_counter()`; None before), set before its future says
-    done. Holds nothing else: a failed task's future holds its exception, whose frames would keep the
-    training loop's locals alive."""
+    done. Nothing else: a failed task's future holds frames that would keep the training loop alive."""
 
     __slots__ = ("at",)
 

@@ -1,23 +1,20 @@
 """Shared plumbing for the Triton kernels: optional import, availability, dual (compiled/interpreted) kernels.
 
-Triton is optional. Every kernel module keeps a plain-torch reference beside its kernel and falls back to it
-when `triton_available(device)` is False.
+Triton is optional: each kernel module falls back to its torch twin where `triton_available(device)` is False.
 
-Why kernels are built twice: `triton.jit` picks compiled or interpreted mode once, at decoration time, from
-`TRITON_INTERPRET`. We want both in one process: compiled kernels for CUDA tensors (the interpreter runs on the
-host and would be handed device addresses), and interpreted kernels for CPU tensors
-(there is no CPU backend) when the user opted in with `TRITON_INTERPRET=1`. So each kernel is a plain Python
-function wrapped lazily in a `JITFunction` (CUDA) or an `InterpretedFunction` (CPU), whatever the environment
-said when triton was imported.
+`triton.jit` picks compiled or interpreted mode once, at decoration, from `TRITON_INTERPRET`; one process needs
+both: compiled for CUDA tensors (the interpreter would be handed device addresses), interpreted for CPU
+tensors under `TRITON_INTERPRET=1` (no CPU backend). So each kernel is a plain function wrapped lazily in a
+`JITFunction` or an `InterpretedFunction` (`DualKernel`).
 
-Rules the kernels follow so that one source serves both modes (and triton 3.6 as well as 3.9):
+Rules for one source to serve both modes (and triton 3.6 as well as 3.9):
 - only `triton.language` builtins, plus `add_combine` below: the standard library's @jit helpers (tl.sum,
-  tl.zeros, ...) were built compiled or interpreted at import time and fail in the other mode;
+  tl.zeros, ...) were built for one mode at import time and fail in the other;
 - `while` loops where a bound is a runtime value: triton 3.6's interpreter cannot pass tensor bounds to
   `range()` under numpy >= 2.4.
 
-Caveat: the interpreter patches `triton.language` while an interpreted kernel runs; do not compile Triton
-kernels on another thread at the same time (the runtime's host worker runs no Triton code).
+The interpreter patches `triton.language` while a kernel runs: compile no Triton kernel on another thread
+meanwhile (the runtime's host workers run no Triton code).
 """
 
 import os
@@ -31,9 +28,7 @@ try:  # optional dependency
     import triton.language as tl
     from triton.runtime.jit import JITFunction as _JITFunction
 except Exception:  # ImportError, or a broken install (no driver libs, ...)
-    triton = None
-    tl = None
-    _JITFunction = None
+    triton = tl = _JITFunction = None
 
 try:
     from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
@@ -46,18 +41,13 @@ HAVE_TRITON = triton is not None
 # `from __future__ import annotations`, so triton sees the class whatever its version parses.
 constexpr = tl.constexpr if HAVE_TRITON else None
 
-DeviceLike = Union[str, torch.device]
-
 __all__ = ["HAVE_TRITON", "triton", "tl", "constexpr", "triton_available", "DualKernel", "add_combine", "f32",
            "split_f64"]
 
 
-def triton_available(device: DeviceLike) -> bool:
-    """Whether the Triton kernels can run on `device`.
-
-    True on CUDA when triton is importable (compiled kernels), or on CPU when triton is importable and
-    `TRITON_INTERPRET=1` is set (the interpreter runs the same kernels on CPU tensors: for tests, slow).
-    """
+def triton_available(device: Union[str, torch.device]) -> bool:
+    """Whether the Triton kernels can run on `device`: CUDA (compiled), or the CPU under `TRITON_INTERPRET=1`
+    (interpreted: for tests, slow)."""
     if not HAVE_TRITON:
         return False
     kind = device.type if isinstance(device, torch.device) else torch.device(device).type  # (called per tensor)
@@ -69,15 +59,12 @@ def triton_available(device: DeviceLike) -> bool:
 
 
 class DualKernel:
-    """A Triton kernel (a plain Python function) launched compiled on CUDA and interpreted on CPU.
-
-    `kernel[grid](*args)` with `kernel = DualKernel(fn).on(device)`.
-    """
+    """A Triton kernel (a plain Python function) launched compiled on CUDA and interpreted on CPU:
+    `DualKernel(fn).on(device)[grid](*args)`."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
-        self._compiled = None
-        self._interpreted = None
+        self._compiled = self._interpreted = None
 
     def on(self, device: torch.device):
         if not HAVE_TRITON:
@@ -97,9 +84,7 @@ def _add(a, b):
     return a + b
 
 
-# The combine function for `tl.reduce` sums. Kernels use only builtins and this: the standard library's own
-# @jit helpers (tl.sum, tl.zeros, ...) were built compiled or interpreted according to the environment at
-# import time, so they cannot serve both modes.
+# The combine function for `tl.reduce` sums (the kernels' one non-builtin: see the module docstring).
 add_combine = _JITFunction(_add) if HAVE_TRITON else None
 
 
@@ -109,10 +94,7 @@ def f32(x: float) -> float:
 
 
 def split_f64(x: float) -> tuple:
-    """(hi, lo) fp32 pair with hi + lo == x to ~2**-48 relative.
-
-    Triton passes Python floats as fp32; the bias corrections need lr and the betas in float64 (as
-    torch.optim.AdamW computes them in Python floats), so the kernels rebuild them as fp64(hi) + fp64(lo).
-    """
+    """(hi, lo) fp32 pair with hi + lo == x to ~2**-48 relative: Triton passes Python floats as fp32, and the
+    bias corrections need lr and the betas in float64 (as torch's Python floats), rebuilt as hi + lo."""
     hi = f32(x)
     return hi, f32(x - hi)

@@ -1,22 +1,17 @@
 """AdamW of a slab's selected columns, in place: the math written once in torch, and a Triton kernel of it.
 
-A slab (runtime/state/slab.py) holds the selected columns of its n members as [n, R, k] tensors:
-    grad                    [n, R, k]  the columns' gradient (param dtype)
-    master, exp_avg, exp_avg_sq   fp32 [n, R, k]   (updated in place)
-    counts                  fp32 [n, k]  per-column update counts (incremented in place)
-`rows`: the members that take part, as an int64 index tensor on the slab's device (None: all of them).
-
-Math, per column with count c (after the increment), as torch.optim.AdamW (decoupled weight decay):
+State: `grad` [n, R, k] (param dtype), `master`, `exp_avg`, `exp_avg_sq` fp32 [n, R, k], per-column update
+`counts` fp32 [n, k] (incremented); `rows`: an int64 index on the device of the members that take part (None:
+all). Per column at count c (after the increment), as torch.optim.AdamW:
     g = grad * grad_scale (fp32); master *= 1 - lr*wd; m = lerp(m, g, 1 - beta1);
     v = beta2*v + (1 - beta2)*g*g; step_size = lr / (1 - beta1**c);
     denom = sqrt(v) / sqrt(1 - beta2**c) + eps; master -= step_size * m / denom
-with the bias corrections computed in float64 (torch computes them in Python floats) and rounded to fp32.
-Writing the new masters into the parameters is the caller's (`runtime/kernels.py::write_columns_`).
+with the bias corrections computed in float64 (torch's Python floats) and rounded to fp32. The caller writes
+the new masters into the parameters (`runtime/kernels.py::write_columns_`).
 
-`adamw_slab_torch_` is the math in torch (`adamw_columns_torch_`; on the CPU, a slab whose counts all agree
-takes torch's fused CPU AdamW as one tensor). The Triton kernel is one launch for the slab's members whatever
-n is, one program per tile of BLOCK_C columns of one member looping over the R rows, so it reads each count
-once, computes the bias corrections once per column and writes the count without racing another program.
+The Triton kernel is one launch for the slab, one program per tile of BLOCK_C columns of one member looping
+over the R rows: it reads each count once, computes the bias corrections once per column and writes the
+count without racing another program.
 """
 
 from typing import Optional, Union
@@ -29,7 +24,6 @@ __all__ = ["adamw_slab_", "adamw_slab_torch_", "adamw_columns_torch_"]
 
 _BLOCK_R = 32
 _BLOCK_C = 32
-_STATE = ("grad", "master", "exp_avg", "exp_avg_sq")
 
 
 def _adamw_slab_kernel(
@@ -113,8 +107,8 @@ _kernel = DualKernel(_adamw_slab_kernel) if HAVE_TRITON else None
 
 def adamw_slab_torch_(grad, master, exp_avg, exp_avg_sq, counts, *, lr, beta1, beta2, eps, weight_decay,
                       grad_scale=1.0) -> None:
-    """The math in plain torch over [n, R, k] state and [n, k] counts (or [R, k] and [k]), every member. On the
-    CPU a slab whose counts all agree takes torch's fused CPU AdamW as one tensor."""
+    """The math in torch over [n, R, k] state and [n, k] counts (or [R, k] and [k]), every member; on the CPU,
+    where the counts all agree, torch's fused CPU AdamW as one tensor."""
     if master.device.type == "cpu" and counts.numel() and bool((counts == counts.reshape(-1)[0]).all()):
         g = grad if grad.dtype == torch.float32 else grad.float()
         if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
@@ -154,7 +148,7 @@ def adamw_slab_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,
     host sync). `use_triton`: None = the kernel when `triton_available(device)`, else the torch twin."""
     n, R, k = master.shape
     device = master.device
-    for name, t in zip(_STATE, (grad, master, exp_avg, exp_avg_sq)):
+    for name, t in zip(("grad", "master", "exp_avg", "exp_avg_sq"), (grad, master, exp_avg, exp_avg_sq)):
         if t.shape != (n, R, k) or not t.is_contiguous() or t.device != device:
             raise ValueError(f"adamw_slab_: {name} must be a contiguous [{n}, {R}, {k}] tensor on {device}, got "
                              f"{tuple(t.shape)} on {t.device}")

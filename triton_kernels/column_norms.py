@@ -1,10 +1,6 @@
-"""Column squared norms of a gradient: `scores[j] = sum_i grad[i, j]**2`, accumulated in fp32.
-
-These are ZenFlow's column importance scores (docs/semantics.md) and, summed, the squared global norm for clipping.
-
-On the compiled path this kernel is not needed: the norm-proxy pass emits the reduction as plain aten ops and
-Inductor fuses it into the backward kernel that produces the gradient (no extra read of the gradient). This
-kernel is for the eager path, where the gradient already sits in memory and one read of it is the floor.
+"""Column squared norms of a gradient, `scores[j] = sum_i grad[i, j]**2` in fp32: ZenFlow's column scores
+(docs/semantics.md) and, summed, the squared global norm. For the eager path only: compiled, the norm-proxy
+pass emits the reduction in aten and Inductor fuses it into the backward kernel that makes the gradient.
 """
 
 from typing import Optional
@@ -64,22 +60,12 @@ def _default_split(R: int, C: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(R, _BLOCK_R), triton.cdiv(target, col_tiles)))
 
 
-def column_sq_norms(
-    grad: torch.Tensor,
-    *,
-    out: Optional[torch.Tensor] = None,
-    split_rows: Optional[int] = None,
-    use_triton: Optional[bool] = None,
-) -> torch.Tensor:
+def column_sq_norms(grad: torch.Tensor, *, out: Optional[torch.Tensor] = None, split_rows: Optional[int] = None,
+                    use_triton: Optional[bool] = None) -> torch.Tensor:
     """`(grad.float() ** 2).sum(0)` for a 2-D `grad` [R, C] (fp32/bf16/fp16, any strides) -> fp32 [C].
-
-    Eager-path kernel (Inductor already fuses this reduction into the compiled backward).
-
-    - `out`: optional fp32 [C] output (contiguous) written in full.
-    - `split_rows`: split the rows over this many programs per column tile (partial sums, then one
-      deterministic torch `.sum(0)`); None picks it from the device (1 on CPU).
-    - `use_triton`: None = Triton when `triton_available(grad.device)`, else the torch reference.
-    """
+    `out`: optional contiguous fp32 [C], written in full. `split_rows`: the rows split over this many programs
+    per column tile (partial sums, then one deterministic `.sum(0)`; None: from the device, 1 on the CPU).
+    `use_triton`: None = Triton when `triton_available(grad.device)`, else the torch reference."""
     if grad.dim() != 2:
         raise ValueError(f"column_sq_norms: grad must be 2-D [R, C], got shape {tuple(grad.shape)}")
     if not grad.is_floating_point():
