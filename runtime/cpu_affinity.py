@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import math
 import os
-import warnings
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence
@@ -126,9 +125,3 @@ def pin_current_thread(cores: Sequence[int], num_threads: int) -> ThreadPlacemen
     else:
         notes.append("thread count not set: torch's parallel backend is not OpenMP (its count is process-wide)")
     return ThreadPlacement(cores=applied_cores, num_threads=applied_threads, notes=tuple(notes))
-
-
-def warn_if_incomplete(placement: ThreadPlacement, name: str) -> None:
-    if placement.notes:
-        warnings.warn(f"ZenFlow {name} worker: core reservation only partly applied: {'; '.join(placement.notes)}",
-                      RuntimeWarning, stacklevel=2)

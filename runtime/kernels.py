@@ -25,8 +25,7 @@ from typing import Optional
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from zenflow_compile.triton_kernels import adamw_slab_, column_sq_norms
-from zenflow_compile.triton_kernels._triton import triton_available
+from zenflow_compile.triton_kernels import adamw_slab_, column_sq_norms, triton_available
 
 
 def device_adamw_(grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

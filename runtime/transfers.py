@@ -246,7 +246,7 @@ class StallClock:
     """
 
     def __init__(self, transfers: Transfers):
-        self.streams = None if transfers.device_is_host else transfers.streams
+        self.streams = transfers.streams  # None where the device is the host
         self.host_seconds = 0.0
         self._depth = 0  # waits in progress (nested ones are measured by the outermost)
         self._resolved_device_seconds = 0.0

@@ -10,6 +10,7 @@ waits for its future (`wait_for`) is after everything it did.
 from __future__ import annotations
 
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Optional
@@ -39,7 +40,9 @@ class CpuWorker:
         """Runs first on the worker thread (a failure here would break the executor: pinning never raises)."""
         cores = self.cores.workers
         self.placement = cpu_affinity.pin_current_thread(cores, num_threads=len(cores))
-        cpu_affinity.warn_if_incomplete(self.placement, self.name)
+        if self.placement.notes:
+            warnings.warn(f"ZenFlow {self.name} worker: core reservation only partly applied: "
+                          f"{'; '.join(self.placement.notes)}", RuntimeWarning)
 
     def submit(self, task: Callable[[], Any], after: Optional[Future] = None) -> Future:
         """Run `task` on the worker thread, once `after` (a future of another worker) has finished; the

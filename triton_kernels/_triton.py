@@ -41,9 +41,6 @@ HAVE_TRITON = triton is not None
 # `from __future__ import annotations`, so triton sees the class whatever its version parses.
 constexpr = tl.constexpr if HAVE_TRITON else None
 
-__all__ = ["HAVE_TRITON", "triton", "tl", "constexpr", "triton_available", "DualKernel", "add_combine", "f32",
-           "split_f64"]
-
 
 def triton_available(device: Union[str, torch.device]) -> bool:
     """Whether the Triton kernels can run on `device`: CUDA (compiled), or the CPU under `TRITON_INTERPRET=1`

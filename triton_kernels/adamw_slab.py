@@ -20,8 +20,6 @@ import torch
 
 from ._triton import HAVE_TRITON, DualKernel, constexpr, f32, split_f64, tl, triton_available
 
-__all__ = ["adamw_slab_", "adamw_slab_torch_", "adamw_columns_torch_"]
-
 _BLOCK_R = 32
 _BLOCK_C = 32
 

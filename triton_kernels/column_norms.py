@@ -9,8 +9,6 @@ import torch
 
 from ._triton import HAVE_TRITON, DualKernel, add_combine, constexpr, tl, triton, triton_available
 
-__all__ = ["column_sq_norms", "column_sq_norms_reference"]
-
 _BLOCK_R = 32
 _BLOCK_C = 64
 
