@@ -88,11 +88,8 @@ def column_sq_norms(grad: torch.Tensor, *, out: Optional[torch.Tensor] = None, s
         dst = out if out is not None else torch.empty(C, dtype=torch.float32, device=grad.device)
     else:
         dst = torch.empty(split, C, dtype=torch.float32, device=grad.device)
-    grid = (triton.cdiv(C, _BLOCK_C), split)
-    _kernel.on(grad.device)[grid](
-        grad, dst, R, C, grad.stride(0), grad.stride(1), rows_per_split,
-        BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C,
-    )
+    _kernel.on(grad.device)[(triton.cdiv(C, _BLOCK_C), split)](grad, dst, R, C, grad.stride(0), grad.stride(1),
+                                                               rows_per_split, BLOCK_R=_BLOCK_R, BLOCK_C=_BLOCK_C)
     if split == 1:
         return dst
     return dst.sum(0) if out is None else torch.sum(dst, 0, out=out)
