@@ -1,12 +1,10 @@
 """Columns changing sides: a reselection moves each arriving column's state (master, moments, update count)
-from its host row onto the device and each departing column's back into a host row, in place, in a fixed
-number of calls per slab (k and u stay), while the boundary's CPU update runs on: the arriving columns' share
-of it is made first (`take_arriving`, on the device where it sums them), the device side moves
-(`_move_device_columns`), and each departing column is parked until `settle_departing` puts it into the host
-row its member's arriving column left (`reselect_in_flight`). The host rows stay out of update-count order:
-re-sorting them would copy the whole host state, and `kernels.cpu_adamw_` takes them in any order. Host state
-goes up in one pinned copy per slab (`_upload`), the move's indices in another. Data parallel, the owner of a
-slab's host part broadcasts the arriving columns' state to the other ranks (`_rows_from_owner`)."""
+from its host row onto the device and each departing column's into the host row its member's arriving column
+left, in place, in a fixed number of calls per slab (k and u stay), while the boundary's CPU update runs on:
+the arriving columns take their share of it first (`take_arriving`), the device side moves
+(`_move_device_columns`), and the departing columns wait for that update to finish (`settle_departing`). Host
+rows stay out of update-count order (`kernels.cpu_adamw_` takes them in any order; re-sorting would copy the
+whole host state). Data parallel, the owner of a slab's host part broadcasts the arriving columns' state."""
 
 from __future__ import annotations
 
@@ -44,13 +42,12 @@ class DepartingCopy(NamedTuple):
 
     member: torch.Tensor  # [m] int64
     place: torch.Tensor  # [m] int64
-    rows: torch.Tensor  # [m, 4R + 1] fp32, on the host once `done` has completed
-    done: object  # the copy's event (None: already there)
+    rows: torch.Tensor  # [m, 4R + 1] fp32
+    done: object  # (None: already there)
 
 
 def _pack(state: list[torch.Tensor], counts: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Columns' master, exp_avg, exp_avg_sq ([m, R] each) and counts ([m]) as one [m, 3R + 1] fp32 tensor (into
-    `out` if given): one copy or broadcast moves them all."""
+    """Columns' master, exp_avg, exp_avg_sq ([m, R] each) and counts ([m]) as one [m, 3R + 1] tensor (into `out`)."""
     return torch.cat([*state, counts.unsqueeze(1)], 1, out=out)
 
 
@@ -61,15 +58,13 @@ def _unpack(rows: torch.Tensor, R: int, member: torch.Tensor, place: torch.Tenso
     return MovingColumns(member, place, rows[:, :R], rows[:, R:2 * R], rows[:, 2 * R:3 * R], rows[:, 3 * R], weights)
 
 
-def take_arriving(slab: Slab, selected: torch.Tensor, members_by_scale: dict[float, list[tuple[int, int]]], hyperparameters: dict,
-                  data_parallel=None) -> Optional[MovingColumns]:
-    """Before this boundary's CPU update is launched, with no CPU work in flight: the AdamW step of the
-    columns `selected` ([n, k]) brings onto the device, from their current host rows and the interval's sums
-    (the launched update redoes those rows, unused), so they arrive current while the others' update runs on.
-    Where the device sums them, that step runs on the device: their rows go up in one copy and nothing is read
-    back; else on the host, from the host's sums. `members_by_scale` as in `update_host_columns`. Returns their
-    state, for `reselect_in_flight` (None: no column arrives). Data parallel: made by the owner of the slab's
-    host part, broadcast to every rank."""
+def take_arriving(slab: Slab, selected: torch.Tensor, members_by_scale: dict[float, list[tuple[int, int]]],
+                  hyperparameters: dict, data_parallel=None) -> Optional[MovingColumns]:
+    """Before this boundary's CPU update is launched, with no CPU work in flight: the AdamW step of the columns
+    `selected` ([n, k]) brings onto the device, from their host rows and the interval's sums (the launched update
+    redoes those rows, unused). Where the device sums, it runs there (their rows go up in one copy, nothing is
+    read back); else a CPU AdamW on copies of their rows. `members_by_scale` as in `update_host_columns`.
+    Returns their state for `reselect_in_flight` (None: no column arrives); data parallel, the owner's."""
     member, slot = columns_not_in(selected, slab.selected_cpu).nonzero(as_tuple=True)
     if not member.numel():
         return None
@@ -82,27 +77,28 @@ def take_arriving(slab: Slab, selected: torch.Tensor, members_by_scale: dict[flo
         row_scale, steps = scale[member], steps[member].unsqueeze(1)
         if slab.accumulates_on_device:
             arriving = _update_arriving_on_device(slab, state, row, row_scale, steps, hyperparameters)
-        else:
-            arriving = _update_arriving_on_host(slab, state, row, row_scale, steps, hyperparameters)
-    return arriving if data_parallel is None else _rows_from_owner(slab, data_parallel, member, slot, arriving)
-
-
-def _update_arriving_on_host(slab: Slab, state: MovingColumns, row: torch.Tensor,
-                             row_scale: torch.Tensor, steps: torch.Tensor, hyperparameters: dict) -> MovingColumns:
-    """`take_arriving` from the host's sums: the CPU AdamW of the arriving columns on copies of their rows
-    (one call, each row with its own count, lr multiplier and divisor)."""
-    wait_for_accumulators(slab, slab.acc_slot)
-    grad, *grad_sq = (sums[state.member, row] for sums in slab.host_sums(slab.acc_slot))
-    kernels.cpu_adamw_(state.master, grad, state.exp_avg, state.exp_avg_sq, state.counts, lr_scale=row_scale,
-                       divisor=steps.squeeze(1).float(), grad_sq=grad_sq[0] if grad_sq else None, **hyperparameters)
-    return state
+        else:  # (one call, each row with its own count, lr multiplier and divisor)
+            wait_for_accumulators(slab, slab.acc_slot)
+            grad, *grad_sq = (sums[member, row] for sums in slab.host_sums(slab.acc_slot))
+            kernels.cpu_adamw_(state.master, grad, state.exp_avg, state.exp_avg_sq, state.counts, lr_scale=row_scale,
+                               divisor=steps.squeeze(1).float(), grad_sq=grad_sq[0] if grad_sq else None,
+                               **hyperparameters)
+            arriving = state
+    if data_parallel is None:
+        return arriving
+    if slab.has_host_part:  # the owner's state, one broadcast to every rank
+        data_parallel.broadcast(_pack([arriving.master, arriving.exp_avg, arriving.exp_avg_sq],
+                                      arriving.counts).to(slab.device), slab.key.owner)
+        return arriving
+    rows = torch.empty(len(member), 3 * slab.R + 1, device=slab.device)
+    data_parallel.broadcast(rows, slab.key.owner)
+    return _unpack(slab.transfers.read_to_host(rows), slab.R, member, slot)
 
 
 def _update_arriving_on_device(slab: Slab, state: MovingColumns, row: torch.Tensor, row_scale: torch.Tensor,
                                steps: torch.Tensor, hyperparameters: dict) -> MovingColumns:
-    """`take_arriving` from the device's sums: the arriving columns' rows go up (one copy on the upload stream)
-    and take their AdamW step there, each column a member of k = 1 for the slab kernel, one call per lr
-    multiplier. The training thread reads nothing back and runs no CPU AdamW."""
+    """`take_arriving` from the device's sums: the arriving rows go up and take their AdamW step there, each
+    column a member of k = 1 for the slab kernel, one call per lr multiplier."""
     up = _upload(slab, state)
     m, R = len(state.member), slab.R
     scales = [scale for scale in row_scale.unique().tolist() if scale != 0.0]
@@ -124,8 +120,7 @@ def _update_arriving_on_device(slab: Slab, state: MovingColumns, row: torch.Tens
 
 
 def _upload(slab: Slab, moving: MovingColumns) -> MovingColumns:
-    """Host columns' state on the device: `_pack`ed into a pinned buffer, one copy up on the upload stream
-    that the compute stream waits for (no host synchronisation). Already on the device: as it is."""
+    """Columns' state on the device: `_pack`ed into a pinned buffer, one copy up that the compute stream waits for."""
     if moving.on_device or slab.transfers.device_is_host:
         return moving
     pinned = slab.transfers.host_zeros((len(moving.member), 3 * slab.R + 1), torch.float32)
@@ -136,12 +131,10 @@ def _upload(slab: Slab, moving: MovingColumns) -> MovingColumns:
 
 
 def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[MovingColumns]) -> int:
-    """Make `selected` the device-resident columns while this boundary's CPU update (launched after
-    `take_arriving`) still runs over the host rows. The arriving columns take the state `take_arriving`
-    made (`arriving`) and their new masters are written into the parameters at once; each departing column
-    takes the host row its member's arriving column leaves, its state kept aside (`departing`) until that
-    update has finished (`settle_departing`). Device tensors change in place, in a fixed number of calls.
-    Returns how many columns changed sides."""
+    """Make `selected` the device columns while this boundary's CPU update (launched after `take_arriving`)
+    runs over the host rows: the arriving columns take `arriving` and their masters are written into the
+    parameters; each departing column takes the host row its member's arriving column leaves, its state kept
+    aside (`departing`) until `settle_departing`. Returns how many columns changed sides."""
     if arriving is None:
         return 0
     old_selected, n, C, k = slab.selected_cpu, slab.n, slab.C, slab.k
@@ -163,8 +156,17 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
         # Copied down on the copy stream, not read here: nothing needs them before the update has finished.
         rows, done = slab.transfers.copy_to_host(torch.cat([departing, weights.float()], 1))
         slab.departing = DepartingCopy(departing_member, row, rows, done)
-    _take_selection(slab, selected, host_columns, at)
-    # The members whose columns changed hold their masters in every selected column from now on.
+    # The new column sets; members whose columns changed hold their masters in every selected column from now
+    # on. The step's gradients, gathered by the old columns, stay: the boundary's update took them, and a step's
+    # first backward overwrites a member's gradient buffers before anything reads them.
+    slab.selected_cpu, slab.host_columns_cpu = selected, host_columns
+    slab.selected.copy_(at.selected)
+    slab.host_columns.copy_(at.host_columns)
+    if slab.selected_written is not None:
+        slab.selected_written = torch.where(at.changed.view(-1, 1, 1), slab.master.to(slab.dtype),
+                                            slab.selected_written)
+    for slot_extras in slab.extra_grads:
+        slot_extras.clear()
     kernels.write_columns_(slab.params, slab.selected, slab.master.to(slab.dtype) if slab.selected_written is None
                            else slab.selected_written)
     return 2 * int(departing_member.numel())
@@ -179,7 +181,7 @@ def settle_departing(slab: Slab) -> None:
     wait_events([copy.done])
     slab.transfers.host_access(reads=[copy.rows])
     d = _unpack(copy.rows, slab.R, copy.member, copy.place, weights_dtype=slab.dtype)
-    for name in ("master", "exp_avg", "exp_avg_sq"):
+    for name in _STATE:
         getattr(slab, "host_" + name)[d.member, d.place] = getattr(d, name)
     slab.host_counts[d.member, d.place] = d.counts
     wait_events(slab.upload_done)  # an upload may still read the weights of these rows
@@ -190,9 +192,7 @@ def settle_departing(slab: Slab) -> None:
 
 
 class MoveIndices(NamedTuple):
-    """A move's indices on the device: each new slot i of member j takes old slot stay[j, i];
-    the departing columns by (member, old slot), the arriving ones by (member, new slot); the new column
-    sets; which members' columns changed."""
+    """A move's indices on the device (`_move_device_columns`); `changed`: the members whose columns changed."""
 
     stay: torch.Tensor  # [n, k]
     departing_member: torch.Tensor  # [m]
@@ -205,10 +205,9 @@ class MoveIndices(NamedTuple):
 
 
 def _move_device_columns(slab: Slab, at: MoveIndices, arriving: MovingColumns) -> torch.Tensor:
-    """The device side of a move, the same for every reselection: each new slot i of member j takes old slot
-    at.stay[j, i] (an arriving column's entry is any), then the arriving columns' state (`arriving`) is
-    written in. Returns the departing columns' state, `_pack`ed on the device, gathered before any write: the
-    caller says when it comes to the host. Device tensors change in place, in a fixed number of calls."""
+    """The device side of a move: each new slot i of member j takes old slot at.stay[j, i], then the arriving
+    columns' state is written in. Returns the departing columns' state, `_pack`ed on the device before any
+    write (the caller copies it to the host)."""
     arriving = _upload(slab, arriving)
     departing_at, arriving_at = (at.departing_member, at.departing_slot), (at.arriving_member, at.arriving_place)
     outgoing = _pack([getattr(slab, name).transpose(1, 2)[departing_at] for name in _STATE],
@@ -222,19 +221,6 @@ def _move_device_columns(slab: Slab, at: MoveIndices, arriving: MovingColumns) -
     counts[arriving_at] = arriving.counts
     slab.counts.copy_(counts)
     return outgoing
-
-
-def _rows_from_owner(slab: Slab, data_parallel, member: torch.Tensor, place: torch.Tensor,
-                     moving: Optional[MovingColumns]) -> MovingColumns:
-    """Data parallel: columns' state, which only the owner of the slab's host part holds (`moving`; None
-    elsewhere), on every rank: one broadcast."""
-    if slab.has_host_part:
-        rows = _pack([moving.master, moving.exp_avg, moving.exp_avg_sq], moving.counts)
-        data_parallel.broadcast(rows.to(slab.device), slab.key.owner)
-        return moving
-    rows = torch.empty(len(member), 3 * slab.R + 1, device=slab.device)
-    data_parallel.broadcast(rows, slab.key.owner)
-    return _unpack(slab.transfers.read_to_host(rows), slab.R, member, place)
 
 
 def share_first_selection(member: Member, state: MemberState, data_parallel) -> None:
@@ -257,24 +243,8 @@ def share_first_selection(member: Member, state: MemberState, data_parallel) -> 
     for name in _STATE:
         getattr(state, name)[:, columns] = getattr(arrived, name).t()
     state.step[columns] = arrived.counts
-    if state.step_grad is None:
-        state.step_grad = torch.zeros(member.rows, member.cols, dtype=member.param.dtype, device="cpu")
+    state.step_grad = grad  # (zeros where it had none)
     state.step_grad[:, columns] = rows[:, 3 * member.rows + 1:].t()  # (after the packed state: the gradient)
-
-
-def _take_selection(slab: Slab, selected: torch.Tensor, host_columns: torch.Tensor, at: MoveIndices) -> None:
-    """The slab's new column sets after a move (`selected`, `host_columns` on the host, `at` on the device);
-    members whose columns changed hold their masters in their selected columns from now on. The step's
-    gradients, gathered by the old columns, are left as they are: the boundary's update took them, and a
-    step's first backward overwrites a member's gradient buffers before anything reads them."""
-    slab.selected_cpu, slab.host_columns_cpu = selected, host_columns
-    slab.selected.copy_(at.selected)
-    slab.host_columns.copy_(at.host_columns)
-    if slab.selected_written is not None:
-        slab.selected_written = torch.where(at.changed.view(-1, 1, 1), slab.master.to(slab.dtype),
-                                            slab.selected_written)
-    for slot_extras in slab.extra_grads:
-        slot_extras.clear()
 
 
 def _host_position(slab: Slab) -> torch.Tensor:

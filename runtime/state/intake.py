@@ -1,10 +1,9 @@
 """Gradients into the slabs, and their sums over an update interval (ARCHITECTURE.md, "One training step").
 
-A bucket's `BucketPlan` (made once per bucket composition and layout) hands whole slabs over in one batched call
-each (`take_grads`), the rest member by member (`take_grad`, `take_reduced`). The unselected columns' gradient
-is either staged on the device (`rest_grad`, summed there by `accumulate_on_device`, sent down once per interval
-by `send_accumulators`) or copied down into the pinned `host_grads` and summed by the accumulate worker
-(`accumulate`).
+Whole slabs go in one batched call each (`take_grads`), the rest member by member (`take_grad`, `take_reduced`).
+The unselected columns' gradient is staged on the device (`rest_grad`, summed by `accumulate_on_device`, sent
+down once per interval by `send_accumulators`) or copied into the pinned `host_grads` and summed by the
+accumulate worker (`accumulate`).
 """
 
 from __future__ import annotations
@@ -23,17 +22,15 @@ _SENT = object()
 
 
 class BucketPlan:
-    """Whole slabs in one batched call each (`take_grads`), the rest member by member (`take_grad`)."""
+    """A bucket's gradients (made once per bucket composition and layout): whole slabs in one batched call each
+    (`take_grads`), the rest member by member (`take_grad`)."""
 
     def __init__(self, members: list[Member]):
-        by_slab: dict[int, list[int]] = {}
-        slabs = {}
+        by_slab: dict[int, tuple] = {}  # id -> (slab, the bucket's positions of its members)
         for position, member in enumerate(members):
-            by_slab.setdefault(id(member.slab), []).append(position)
-            slabs[id(member.slab)] = member.slab
+            by_slab.setdefault(id(member.slab), (member.slab, []))[1].append(position)
         self.whole, self.singles = [], []
-        for key, positions in by_slab.items():
-            slab = slabs[key]
+        for slab, positions in by_slab.values():
             if len(positions) == slab.n:
                 positions.sort(key=lambda p: members[p].index)
                 self.whole.append((slab, positions))
@@ -128,8 +125,7 @@ def _take_stacked(slab: Slab, g: torch.Tensor, grad_slot: int) -> int:
 
 
 def take_grad(slab: Slab, i: int, grad: torch.Tensor, scores: Optional[torch.Tensor], grad_slot: int) -> int:
-    """One backward's gradient of member i (a later backward of the step, or a member whose slab did not
-    arrive whole)."""
+    """One backward's gradient of member i (a later backward, or a member whose slab did not arrive whole)."""
     member = slab.members[i]
     g = _plain(grad, (slab.R, slab.C))
     first = _count_grad(slab, member)
@@ -182,9 +178,8 @@ def _offload(slab: Slab, i: int, rest: torch.Tensor, first: bool, grad_slot: int
 
 def take_reduced(slab: Slab, i: int, replicated: Optional[torch.Tensor], host: Optional[torch.Tensor],
                  grad_slot: int) -> int:
-    """Member i's averaged gradient: the selected columns (every rank) and, on the owner, the unselected
-    ones. Scores are the averaged gradient's (the host columns' only on the owner: the runtime all-reduces
-    the scores at the step)."""
+    """Member i's averaged gradient: the selected columns (every rank) and, on the owner, the unselected ones,
+    and its scores (the host columns' only on the owner: the runtime all-reduces the scores at the step)."""
     first = _count_grad(slab, slab.members[i])
     scores = torch.zeros(slab.C, device=slab.device)
     if replicated is not None:
@@ -235,14 +230,12 @@ def exact_scores(slab: Slab, rows: list[int]) -> None:
 
 
 def copies_in_flight(slab: Slab, grad_slot: int) -> list:
-    """The events of this step's copies into the gradient buffers (none where the device is the host).
-    Taken when the accumulate task is submitted: the next step replaces them."""
+    """The events of this step's copies into the gradient buffers, for the accumulate task (none: no copies)."""
     return [] if slab.transfers.device_is_host else list(slab.offload_done[grad_slot])
 
 
 def accumulate_on_device(slab: Slab, rows: Optional[list[int]], coef: float) -> None:
-    """On the device, at step(): device_acc += coef * rest_grad (and device_sq_acc += (coef * rest_grad)**2)
-    for members `rows` (None: all)."""
+    """At step(): device_acc += coef * rest_grad (and its squares) for members `rows` (None: all)."""
     if slab.acc_sent is not None:  # the first step of an interval: the sums sent at the boundary start over
         sums = slab.device_sums()
         slab.transfers.after_copy_down(slab.acc_sent, sums)
@@ -256,11 +249,9 @@ def accumulate_on_device(slab: Slab, rows: Optional[list[int]], coef: float) -> 
 
 
 def send_accumulators(slab: Slab) -> int:
-    """Device accumulation, at a boundary: the interval's sums copied into the pinned accumulators of the
-    slab's `acc_slot` for the CPU update (`acc_landed[acc_slot]` is their copy's event). The device sums hold
-    nothing from here on (`acc_sent`); the next step's accumulation empties them, its stream waiting for the
-    copy then: a step later, so the device does not wait for it. Returns the bytes sent. (Host accumulation:
-    nothing to send.)"""
+    """Device accumulation, at a boundary: the interval's sums copied into the pinned accumulators of `acc_slot`
+    (`acc_landed[acc_slot]`: the copy's event); returns the bytes sent. The next step's accumulation empties the
+    sums (`acc_sent`), its stream waiting for the copy a step later, so the device does not wait for it."""
     if not slab.accumulates_on_device or slab.acc_sent is not None:
         return 0
     targets = slab.host_sums(slab.acc_slot)
@@ -277,17 +268,12 @@ def wait_for_accumulators(slab: Slab, acc_slot: int) -> None:
 
 
 def accumulate(slab: Slab, rows: Optional[list[int]], grad_slot: int, acc_slot: int, coef: float) -> None:
-    """Accumulate worker, once the step's copies have landed: acc += coef * g (and square_acc +=
-    (coef * g)**2) for members `rows` (None: all)."""
+    """Accumulate worker, once the step's copies landed: acc += coef * g (and its squares) for members `rows`."""
+    pick = (lambda t: [t]) if rows is None else (lambda t: [t[i] for i in rows])
     grads = slab.host_grads[grad_slot]
     accs, *squares = slab.host_sums(acc_slot)
-    squares = squares[0] if squares else None
     slab.transfers.host_access(reads=[grads])
-    if rows is None:
-        kernels.accumulate_scaled_many_([accs], [grads], coef, square_accs=None if squares is None else [squares])
-    else:
-        kernels.accumulate_scaled_many_([accs[i] for i in rows], [grads[i] for i in rows], coef,
-                                        square_accs=None if squares is None else [squares[i] for i in rows])
+    kernels.accumulate_scaled_many_(pick(accs), pick(grads), coef, square_accs=pick(squares[0]) if squares else None)
 
 
 __all__ = ["BucketPlan", "accumulate", "accumulate_on_device", "copies_in_flight", "end_step", "exact_scores",

@@ -14,8 +14,7 @@ SHARED_SLAB_MAX_NUMEL = {"cpu": 1 << 14, "cuda": 1 << 20}
 
 
 def top_k_columns(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores, ties to the lower index, in ascending order (on the host). `scores`
-    may be [n, C]: the top k of each row."""
+    """Indices of the k largest scores (of each row), ties to the lower index, in ascending order, on the host."""
     order = torch.sort(scores.detach().cpu(), dim=-1, descending=True, stable=True).indices
     return order[..., :k].sort(dim=-1).values
 
@@ -58,8 +57,8 @@ def columns_index(columns: torch.Tensor, rows: int) -> torch.Tensor:
 def columns_as_rows(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, columns: torch.Tensor,
                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """[n, m, R] on the host (into `out` if given): the columns `columns` ([n, m]) of each of n [R, C] tensors
-    (None: zeros) as rows. One pass per member where its tensor is by column already (a state a slab exported:
-    `_natural`) or `columns` is every column in order; else torch's blocked transpose, then the gather."""
+    (None: zeros) as rows. One pass per member where its tensor is by column already (`Slab.natural`) or
+    `columns` is every column in order; else torch's blocked transpose, then the gather."""
     n, m = columns.shape
     rows = next(t for t in naturals if t is not None).shape[0]
     out = torch.empty(n, m, rows, dtype=dtype, device="cpu") if out is None else out
@@ -76,17 +75,16 @@ def columns_as_rows(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, 
     return out
 
 
-# Elements of a parameter transposed at a time when a slab reads fresh masters from it (`param_columns`): a block
-# of whole rows, transposed by torch's blocked kernel (faster than a narrower block or a strided gather), bounds
-# the transient copy to a few MB.
+# Elements of a parameter `param_columns` transposes at a time: a block of whole rows (torch's blocked transpose
+# beats a narrower block or a strided gather) bounds the transient copy to a few MB.
 PARAM_BLOCK_ELEMENTS = 1 << 20
 
 
 def param_columns(params: list[torch.Tensor], selected: torch.Tensor, host_columns: Optional[torch.Tensor],
                   device: torch.device) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Fresh fp32 masters read straight from the parameters ([R, C] views, on `device`): the columns
-    `selected` ([n, k]) as [n, R, k] on the device and, where `host_columns` ([n, u]) is given, those
-    columns as host rows [n, u, R]. Each element is read and cast once, with no [R, C] copy in between."""
+    """Fresh fp32 masters from the parameters ([R, C] views, on `device`): the columns `selected` ([n, k]) as
+    [n, R, k] on the device, the columns `host_columns` ([n, u]; None: none) as host rows [n, u, R]. Each element
+    is read and cast once, with no [R, C] copy in between."""
     n, k = selected.shape
     rows, cols = params[0].shape
     on_device = torch.empty(n, rows, k, device=device)
@@ -112,9 +110,8 @@ def device_columns(naturals: list[Optional[torch.Tensor]], dtype: torch.dtype, c
 
 
 def accumulator_bytes(params: list[torch.Tensor], config) -> int:
-    """Device bytes that summing on the device needs for every parameter of `params` that trains: per
-    unselected element an fp32 sum (two with interval_second_moment) and its gradient's staging in the
-    parameter's dtype."""
+    """Device bytes that summing on the device needs for the trained matrices of `params`: per unselected
+    element an fp32 sum (two with interval_second_moment) and its gradient's staging in the parameter's dtype."""
     sums = 8 if config.interval_second_moment else 4
     total = 0
     for param in params:

@@ -19,8 +19,7 @@ class Member:
 
     def __init__(self, param: torch.Tensor, pid: int, group_index: int, owner: int, owns_host: bool,
                  phase: int = 0):
-        # A parameter sharded by FSDP2 (runtime/sharding.py): the state is that of this rank's rows, and the
-        # slab it joins is chosen by its global shape (`key_rows`, `key_numel`), the same on every rank.
+        # Sharded by FSDP2: the state is this rank's rows', its slab chosen by the global shape (every rank's).
         self.key_rows, self.key_numel = matrix_shape(param)[0], param.numel()
         self.sharded = param if is_sharded(param) else None  # (its DTensor: the local tensor may be replaced)
         param = local_shard(param)
@@ -44,9 +43,8 @@ class Member:
         return self.param if self.sharded is None else self.sharded
 
     def follow_local_shard(self) -> None:
-        """A sharded parameter whose DTensor holds another local tensor than the one the state was made for
-        (FSDP2 re-pads the shard after `model.load_state_dict(..., assign=True)` with swapped parameters, a
-        `module._apply`, ...): the state follows the new one. Its rows are the same rows of the parameter."""
+        """The state follows a sharded parameter's new local tensor (FSDP2 re-pads the shard after
+        `model.load_state_dict(..., assign=True)`, a `module._apply`, ...): the same rows of the parameter."""
         local = local_shard(self.sharded)
         if local is self.param:
             return
@@ -70,8 +68,7 @@ class Member:
 
     def split_grad_for_reduce(self, grad: torch.Tensor, replicated: Optional[torch.Tensor],
                               host: Optional[torch.Tensor]) -> None:
-        """The gradient's selected columns ([R, k]) and unselected ones (transposed, [u, R]) into the reduction
-        buffers."""
+        """The gradient's selected columns ([R, k]) and unselected ones ([u, R]) into the reduction buffers."""
         slab, i = self.slab, self.index
         g = grad.reshape(slab.R, slab.C)
         if replicated is not None:
@@ -105,23 +102,21 @@ def slab_key(member: Member, num_selected: int) -> SlabKey:
 
 @dataclass
 class MemberState:
-    """One parameter's whole state in its natural [R, C] layout, on the host: what moves between slabs and
-    into checkpoints. NaN where this rank does not know (a host part another rank owns). A state a slab
-    exports holds [R, C] views of [C, R] tensors (`Slab.natural`), a fresh one's master and moments are None
-    (the parameter's values, zeros): both so that a new slab lays them out without an intermediate copy
-    (`layout.columns_as_rows`, `layout.param_columns`)."""
+    """One parameter's whole state in its natural [R, C] layout, on the host: what moves between slabs and into
+    checkpoints; NaN where this rank does not know (a host part another rank owns). An exported state holds views
+    of [C, R] tensors (`Slab.natural`), a fresh one None for master and moments: either is laid out without an
+    intermediate copy."""
 
     master: Optional[torch.Tensor]  # fp32 [R, C] (None: the parameter's values)
     exp_avg: Optional[torch.Tensor]
     exp_avg_sq: Optional[torch.Tensor]
     step: torch.Tensor  # fp32 [C] per-column update counts
     selected: torch.Tensor  # int64 [k] ascending (empty: not selected yet)
-    host_columns: Optional[torch.Tensor] = None  # the host columns' order, when the counts that decide it are unknown here
+    host_columns: Optional[torch.Tensor] = None  # the host columns' order, where the counts deciding it are unknown
     accumulator: Optional[torch.Tensor] = None  # fp32 [R, C] (host columns)
     square_accumulator: Optional[torch.Tensor] = None
     applied: Optional[torch.Tensor] = None  # [R, C] param dtype: the host columns as the device holds them
-    selected_written: Optional[torch.Tensor] = None  # [R, k] param dtype: the selected columns as the device holds
-    # them, where that is not the master cast (after a cast, until the device update rewrites them)
+    selected_written: Optional[torch.Tensor] = None  # [R, k]: the parameter's selected columns, if not the master cast
     unapplied: bool = False  # a CPU update of the host columns has not reached the device yet
     step_grad: Optional[torch.Tensor] = None  # [R, C] param dtype: the gradient handed over this step
     step_scores: Optional[torch.Tensor] = None  # [C] fp32: its column scores

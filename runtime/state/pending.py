@@ -1,15 +1,8 @@
-"""Matrices waiting for their first selection.
-
-A matrix whose first gradient arrives once warm-up is over is selected at that step's `step()`. Rather than
-laying its state out with no column selected and again once the selection is made, it holds only what the
-selection needs until then, the step's gradient and its column scores, on the device; at `step()` its slab
-is laid out once, with its k selected columns, straight from the parameter
-(`Placement.select_first`), and the gradient goes in as any first gradient would
-(`intake.take_first_gradient`).
-
-To the intake a `PendingSlab` is a whole slab (every column on the device, no host part) that holds nothing
-but the gradient and the scores, so gradients reach it through the same calls (`BucketPlan`, `take_grads`,
-`take_grad`, several backwards, `exact_scores`), and the step reads its scores with the slabs'.
+"""Matrices waiting for their first selection: a matrix whose first gradient arrives after warm-up holds only the
+step's gradient and column scores, on the device, until `step()` selects it; then its slab is laid out once, with
+its k selected columns, straight from the parameter (`Placement.select_first`), and takes the gradient as any
+first gradient (`intake.take_first_gradient`). To the intake a `PendingSlab` is a whole slab with no host part,
+so gradients reach it through the same calls (`BucketPlan`, `take_grad`, `exact_scores`).
 """
 
 from __future__ import annotations
@@ -45,7 +38,7 @@ class PendingSlab:
 
     def hand_over(self, grad_slot: int) -> int:
         """Once its members are laid out in slabs: each slab takes its members' gradient and scores; returns the
-        bytes sent device -> host. The buffers are let go (what the copies still read, they keep alive)."""
+        bytes sent device -> host. The buffers are let go (the copies keep alive what they still read)."""
         row = {id(member): i for i, member in enumerate(self.members)}
         sent = 0
         for slab in {id(m.slab): m.slab for m in self.members}.values():
@@ -84,8 +77,7 @@ class PendingPlacements:
         groups: dict[SlabKey, list[Member]] = {}
         for member in members:
             groups.setdefault(key_of(member), []).append(member)
-        for key, grouped in groups.items():
-            self.slabs.append(PendingSlab(key, grouped, grouped[0].param.device))
+        self.slabs += [PendingSlab(key, grouped, grouped[0].param.device) for key, grouped in groups.items()]
         self.members.update((m.pid, m) for m in members)
 
     def follow_param_groups(self, group_of: dict[int, int]) -> None:

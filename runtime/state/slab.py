@@ -1,28 +1,20 @@
-"""Optimizer state born flat: the parameters of one slab share every state tensor, one row each (ARCHITECTURE.md,
-"The slabs").
+"""Optimizer state born flat: n like parameters (one param group, dtype and [R, C] shape, k selected columns
+each, u = C - k) share every state tensor, row i member i's (ARCHITECTURE.md, "The slabs"):
 
-A slab holds n like parameters: one param group, one dtype, one [R, C] shape, k selected columns each (u = C - k):
-
-    device  grad [n, R, k] (param dtype)      master, exp_avg, exp_avg_sq [n, R, k] fp32
-            counts [n, k] fp32 (per-column update counts)    selected [n, k], host_columns [n, u] int64
-            scores [n, C] fp32 (this step's squared column norms)
+    device  grad [n, R, k] (param dtype)      master, exp_avg, exp_avg_sq [n, R, k] fp32      counts [n, k] fp32
+            selected [n, k], host_columns [n, u] int64      scores [n, C] fp32 (this step's squared column norms)
     host    master, exp_avg, exp_avg_sq [n, u, R] fp32       host_counts [n, u] fp32
-            accumulators, square_accumulators [n, u, R] fp32: two by interval parity where the host sums
-            (its worker adds into one while the update reads the other), one where the device sums
-            host_grads[2] [n, u, R] (by step parity), host_weights[2] [n, u, R] (by update parity): pinned,
-            the param dtype; host_scores [n, u] pinned
+            accumulators, square_accumulators [n, u, R] fp32: two by interval parity (the worker adds into one
+            while the update reads the other), one where the device sums
+            host_grads[2] (by step parity), host_weights[2] (by update parity) [n, u, R] pinned, param dtype;
+            host_scores [n, u] pinned
 
-With `offload` the selected columns' exp_avg and exp_avg_sq live in pinned host memory, `parked_moments`
-[2, n, R, k], and are on the device only for the work that needs them (`moments_on_device`).
-
-Where the device sums the unselected columns' gradients (`accumulate_on`), they are gathered into `rest_grad`
-[n, u, R] (param dtype) and added into `device_acc` (and `device_sq_acc`) [n, u, R] fp32, which a boundary
-copies into the pinned accumulators once per interval (host_grads then do not exist). A slab before its first
-selection (k = 0: warm-up, a boundary every step) sums on the host. Data parallel: only the owner of a slab's
-members holds its host part (`owns_host`).
-
-This module builds a slab's buffers from `MemberState`s and exports them (`Slab.export_member`); what runs over
-them lives beside it: `state/intake.py`, `state/update.py`, `state/columns.py`, `state/watch.py`.
+`offload`: the selected columns' moments live in pinned `parked_moments` [2, n, R, k], on the device only inside
+`moments_on_device`. Where the device sums (`accumulate_on`), the unselected gradient is gathered into
+`rest_grad` [n, u, R] (param dtype) and added into `device_acc` (`device_sq_acc`) [n, u, R] fp32, copied into
+the pinned accumulators once per interval (no host_grads). k = 0 (warm-up) sums on the host. Data parallel:
+only the owner of the members holds the host part (`owns_host`). What runs over a slab: `state/intake.py`,
+`state/update.py`, `state/columns.py`, `state/watch.py`.
 """
 
 from __future__ import annotations
@@ -62,74 +54,76 @@ class Slab:
         else:
             selected = torch.zeros(n, 0, dtype=torch.long, device="cpu")
         counts = torch.stack([s.step for s in states])
-        host_columns = self._host_order(selected, counts, states)
+        # The host columns: a given order (a checkpoint's, or decided by counts unknown here), else by count.
+        given = [s.host_columns for s in states]
+        if not all(g is not None and len(g) in (0, u) for g in given):
+            host_columns = host_order(counts, selected)
+        elif given and given[0].numel():
+            host_columns = torch.stack(given)
+        else:
+            host_columns = torch.zeros(n, u, dtype=torch.long, device="cpu")
         self.selected_cpu, self.host_columns_cpu = selected, host_columns
         self.has_host_part = self.owns_host and u > 0
         self.accumulates_on_device = accumulate_on_device and self.has_host_part and k > 0
-        # The update worker queues its columns' upload as soon as it has published them (one process, a device
-        # that is not the host); `uploaded` is that (device tensor, event) until the apply merges it.
+        # `uploaded`: (device tensor, event) the update worker uploaded once it published, until the apply merges it
         self.upload_early = upload_early and self.has_host_part and not transfers.device_is_host
         self.uploaded = None
-        # offload: the selected columns' moments between their device updates (see `moments_on_device`)
         self.parks_moments = offload_moments and k > 0 and not transfers.device_is_host
         self.moments_resident = not self.parks_moments
         self.parked_moments = self.moments_parked = None  # (pinned [2, n, R, k]; the event of its last copy down)
         self.moment_bytes_moved = 0  # each way, since the engine last counted them
-        host_state = self._lay_out_columns(states, counts)
+        self._lay_out_columns(states, counts)
         self.grad = torch.zeros(n, R, k, dtype=self.dtype, device=dev)
         self.scores = torch.zeros(n, C, device=dev)
         self.selected, self.host_columns = selected.to(dev), host_columns.to(dev)
-        # gather indexes of the selected and the host columns over [n, R, C]
+        # gather indexes of the selected and the host columns over [n, R, C] (views: they follow `selected`)
         self.selected_index, self.host_index = columns_index(self.selected, R), columns_index(self.host_columns, R)
-        # Whole-parameter slabs (vectors, matrices with every column selected): the device layout is the
-        # parameter's own, no gather.
-        self.whole = k == C
+        self.whole = k == C  # no gather: the device layout is the parameter's
         self.offload_done: list[list] = [[], []]  # copy events into host_grads[slot] (and a step's extras)
         self.upload_done: list = [None, None]  # upload events of host_weights[slot]
         self.extra_grads: list[dict] = [{}, {}]  # later backwards of a step: member index -> [host buffers]
         self.extra_pool: list[dict] = [{}, {}]  # the pinned buffers extra_grads reuses, per member
         self.weights_slot = 0  # which host_weights holds the latest CPU-updated columns
         self.unapplied = any(s.unapplied for s in states)
-        # A reselection during an in-flight CPU update (overlap_reselect="incoming"): the departing columns'
-        # state, waiting for their host rows until that update has finished (`settle_departing`).
-        self.departing = None  # (a columns.DepartingCopy)
+        self.departing = None  # a reselection in flight's departing columns (`columns.settle_departing`)
         self._params = None  # see `params`
         self.master_rows = list(self.master.unbind(0))  # (the tensors are rewritten in place, never replaced)
         # This step: how many members took a gradient, and whether any took several backwards.
         self.members_taken = sum(1 for s in states if s.step_grad is not None)
         self.several_backwards = any(m.num_grads > 1 for m in members)
-        self._take_step_grads(states)
+        step_grads = [s.step_grad for s in states]  # (a layout at step(): the step's gradient and scores come along)
+        if any(g is not None for g in step_grads):
+            self.grad.copy_(device_columns(step_grads, self.dtype, selected, dev))
+            for i, s in enumerate(states):
+                if s.step_scores is not None:
+                    self.scores[i].copy_(s.step_scores)
         self.device_acc = self.device_sq_acc = self.rest_grad = None
-        # The accumulators this interval fills (where the host sums, the two alternate at each boundary: the
-        # update reads one while the worker adds into the other); a slab laid out anew starts in 0, where its
-        # members' sums go.
-        self.acc_slot = 0
+        self.acc_slot = 0  # the accumulators this interval fills (a new slab's members' sums are in 0)
         self.acc_landed: list = [None, None]  # device accumulation: the copy events into accumulators[slot]
         self.acc_sent = None  # device accumulation: the sums were sent at a boundary, not yet emptied (an event)
-        self._lay_out_host_part(states, host_state, counts)
+        self._lay_out_host_part(states, counts)
 
-    def _lay_out_columns(self, states: list[MemberState], counts: torch.Tensor) -> dict:
-        """The members' masters and moments: their selected columns on the device (with `offload`, the moments
-        parked on the host) and their update counts; returns their host rows by name (None without a host
-        part), for `_lay_out_host_part`."""
+    def _lay_out_columns(self, states: list[MemberState], counts: torch.Tensor) -> None:
+        """Masters and moments: the selected columns on the device (`offload`: the moments parked on the host), the
+        host rows (`host_master`, ...; None without a host part); the selected columns' counts."""
         n, R, k, u, dev, transfers = self.n, self.R, self.k, self.u, self.device, self.transfers
-        selected, host_columns, members = self.selected_cpu, self.host_columns_cpu, self.members
-        host_state = {}
+        selected, host_columns = self.selected_cpu, self.host_columns_cpu if self.has_host_part else None
         for name in ("master", "exp_avg", "exp_avg_sq"):
             moments_on = "cpu" if self.parks_moments and name != "master" else dev
             naturals = [getattr(s, name) for s in states]
             if name == "master" and any(t is None for t in naturals):  # fresh: the parameters' values
                 if not all(t is None for t in naturals):
                     raise RuntimeError("internal: fresh and laid-out states in one slab")
-                self.master, host_state[name] = param_columns([m.as_columns() for m in members], selected,
-                                                              host_columns if self.has_host_part else None, dev)
-                continue
-            if all(t is None for t in naturals):  # fresh moments: zeros, laid out directly
-                setattr(self, name, torch.zeros(n, R, k, device=moments_on))
-                host_state[name] = torch.zeros(n, u, R, device="cpu") if self.has_host_part else None
-                continue
-            setattr(self, name, device_columns(naturals, torch.float32, selected, moments_on))
-            host_state[name] = columns_as_rows(naturals, torch.float32, host_columns) if self.has_host_part else None
+                on_device, on_host = param_columns([m.as_columns() for m in self.members], selected, host_columns,
+                                                   dev)
+            elif all(t is None for t in naturals):  # fresh moments: zeros, laid out directly
+                on_device = torch.zeros(n, R, k, device=moments_on)
+                on_host = None if host_columns is None else torch.zeros(n, u, R, device="cpu")
+            else:
+                on_device = device_columns(naturals, torch.float32, selected, moments_on)
+                on_host = None if host_columns is None else columns_as_rows(naturals, torch.float32, host_columns)
+            setattr(self, name, on_device)
+            setattr(self, "host_" + name, on_host)
         if self.parks_moments:
             self.parked_moments = transfers.host_zeros((2, n, R, k), torch.float32)
             transfers.host_access(writes=[self.parked_moments])
@@ -145,39 +139,25 @@ class Slab:
             written = torch.stack([c if w is None else w.to(dev, self.dtype) for c, w in zip(cast, written)])
             if not torch.equal(written, cast):
                 self.selected_written = written
-        return host_state
 
-    def _take_step_grads(self, states: list[MemberState]) -> None:
-        """This step's gradients and scores that came with the states (a layout at step()), device part."""
-        step_grads = [s.step_grad for s in states]
-        if any(g is not None for g in step_grads):
-            self.grad.copy_(device_columns(step_grads, self.dtype, self.selected_cpu, self.device))
-            for i, s in enumerate(states):
-                if s.step_scores is not None:
-                    self.scores[i].copy_(s.step_scores)
-
-    def _lay_out_host_part(self, states: list[MemberState], host_state: dict, counts: torch.Tensor) -> None:
-        """The host rows of the unselected columns (masters, moments, counts), the interval's sums, the
-        gradients' landing buffers and the weights buffers for the upload (none without a host part)."""
+    def _lay_out_host_part(self, states: list[MemberState], counts: torch.Tensor) -> None:
+        """The host counts, the interval's sums, the gradients' landing buffers and the weights buffers for the
+        upload (none without a host part)."""
         if not self.has_host_part:
-            self.host_master = self.host_exp_avg = self.host_exp_avg_sq = self.host_counts = None
+            self.host_counts = None
             self.accumulators, self.square_accumulators, self.host_grads, self.host_weights = [], [], [], []
             self.host_grad_bytes = 0
             return
-        n, R, u, dev, transfers = self.n, self.R, self.u, self.device, self.transfers
+        n, R, u, dev, host_zeros = self.n, self.R, self.u, self.device, self.transfers.host_zeros
         host_columns, accumulate_squares = self.host_columns_cpu, self.accumulate_squares
         step_grads = [s.step_grad for s in states]
         has_step_grad = any(g is not None for g in step_grads)
-        host_zeros = transfers.host_zeros
-        self.host_master, self.host_exp_avg, self.host_exp_avg_sq = (host_state[name] for name in
-                                                                     ("master", "exp_avg", "exp_avg_sq"))
         self.host_counts = counts.gather(1, host_columns)
         on_device = self.accumulates_on_device
-        # Host accumulators: where the worker adds, or (device accumulation) where a boundary's copy lands.
+        # The accumulators: where the worker adds, or where a boundary's copy of the device sums lands (one serves
+        # every interval there: the update that read it has landed before the next boundary's copy).
         landing = (lambda: host_zeros((n, u, R), torch.float32)) if on_device else (
             lambda: torch.zeros(n, u, R, device="cpu"))
-        # (Where the device sums, one landing buffer serves every interval: the update that read it has landed
-        # before the next boundary's copy, `ZenFlowRuntime._update_boundary`.)
         buffers = 1 if on_device else 2
         self.accumulators = [landing() for _ in range(buffers)]
         self.square_accumulators = [landing() for _ in range(buffers)] if accumulate_squares else []
@@ -216,15 +196,6 @@ class Slab:
             self.host_weights[0].copy_(self.host_weights[1])
         self.host_scores = host_zeros((n, u), torch.float32)
 
-    def _host_order(self, selected: torch.Tensor, counts: torch.Tensor, states: list[MemberState]) -> torch.Tensor:
-        """[n, u]: each member's unselected columns, ordered by update count (stable: ties by column)."""
-        given = [s.host_columns for s in states]
-        if all(g is not None and len(g) in (0, self.u) for g in given):
-            if given and given[0].numel():
-                return torch.stack(given)
-            return torch.zeros(self.n, self.u, dtype=torch.long, device="cpu")
-        return host_order(counts, selected)
-
     # -- what the slab holds --------------------------------------------------------------------------------
     @property
     def params(self) -> list[torch.Tensor]:
@@ -254,10 +225,8 @@ class Slab:
 
     @contextlib.contextmanager
     def moments_on_device(self):
-        """The selected columns' exp_avg and exp_avg_sq on the device for the work inside the block. With
-        `offload` they go up from their pinned home (one copy on the upload stream, after their last copy down,
-        that the compute stream waits for) and back down after it (one copy on the copy stream, not waited for
-        here): the device holds one slab's moments at a time."""
+        """The selected columns' moments on the device inside the block. `offload`: up after their last copy down
+        (the compute stream waits), down after the block (not waited for): one slab's moments at a time."""
         if self.moments_resident:
             yield
             return
@@ -290,9 +259,8 @@ class Slab:
 
     def member_rates(self, members_by_scale: dict[float, list[tuple[int, int]]]
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per member, from `members_by_scale` (lr multiplier -> [(member index, steps accumulated)]): the lr
-        multiplier its host columns step with (float64 [n]; 0: no gradient all interval, no step) and the steps
-        its sums hold (int64 [n]; 1 where it has none)."""
+        """Per member (`members_by_scale`: lr multiplier -> [(member index, steps accumulated)]): its host columns'
+        lr multiplier (float64 [n]; 0: no step) and the steps its sums hold (int64 [n]; 1 where none)."""
         scale, steps = [0.0] * self.n, [1] * self.n  # (lists: two tensors in all, whatever n)
         for multiplier, taking in members_by_scale.items():
             for i, held in taking:
@@ -306,8 +274,8 @@ class Slab:
         return [self.accumulators[slot], *self.square_accumulators[slot:slot + 1]]
 
     def fold_extra_grads(self, grad_slot: int) -> None:
-        """Sum the later backwards' offloaded gradients into host_grads[grad_slot] (waits for their copies).
-        Runs on the accumulate worker, or before a step's gradient is exported; a no-op once done."""
+        """Sum the later backwards' offloaded gradients into host_grads[grad_slot], once their copies landed
+        (the accumulate worker, or an export of the step's gradient); a no-op once done."""
         extras = {i: buffers for i, buffers in self.extra_grads[grad_slot].items() if buffers}
         if not extras:
             return
@@ -322,9 +290,8 @@ class Slab:
     # -- export: the members' state in transit form -----------------------------------------------------------
     def natural(self, i: int, device_part: Optional[torch.Tensor], host_part: Optional[torch.Tensor],
                 dtype=torch.float32, missing: float = math.nan) -> torch.Tensor:
-        """Member i's [R, C] tensor from its device columns ([n, R, k]; None: `missing` there) and its host rows
-        ([n, u, R]; None: `missing` there): the transpose of a [C, R] tensor built by column (a host row is one
-        column: a contiguous copy), which is the layout a new slab gathers from (`columns_as_rows`)."""
+        """Member i's [R, C] tensor from its device columns ([n, R, k]) and host rows ([n, u, R]) (None: `missing`
+        there): the transpose of a [C, R] tensor built by column, the layout a new slab gathers from."""
         by_column = torch.empty(self.C, self.R, dtype=dtype, device="cpu")
         for columns, part, column_rows in ((self.selected_cpu[i], device_part, False),
                                            (self.host_columns_cpu[i], host_part, True)):

@@ -1,6 +1,5 @@
-"""A slab's AdamW: the device update of its selected columns (every step), the CPU update of its host rows
-(at a boundary, on the update worker, from the interval's mean gradient, its result cast into the pinned
-weights buffer in the same pass) and that result applied to the members' parameters."""
+"""A slab's AdamW: the device update of its selected columns (every step), the CPU update of its host rows (at a
+boundary, on the update worker) and that update applied to the members' parameters."""
 
 from __future__ import annotations
 
@@ -33,11 +32,10 @@ def update_on_device(slab: Slab, rows: Optional[list[int]], *, grad_scale, **hyp
 
 def update_host_columns(slab: Slab, members_by_scale: dict[float, list[tuple[int, int]]], acc_slot: int,
                         hyperparameters: dict) -> None:
-    """Update worker, at a boundary: the CPU AdamW of the host columns of the members in
-    `members_by_scale` (lr multiplier -> [(member index, steps accumulated)]), from the mean of each member's
-    accumulated gradients, in one call over the slab's rows whatever their order and counts; the new masters
-    are cast into the free weights buffer in the same pass (for the next upload: queued at once with
-    `upload_early`, so that it has landed by the apply). Then the accumulators are emptied."""
+    """Update worker, at a boundary: the CPU AdamW of the host columns of the members in `members_by_scale`
+    (lr multiplier -> [(member index, steps accumulated)]) from their mean gradients, one call over the slab's rows
+    whatever their order; the new masters cast into the free weights buffer in the same pass (uploaded at once
+    with `upload_early`). Then the accumulators are emptied."""
     wait_for_accumulators(slab, acc_slot)
     sums = slab.host_sums(acc_slot)
     free = slab.weights_slot ^ 1
@@ -58,9 +56,8 @@ def update_host_columns(slab: Slab, members_by_scale: dict[float, list[tuple[int
 
 
 def apply_host_columns(slab: Slab, data_parallel=None) -> int:
-    """Write the latest CPU-updated columns into the members' parameters; returns the bytes uploaded.
-    Data parallel: each member's owner uploads and broadcasts its columns, the other ranks receive them.
-    Called once the update has finished."""
+    """Once the CPU update has finished: its columns into the members' parameters; returns the bytes uploaded.
+    Data parallel: each member's owner uploads and broadcasts its columns."""
     settle_departing(slab)
     uploaded, slab.uploaded = slab.uploaded, None
     slab.unapplied = False

@@ -1,7 +1,6 @@
 """Values written into a parameter by anyone but the optimizer: telling that it happened (`ParamWatch`) and
-adopting them into a slab's state (`adopt_param_values`), elementwise where they differ from what the
-optimizer left there (`left_in_param`, `adopt_changed`). The functions that take a `slab` take a
-`state.slab.Slab` (this module sits below it: a member watches its parameter)."""
+adopting them into a slab's state (`adopt_param_values`), elementwise where they differ from what the optimizer
+left there (`left_in_param`, `adopt_changed`). `slab` arguments are `Slab`s (this module sits below slab.py)."""
 
 from __future__ import annotations
 
@@ -17,11 +16,9 @@ _LOCAL = operator.attrgetter("_local_tensor")
 
 
 def watch_keys(watched: list[torch.Tensor], sharded: bool) -> list[tuple]:
-    """What `ParamWatch` compares, for many parameters in one pass of builtins (the common case: nothing
-    written). A parameter: (version, storage, dtype). A sharded one (its DTensor):
-    the DTensor's version (an in-place write through the DTensor, as `load_state_dict` makes, bumps the
-    DTensor's counter and not its local tensor's), which local tensor it holds (FSDP2 may give it a new one)
-    and that tensor's version, storage and dtype. The dtype comes last in both."""
+    """What `ParamWatch` compares, for many parameters in one pass of builtins: (version, storage, dtype); for a
+    sharded one's DTensor, its version (an in-place write through it, as `load_state_dict` makes, bumps only
+    the DTensor's counter), which local tensor it holds (FSDP2 may swap it), then that tensor's three."""
     if not sharded:
         return list(zip(map(_VERSION, watched), map(torch.Tensor.data_ptr, watched), map(_DTYPE, watched)))
     local = list(map(_LOCAL, watched))
@@ -30,12 +27,9 @@ def watch_keys(watched: list[torch.Tensor], sharded: bool) -> list[tuple]:
 
 
 class ParamWatch:
-    """Tells whether anyone but the optimizer wrote a parameter since the optimizer last looked.
-
-    The optimizer writes through `param.data`, which leaves the parameter's version counter alone; an in-place
-    write by anyone else (`load_state_dict`, an init routine, `p.copy_`) bumps it, and `p.data = other`
-    changes its storage. `watched`: the parameter, or for a sharded one its DTensor (`watch_keys`).
-    """
+    """Whether anyone but the optimizer wrote a parameter (or, sharded, its DTensor) since it last looked: the
+    optimizer writes through `param.data`, which leaves the version counter alone; an in-place write by anyone
+    else bumps it, and `p.data = other` changes the storage."""
 
     def __init__(self, watched: torch.Tensor, sharded: bool):
         self.watched, self.sharded = watched, sharded
