@@ -1,20 +1,18 @@
 """A parameter's checkpoint entry <-> its `MemberState`: the optimizer state in the parameter's natural layout.
 
-Entry of a matrix ([R, C] = [shape[0], rest]): fp32 `master`, `exp_avg`, `exp_avg_sq` [R, C], per-column
-update counts `step` [C], `selected` (bool [C]), `host_row` (int64 [C]: each host column's row in the host
-layout, -1 for a selected one; a resumed run lays its rows out in that order, so it goes on bitwise as the
-saving run would have), the interval's `accumulator` (and `square_accumulator`) over the host columns,
-`steps_accumulated`, Zen-auto's sums `zen_auto`, and while a CPU update has not reached the device
-`unapplied`; `device_columns`: the host columns as the device holds them, where that is not the
-master cast (while an update is pending, or after a cast). A vector's entry holds
-its master, moments (its shape) and count ([1]). After a cast, until the device update rewrites them,
-`device_selected` ([R, k] in the parameter's dtype): the selected columns as the device holds them. Data parallel, a matrix whose host part another rank owns:
+A matrix's entry ([R, C] = [shape[0], rest]): fp32 `master`, `exp_avg`, `exp_avg_sq` [R, C], per-column counts
+`step` [C], `selected` (bool [C]), `host_row` (int64 [C]: each host column's row in the host layout, -1 if
+selected; a resumed run lays its rows out in that order, so it goes on bitwise as the saving run would have),
+the interval's `accumulator` (and `square_accumulator`) over the host columns, `steps_accumulated`, Zen-auto's
+sums `zen_auto`, `unapplied` while a CPU update has not reached the device; where the device does not hold the
+master cast, `device_columns` (the host columns: an update pending, or after a cast) and `device_selected`
+([R, k] param dtype: the selected columns, after a cast until the device update rewrites them). A vector's
+entry: master, moments (its shape) and count ([1]). Data parallel, a matrix whose host part another rank owns:
 only this rank's device part (`host_owner`, `host_columns`, `selected_*`: `device_part`).
 
-The form torch.distributed.checkpoint (DCP) saves and fills (`dcp_form`): DCP loads into the tensors of a
-template state_dict, so every entry of one parameter has the same keys, tensors only, whatever the state holds,
-and `has_state` (a 0-d bool) says whether it is a state at all or the template of a parameter with none yet
-(`fresh_entry`), which a load skips.
+DCP's form (`dcp_form`): DCP loads into the tensors of a template state_dict, so every entry of one parameter has
+the same keys, tensors only, and `has_state` (0-d bool) says whether it is a state at all or the template of a
+parameter with none yet (`fresh_entry`), which a load skips.
 """
 
 from __future__ import annotations
@@ -63,9 +61,7 @@ def _entry(member: Member) -> dict:
     host = slab.host_columns_cpu[i]  # ([u] in row order: `host_row` is each one's row, -1 for a selected column)
     entry["host_row"] = torch.full((member.cols,), -1, dtype=torch.long, device="cpu").scatter_(
         0, host, torch.arange(len(host), device="cpu"))
-    if slab.u:
-        # What the device holds for the host columns, where it is not the master cast: until a pending update
-        # is applied (overlap), or after a cast.
+    if slab.u:  # `device_columns`: only where the device does not hold the master cast
         if state.unapplied or not torch.equal(state.applied[:, host], state.master[:, host].to(slab.dtype)):
             entry["device_columns"] = state.applied
         if state.unapplied:
@@ -76,24 +72,17 @@ def _entry(member: Member) -> dict:
 def _host_columns(entry: dict) -> "torch.Tensor | None":
     """The host columns in row order that an entry's `host_row` gives (None: it gives none, the counts decide)."""
     host_row = entry.get("host_row")
-    if host_row is None:
-        return None
-    selected = int((host_row < 0).sum())
-    return torch.argsort(host_row, stable=True)[selected:].clone()
+    return None if host_row is None else torch.argsort(host_row, stable=True)[int((host_row < 0).sum()):].clone()
 
 
 def state_from_entry(member: Member, entry: dict) -> MemberState:
     """The MemberState a checkpoint entry describes (and the member's bookkeeping restored)."""
-    state = _state(member, entry)
-    state.selected_written = entry.get("device_selected")
-    return state
-
-
-def _state(member: Member, entry: dict) -> MemberState:
     R, C = member.rows, member.cols
+    written = entry.get("device_selected")
     if not member.is_matrix:
         return MemberState(*(entry[k].float().reshape(R, C) for k in ("master", "exp_avg", "exp_avg_sq")),
-                           entry["step"].float().reshape(C), torch.zeros(0, dtype=torch.long, device="cpu"))
+                           entry["step"].float().reshape(C), torch.zeros(0, dtype=torch.long, device="cpu"),
+                           selected_written=written)
     selected = entry["selected"].nonzero().flatten()
     member.sum_selected_score, member.sum_unselected_score = entry["zen_auto"].tolist()
     member.steps_accumulated = int(entry["steps_accumulated"])
@@ -105,42 +94,37 @@ def _state(member: Member, entry: dict) -> MemberState:
         state.step[selected] = entry["selected_step"].float()
         state.host_columns = entry["host_columns"].clone()
         state.unapplied = bool(entry.get("unapplied", False))
+        state.selected_written = written
         return state
-    state = MemberState(*(entry[k].float() for k in ("master", "exp_avg", "exp_avg_sq", "step")), selected)
-    state.host_columns = _host_columns(entry)
-    state.accumulator = entry["accumulator"].float()
-    if "square_accumulator" in entry:
-        state.square_accumulator = entry["square_accumulator"].float()
-    state.unapplied = bool(entry.get("unapplied", False))
-    state.applied = entry.get("device_columns")
-    return state
+    return MemberState(*(entry[k].float() for k in ("master", "exp_avg", "exp_avg_sq", "step")), selected,
+                       host_columns=_host_columns(entry), accumulator=entry["accumulator"].float(),
+                       square_accumulator=(entry["square_accumulator"].float() if "square_accumulator" in entry
+                                           else None),
+                       applied=entry.get("device_columns"), unapplied=bool(entry.get("unapplied", False)),
+                       selected_written=written)
 
 
 def fresh_entry(values: torch.Tensor, accumulate_squares: bool) -> dict:
-    """The entry of a parameter with no state yet (`values`: the parameter, or a sharded one's local rows): what
-    a checkpoint of it would hold before its first gradient, so a fresh optimizer's `state_dict()` is a full
-    template for `dcp.load`."""
+    """The entry of a parameter (or a sharded one's local rows) before its first gradient, so that a fresh
+    optimizer's `state_dict()` is a full template for `dcp.load`."""
     local = values.detach()
-    if local.dim() < 2:
-        master = local.float().cpu().clone()
-        return dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
-                    step=torch.zeros(1, device="cpu"))
-    rows, cols = matrix_shape(local)
-    master = local.reshape(rows, cols).float().cpu().clone()
+    matrix = local.dim() >= 2
+    master = (local.reshape(matrix_shape(local)) if matrix else local).float().cpu().clone()
+    cols = master.shape[1] if matrix else 1
     entry = dict(master=master, exp_avg=torch.zeros_like(master), exp_avg_sq=torch.zeros_like(master),
-                 step=torch.zeros(cols, device="cpu"), selected=torch.zeros(cols, dtype=torch.bool, device="cpu"),
-                 steps_accumulated=0,
-                 zen_auto=torch.zeros(2, dtype=torch.float64, device="cpu"), accumulator=torch.zeros_like(master),
-                 host_row=torch.full((cols,), -1, dtype=torch.long, device="cpu"))
-    if accumulate_squares:
-        entry["square_accumulator"] = torch.zeros_like(master)
+                 step=torch.zeros(cols, device="cpu"))
+    if matrix:
+        entry.update(selected=torch.zeros(cols, dtype=torch.bool, device="cpu"), steps_accumulated=0,
+                     zen_auto=torch.zeros(2, dtype=torch.float64, device="cpu"), accumulator=torch.zeros_like(master),
+                     host_row=torch.full((cols,), -1, dtype=torch.long, device="cpu"))
+        if accumulate_squares:
+            entry["square_accumulator"] = torch.zeros_like(master)
     return entry
 
 
 def dcp_form(entry: dict, dtype: torch.dtype, has_state: bool) -> dict:
-    """`entry` (of a parameter of `dtype`) with the keys and types every entry of that parameter has in DCP's
-    form (see the module docstring). What the form adds is what an absent key means: `device_columns` the
-    master cast (the device holds it), `unapplied` False."""
+    """`entry` (of a parameter of `dtype`) in DCP's form (module docstring), an absent key filled with what it
+    means: `device_columns` the master cast (what the device holds), `unapplied` False."""
     out = dict(entry, has_state=torch.tensor(has_state, device="cpu"))
     if "selected" in out:  # a matrix
         if "device_columns" not in out:  # (a copy: DCP loads into each tensor, an fp32 cast would be the master)
@@ -151,8 +135,7 @@ def dcp_form(entry: dict, dtype: torch.dtype, has_state: bool) -> dict:
 
 
 def saved_shape(entry: dict) -> "tuple[int, ...] | None":
-    """The shape of the state an entry holds: a vector's own shape, a matrix's [rows, columns] (as
-    `expected_shape` says for a parameter); None where the entry does not say."""
+    """The shape of the state an entry holds, as `expected_shape` gives it; None where the entry does not say."""
     if "master" in entry:
         return tuple(entry["master"].shape)
     if "selected_master" in entry:  # a data-parallel device part
@@ -174,8 +157,7 @@ def host_row_problem(entry: dict) -> "str | None":
 
 
 def expected_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The shape of the state `param` (or a sharded one's local rows) takes: its own for a vector, [rows,
-    columns] for a matrix."""
+    """The shape of the state `param` (or a sharded one's local rows) takes: a matrix's [rows, columns]."""
     return matrix_shape(param) if param.dim() >= 2 else tuple(param.shape)
 
 

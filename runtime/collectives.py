@@ -1,18 +1,16 @@
 """The data-parallel group of one ZenFlowAdamW: collectives, ownership of host state, byte counts (plain
 torch.distributed: NCCL on CUDA, gloo on CPU; ARCHITECTURE.md, "Data parallel").
 
-Host optimizer state is partitioned by whole matrices: each matrix's host state lives on one rank, its *owner*,
-chosen greedily by size (the rank with the fewest owned elements so far, ties to the lower rank) when the
-optimizer takes its parameters, the same on every rank; so a fresh optimizer knows every owner before any step,
-and at the same world size they are the saved run's. Whole matrices rather than column shards: the unselected
-gradient of a matrix is one `reduce` to one rank (gloo has no reduce-scatter), a reselection moves state only
-between the devices and the owner's host, and a model has many matrices of similar size, so the split is even.
-Vectors get an owner too: the rank that reports their score and saves their state.
+Host state is partitioned by whole matrices (vectors too: their owner reports their score and saves their
+state): each lives on one rank, its *owner*, chosen greedily by size when the optimizer takes its parameters,
+the same on every rank, so owners are known before any step and match a saved run's at the same world size.
+Whole matrices, not column shards: a matrix's unselected gradient is one `reduce` to one rank (gloo has no
+reduce-scatter), a reselection moves state only between the devices and the owner's host, and a model's many
+matrices of similar size split evenly.
 
 Every collective goes through `DataParallel`, which counts its payload bytes per kind for `opt.stats()`: sent =
-what this rank contributes (all_reduce: the tensor; reduce: unless it is the destination; broadcast: if it is
-the source), received = what it gets back. All ranks must issue the same collectives in the same order; the
-runtime decides everything from reduced (identical) quantities.
+what this rank contributes, received = what it gets back. All ranks must issue the same collectives in the
+same order; the runtime decides everything from reduced (identical) quantities.
 """
 
 from __future__ import annotations

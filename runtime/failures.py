@@ -1,13 +1,11 @@
 """Whether an optimizer's state can still be trusted.
 
-A CPU worker's error, or any exception part-way through a step after it began changing state
-(KeyboardInterrupt, out of memory), leaves the device columns, the host work and the counters out of step
-with each other. The optimizer is then failed: `step()`, `synchronize()` and `state_dict()` raise until
-`load_state_dict()` replaces every state (or a new optimizer replaces this one).
+A CPU worker's error, or any exception part-way through a step after it began changing state (KeyboardInterrupt,
+out of memory), leaves the device columns, the host work and the counters out of step. The optimizer is then
+failed: `step()`, `synchronize()` and `state_dict()` raise until `load_state_dict()` replaces every state.
 
-The failure is kept as text, never as the exception: a stored exception keeps its traceback's frames alive,
-and with them the training loop's locals and the optimizer itself, for as long as the parameters' hooks hold
-the runtime.
+The failure is kept as text, never as the exception: a stored exception's traceback keeps its frames alive, and
+with them the training loop's locals and the optimizer itself, as long as the parameters' hooks hold the runtime.
 """
 
 from __future__ import annotations

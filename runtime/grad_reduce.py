@@ -1,15 +1,12 @@
 """Bucketed, asynchronous reduction of parameter gradients across the data-parallel ranks.
 
 Each gradient is split by where its optimizer state lives: the part every rank updates on its device (a
-matrix's selected columns, a whole vector) is averaged with an all-reduce; the part updated on the host (a
-matrix's unselected columns, already transposed into the host layout) with a reduce into the matrix's owner
-only. A bucket's pieces are gathered into one flat buffer per collective: one all-reduce plus one reduce per
-owner. Buckets are launched asynchronously in backward order (the same on every rank) and finished before
-their gradients are consumed: when too many are in flight, and at `opt.step()`. (NCCL runs on its own streams,
-`Work.wait()` making the current stream wait; gloo on its own threads.)
-
-The compiled backward hands over whole buckets (`zenflow::reduce_grads`); eager hooks hand over one gradient at
-a time, which `add` gathers into buckets of the same size.
+matrix's selected columns, a whole vector) is averaged with an all-reduce; the host part (a matrix's unselected
+columns, already in the host layout) with a reduce into the matrix's owner only. Per bucket: one flat buffer per
+collective, one all-reduce plus one reduce per owner, launched asynchronously in backward order (the same on
+every rank) and finished before their gradients are consumed: when too many are in flight, and at `opt.step()`.
+(NCCL runs on its own streams, `Work.wait()` making the current stream wait; gloo on its own threads.) The
+compiled backward hands over whole buckets (`zenflow::reduce_grads`); eager hooks one gradient at a time (`add`).
 """
 
 from __future__ import annotations
@@ -38,14 +35,13 @@ class _Piece:
 @dataclass
 class _Bucket:
     pieces: list[_Piece]
-    replicated: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
-    host: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    replicated: dict[torch.dtype, torch.Tensor]  # the all-reduce's flat buffers, by dtype
+    host: dict[tuple[int, torch.dtype], torch.Tensor]  # the reduces' flat buffers, by (owner, dtype)
     works: list = field(default_factory=list)
 
 
 def _reserve(sizes: dict, key, numel: int):
-    """`numel` elements at the end of buffer `key` (whose running size `sizes` keeps): (key, offset, numel),
-    or None for no elements."""
+    """(key, offset, numel) of `numel` elements appended to buffer `key` (running sizes in `sizes`); None for 0."""
     if not numel:
         return None
     offset = sizes.get(key, 0)
@@ -55,8 +51,7 @@ def _reserve(sizes: dict, key, numel: int):
 
 class GradReducer:
     def __init__(self, data_parallel: DataParallel, bucket_numel: int, deliver: Callable):
-        """`deliver(state, replicated, host)` hands one parameter's averaged pieces (host: None on ranks
-        other than the owner) to the runtime."""
+        """`deliver(state, replicated, host)` takes one parameter's averaged pieces (host: None off its owner)."""
         self.dp = data_parallel
         self.bucket_numel = bucket_numel
         self._deliver = deliver
@@ -97,8 +92,7 @@ class GradReducer:
 
     # -- internals ----------------------------------------------------------------------------------------
     def _gather(self, items) -> _Bucket:
-        """Copy each gradient's pieces (pre-divided by the world size, so the sum is the mean) into the
-        bucket's flat buffers."""
+        """Copy each gradient's pieces into the bucket's flat buffers, divided by the world size (sum = mean)."""
         replicated_sizes: dict[torch.dtype, int] = {}
         host_sizes: dict[tuple[int, torch.dtype], int] = {}
         pieces = []
@@ -107,13 +101,12 @@ class GradReducer:
             pieces.append(_Piece(state, _reserve(replicated_sizes, grad.dtype, replicated_numel),
                                  _reserve(host_sizes, (state.owner, grad.dtype), host_numel)))
         device = items[0][1].device
-        bucket = _Bucket(pieces)
-        bucket.replicated = {dtype: torch.empty(n, dtype=dtype, device=device) for dtype, n in replicated_sizes.items()}
-        bucket.host = {key: torch.empty(n, dtype=key[1], device=device) for key, n in host_sizes.items()}
+        bucket = _Bucket(pieces, {dtype: torch.empty(n, dtype=dtype, device=device)
+                                  for dtype, n in replicated_sizes.items()},
+                         {key: torch.empty(n, dtype=key[1], device=device) for key, n in host_sizes.items()})
         for piece, (state, grad) in zip(pieces, items):
-            replicated = self._segment(bucket.replicated, piece.replicated)
-            host = self._segment(bucket.host, piece.host)
-            state.split_grad_for_reduce(grad.detach(), replicated, host)
+            state.split_grad_for_reduce(grad.detach(), self._segment(bucket.replicated, piece.replicated),
+                                        self._segment(bucket.host, piece.host))
         for flat in [*bucket.replicated.values(), *bucket.host.values()]:
             flat.div_(self.dp.world_size)
         return bucket

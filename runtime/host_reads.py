@@ -1,7 +1,7 @@
-"""The step's blocking reads of device values on the host: the host synchronisation budget (ARCHITECTURE.md,
-"The device path"). One batched read per step of every value the step's decisions need before anything is
-updated (`HostReads.step_values`), and at a boundary that may reselect one transfer of every matrix's scores
-(`HostReads.scores`); each read is counted (`stats()["host_reads"]`)."""
+"""The step's blocking reads of device values on the host, each counted (`stats()["host_reads"]`): the host
+synchronisation budget (ARCHITECTURE.md, "The device path"). One batched read per step of every value the
+step's decisions need before anything is updated (`step_values`), and at a boundary that may reselect one
+transfer of every matrix's scores (`scores`)."""
 
 from __future__ import annotations
 
@@ -41,31 +41,24 @@ class HostReads:
         matrices selecting for the first time."""
         if not stepped:
             return StepReadout(norm=0.0, scale=1.0)
-        sums = [slab.scores.sum(1) if rows is None else slab.scores.sum(1)[rows] for slab, rows in stepped]
-        per_member = torch.cat(sums)
+        per_member = torch.cat([slab.scores.sum(1) if rows is None else slab.scores.sum(1)[rows]
+                                for slab, rows in stepped])
         order = self._norm_order(stepped)
         parts = [(per_member if order is None else per_member[order]).sum().float().reshape(1)]
         if grad_scale is not None:
             parts.append(grad_scale.to(parts[0].device).float().reshape(1))
         means_of = []
-        for slab, rows in zen_auto:
-            selected_mean = slab.scores.gather(1, slab.selected).mean(1)
-            unselected_mean = slab.scores.gather(1, slab.host_columns).mean(1)
-            both = torch.stack([selected_mean, unselected_mean], 1)  # [n, 2]
+        for slab, rows in zen_auto:  # [n, 2]: each member's (selected, unselected) mean
+            both = torch.stack([slab.scores.gather(1, cols).mean(1) for cols in (slab.selected, slab.host_columns)], 1)
             parts.append((both if rows is None else both[rows]).reshape(-1))
             means_of += slab.members if rows is None else [slab.members[i] for i in rows]
         parts += [m.slab.scores[m.index] for m in selecting]
         values = self.read(torch.cat(parts))
-        scale = 1.0 if grad_scale is None else float(values[1])
-        readout = StepReadout(norm=math.sqrt(float(values[0])) / scale, scale=scale)
-        offset = 1 if grad_scale is None else 2
-        means = values[offset:offset + 2 * len(means_of)].tolist()
-        readout.mean_scores = {m.pid: (means[2 * i], means[2 * i + 1]) for i, m in enumerate(means_of)}
-        offset += 2 * len(means_of)
-        for m in selecting:
-            readout.selecting_scores[m.pid] = values[offset:offset + m.cols]
-            offset += m.cols
-        return readout
+        scale, head = (1.0, 1) if grad_scale is None else (float(values[1]), 2)
+        means, *first_scores = values[head:].split([2 * len(means_of), *(m.cols for m in selecting)])
+        return StepReadout(norm=math.sqrt(float(values[0])) / scale, scale=scale,
+                           mean_scores={m.pid: tuple(pair) for m, pair in zip(means_of, means.view(-1, 2).tolist())},
+                           selecting_scores={m.pid: scores for m, scores in zip(selecting, first_scores)})
 
     def _norm_order(self, stepped: Stepped) -> Optional[torch.Tensor]:
         """The permutation that puts the stepped members' squared norms (slab by slab) in registration order

@@ -1,23 +1,20 @@
 """The `zenflow::` custom ops that the rewritten backward graph calls, one call per bucket of gradients.
 
 Schemas carry only tensors and integers (never a live object), so a compiled graph can be cached, replayed
-and shared by every model it is called with: `registry` resolves each forward-input slot to the parameter of
-the call being differentiated, and each owning runtime gets its part of the bucket in one call. One op per
-bucket rather than per gradient: every custom-op call from Inductor's generated code costs a Python dispatch
-and a Python call chain, which dominates on models of many small tensors.
+and shared by every model it is called with: `registry` resolves each slot to the parameter of the call being
+differentiated. One op per bucket, not per gradient: each custom-op call from Inductor's code costs a Python
+dispatch, which dominates on models of many small tensors.
 
-- `accumulate_grads(grads, column_scores, slots)`: `column_scores[i]` is the per-column squared-norm proxy
-  computed in the graph (fused aten reductions), or None for a small gradient the runtime scores with its like
-  parameters.
-- `reduce_grads(grads, slots)`, data parallel: the runtime starts their asynchronous reduction across ranks
-  (`runtime/grad_reduce.py`) and scores the averaged gradient, so the graph computes no norm proxy for them.
+- `accumulate_grads(grads, column_scores, slots)`: `column_scores[i]` is the graph's per-column squared-norm
+  proxy, or None for a small gradient the runtime scores with its like parameters.
+- `reduce_grads(grads, slots)`, data parallel: the runtime reduces them across ranks (`runtime/grad_reduce.py`)
+  and scores the averaged gradient, so the graph computes no norm proxy for them.
 
-The ops return nothing, so both FX dead-code elimination and Inductor's scheduler would drop them as
-unused: `torch.fx.node.has_side_effect` marks them impure, which is the one registry both consult
-(`torch._library.utils.is_impure`).
+The ops return nothing, so FX dead-code elimination and Inductor's scheduler would drop them: `has_side_effect`
+marks them impure, the one registry both consult (`torch._library.utils.is_impure`).
 
-Contract with the runtime: an op must not keep references to its gradients or column scores past the call
-(Inductor may reuse their buffers for later kernels once the op has run); copy or accumulate instead.
+Contract: an op keeps no reference to its gradients or column scores past the call (Inductor may reuse their
+buffers once the op has run); copy or accumulate instead.
 """
 
 from __future__ import annotations
@@ -64,10 +61,8 @@ def _reduce_grads_fake(grads: list[torch.Tensor], slots: list[int]) -> None:
     return None
 
 
-#: The OpOverloads the passes insert into backward graphs.
+#: The OpOverloads the passes insert into backward graphs, marked impure (see the module docstring).
 ACCUMULATE_GRADS = torch.ops.zenflow.accumulate_grads.default
 REDUCE_GRADS = torch.ops.zenflow.reduce_grads.default
-
-# Without this, the ops (no outputs, no mutated args) look pure and would be dead-code eliminated.
 has_side_effect(ACCUMULATE_GRADS)
 has_side_effect(REDUCE_GRADS)

@@ -2,14 +2,12 @@
 (ARCHITECTURE.md, "How gradients reach the runtime").
 
 Every optimized parameter gets an integer id owned by one runtime (weakly: a deleted optimizer frees its ids).
-Parameters are looked up by `id()` and held by the registry while their runtime lives (as the optimizer holds
-them), never weakly: torch refuses to swap the contents of a tensor that has weak references
-(`torch.utils.swap_tensors`, which `model.to()` / `model.float()` use for FSDP2's DTensor parameters).
+Parameters are held by the registry while their runtime lives, never weakly: torch refuses to swap the contents
+of a tensor that has weak references (`torch.utils.swap_tensors`, which `model.to()` uses for FSDP2's DTensors).
 
-A compiled backward graph knows no ids, only forward-input *slots*, because one compiled graph serves every
-model of its class. Each call of the compiled forward resolves its slots to ids (`bind_param_ids`) on the
-autograd node it created; the backward of that call finds them on the node it runs in
-(`accumulate_grads_from_graph`), so gradients reach the owner of the tensors the graph ran with.
+A compiled graph serves every model of its class, so it knows forward-input *slots*, not ids: each call of the
+compiled forward binds its slots' ids to the autograd node it created (`bind_param_ids`), and that call's
+backward reads them from the node it runs in (`accumulate_grads_from_graph`).
 """
 
 from __future__ import annotations
@@ -27,17 +25,14 @@ Runtime = Any
 _next_id = itertools.count()
 _param_and_id: dict[int, tuple[torch.Tensor, int]] = {}  # id(param) -> (param, its pid)
 _runtime_of_id: dict[int, "weakref.ReferenceType[Runtime]"] = {}
-# Bumped by every (un)registration, so callers can cache "which ids do these tensors have" cheaply.
-_generation = 0
-# Held while the tables change. An optimizer's finalizer unregisters its parameters wherever the garbage
-# collector runs it: on a worker thread (the lock keeps the tables whole), or on this thread in the middle
-# of a change (re-entrant, so it cannot deadlock; `_forget_params` iterates over a copy, so it cannot break
-# the change it interrupts).
+_generation = 0  # bumped by every (un)registration: callers cache "which ids do these tensors have" on it
+# An optimizer's finalizer unregisters its parameters wherever the garbage collector runs it: on a worker thread
+# (the lock keeps the tables whole), or on this thread in the middle of a change (re-entrant, so no deadlock;
+# `_forget_params` iterates over a copy, so it cannot break the change it interrupts).
 _lock = threading.RLock()
 
 
 def generation() -> int:
-    """A number that changes whenever a parameter gains or loses an owner."""
     return _generation
 
 
@@ -85,9 +80,7 @@ def _forget_params(gone) -> None:
 def param_id(param: torch.Tensor) -> Optional[int]:
     """The id of `param`, or None if no live ZenFlow optimizer owns it."""
     entry = _param_and_id.get(id(param))
-    if entry is None or entry[0] is not param or runtime_of(entry[1]) is None:
-        return None
-    return entry[1]
+    return None if entry is None or entry[0] is not param or runtime_of(entry[1]) is None else entry[1]
 
 
 def runtime_of(pid: int) -> Optional["Runtime"]:
@@ -102,14 +95,10 @@ _COMPILED_NODE_NAME = "CompiledFunctionBackward"  # AOTAutograd's autograd.Funct
 
 def bind_param_ids(outputs, param_ids: tuple[Optional[int], ...],
                    edges: Optional[tuple[Optional[int], ...]] = None, names: tuple = ()) -> None:
-    """Attach the parameter ids of one call of a compiled graph (one per forward input, None for
-    non-parameters) to the autograd node that the call created.
-
-    `edges`: per forward input, the index of its edge in the node's `next_functions` (only tensor inputs
-    have one: SymInts do not), which tells the hand-off whether this backward accumulates the parameter's
-    gradient (`_not_accumulated`); None: always hand every gradient over. `names`: per forward input, a
-    readable name for error messages.
-    """
+    """Attach the parameter ids of one call of a compiled graph (per forward input, None for non-parameters) to
+    the autograd node the call created. `edges`: per forward input, the index of its edge in the node's
+    `next_functions` (SymInts have none), for `_not_accumulated`; None: hand every gradient over. `names`: per
+    forward input, a readable name for error messages."""
     node = _compiled_node(outputs)
     if node is not None:
         node.metadata[_GRAPH_IDS_KEY] = param_ids
@@ -120,7 +109,8 @@ def bind_param_ids(outputs, param_ids: tuple[Optional[int], ...],
 def _compiled_node(outputs):
     """The AOTAutograd node behind a compiled call's outputs (outputs that alias an input or another output
     are regenerated outside it, so look a few nodes up)."""
-    stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+    outputs = [outputs] if isinstance(outputs, torch.Tensor) else outputs if isinstance(outputs, (list, tuple)) else []
+    stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen = set()
     for _ in range(64):
         if not stack:
@@ -133,14 +123,6 @@ def _compiled_node(outputs):
             return node
         stack.extend(next_node for next_node, _ in node.next_functions)
     return None
-
-
-def _tensors(outputs):
-    if isinstance(outputs, torch.Tensor):
-        return [outputs]
-    if isinstance(outputs, (list, tuple)):
-        return [t for t in outputs if isinstance(t, torch.Tensor)]
-    return []
 
 
 # A bucket's slots -> how they were last resolved: (the call's bound ids, registry generation, pids, positions
@@ -159,7 +141,18 @@ def _resolve_bucket(slots: list[int], op: str) -> tuple[list[int], list[list[int
         raise RuntimeError(
             f"zenflow::{op} ran outside the backward of a graph compiled with backend='zenflow' "
             "(or under compiled autograd, which ZenFlow does not support): no parameters are bound to it")
-    pids, groups = _resolve_slots(slots, param_ids)
+    hit = _resolved_buckets.get(key := tuple(slots))
+    if hit is None or hit[0] is not param_ids or hit[1] != _generation:
+        pids = [param_ids[slot] for slot in slots]
+        if None in pids:
+            slot = slots[pids.index(None)]
+            raise RuntimeError(f"ZenFlow: forward input {slot} of this graph got a gradient but no ZenFlowAdamW "
+                               "owned it when the graph ran")
+        owners: dict[int, list[int]] = {}
+        for i, pid in enumerate(pids):
+            owners.setdefault(id(_live_runtime(pid)), []).append(i)
+        hit = _resolved_buckets[key] = (param_ids, _generation, pids, list(owners.values()))
+    pids, groups = hit[2], hit[3]
     bound = node.metadata.get(_GRAPH_EDGES_KEY)
     skipped = _not_accumulated(node, slots, *bound) if bound is not None else None
     if skipped:
@@ -168,16 +161,11 @@ def _resolve_bucket(slots: list[int], op: str) -> tuple[list[int], list[list[int
 
 
 def _not_accumulated(node, slots: list[int], edges: tuple, names: tuple) -> Optional[set[int]]:
-    """Positions in the bucket whose gradient this backward does not accumulate into the parameter (None:
-    it accumulates them all, the usual `loss.backward()`).
-
-    The graph computes every parameter gradient whenever it runs, but the user may have asked for other
-    gradients only: `torch.autograd.grad(loss, x)` or `loss.backward(inputs=[x])` (adversarial inputs,
-    input-gradient penalties). Eagerly, the parameters' AccumulateGrad nodes then do not run, so neither
-    `.grad` nor the optimizer's hooks see a gradient; the compiled hand-off must skip them the same way.
-    Autograd tells, per parameter, whether its AccumulateGrad node (the next function on the parameter's
-    edge, `edges[slot]`) runs in this backward.
-    """
+    """Positions in the bucket whose gradient this backward does not accumulate into the parameter (None: all
+    accumulate, the usual `loss.backward()`). The graph computes every parameter gradient, but with
+    `torch.autograd.grad(loss, x)` or `loss.backward(inputs=[x])` the parameters' AccumulateGrad nodes do not
+    run eagerly, so neither `.grad` nor the optimizer's hooks see a gradient; the hand-off skips them the same
+    way. Autograd tells whether a parameter's AccumulateGrad (next function on its edge, `edges[slot]`) runs."""
     next_functions = node.next_functions
     accumulators = [next_functions[edges[slot]][0] for slot in slots]
     try:
@@ -209,23 +197,6 @@ def _not_accumulated(node, slots: list[int], edges: tuple, names: tuple) -> Opti
 
 
 _will_run = torch._C._will_engine_execute_node
-
-
-def _resolve_slots(slots: list[int], param_ids: tuple) -> tuple[list[int], list[list[int]]]:
-    key = tuple(slots)
-    hit = _resolved_buckets.get(key)
-    if hit is not None and hit[0] is param_ids and hit[1] == _generation:
-        return hit[2], hit[3]
-    pids = [param_ids[slot] for slot in slots]
-    if None in pids:
-        slot = slots[pids.index(None)]
-        raise RuntimeError(f"ZenFlow: forward input {slot} of this graph got a gradient but no ZenFlowAdamW "
-                           "owned it when the graph ran")
-    groups: dict[int, list[int]] = {}
-    for i, pid in enumerate(pids):
-        groups.setdefault(id(_live_runtime(pid)), []).append(i)
-    _resolved_buckets[key] = (param_ids, _generation, pids, list(groups.values()))
-    return pids, list(groups.values())
 
 
 def accumulate_grads_from_graph(slots: list[int], grads: list[torch.Tensor],

@@ -1,20 +1,16 @@
 """Sharded parameters (ZeRO-3 class) through FSDP2: the shard group of one ZenFlowAdamW (ARCHITECTURE.md,
 "Sharded parameters (FSDP2)").
 
-`fully_shard` turns each parameter into a `DTensor` with placement `Shard(0)` on a 1-D device mesh: every rank
-holds a block of rows of every column (possibly none). That fits ZenFlow's column selection exactly: a rank's
-state of a parameter is the state of its own rows (a member's `param` is the local tensor, `local_shard`), and a
-column's score is the sum over ranks of each rank's partial squared norm, so one all-reduce of the step's scores
-(`ZenFlowRuntime._all_reduce_scores`) gives every rank the same scores, hence the same decisions and collectives.
+`fully_shard` makes each parameter a `DTensor` `Shard(0)` on a 1-D mesh: every rank holds a block of rows of
+every column (possibly none). That fits column selection: a rank's state of a parameter is that of its own rows
+(`local_shard`), and a column's score is the sum over ranks of each rank's partial squared norm, so one
+all-reduce of the step's scores (`ZenFlowRuntime._all_reduce_scores`) gives every rank the same decisions.
+Refused, each with the fix in its error: HSDP and placements other than `Shard(0)`, FSDP2's `CPUOffloadPolicy`,
+DTensors beside plain parameters or beside a `process_group=`, and at `step()` a parameter FSDP2 no longer holds.
 
-Refused, each with the fix in its error: a 2-D (HSDP) mesh and any placement other than `Shard(0)` (a column
-would be split in ways the per-column scores do not add up over one group); FSDP2's `CPUOffloadPolicy` (it
-would move the selected columns and the parameters every step); DTensor parameters beside plain ones or beside
-a `process_group=`; at `step()`, a parameter FSDP2 no longer holds (`check_still_held`).
-
-Checkpoints: the form `torch.distributed.checkpoint` (DCP) expects. Per-row state as DTensors `Shard(0)` over
-the mesh (`dcp_entry`), so DCP reshards them at another world size, their local tensors on the host (never
-copied to the devices); per-column state and the schedule replicated, less the counters that are a rank's own.
+Checkpoints in DCP's form: per-row state as DTensors `Shard(0)` over the mesh (`dcp_entry`), so DCP reshards
+them at another world size, their local tensors on the host; per-column state and the schedule replicated,
+less the counters that are a rank's own.
 """
 
 from __future__ import annotations
@@ -53,7 +49,6 @@ class Sharding:
     def __init__(self, mesh):
         self.mesh = mesh
         self.collectives = DataParallel(mesh.get_group())
-        self.rank, self.world_size = self.collectives.rank, self.collectives.world_size
         self._fsdp_params: list = []  # (parameter, the FSDPParam that held it when the optimizer took it)
         self._held_ids: list = []  # their parameters' ids, in that order
 
@@ -64,10 +59,8 @@ class Sharding:
         self._held_ids = [id(param) for param, _ in self._fsdp_params]
 
     def check_still_held(self, params: list, describe) -> None:
-        """Each parameter is still the one FSDP2 shards, all-gathers and gives gradients to. FSDP2 takes a new
-        parameter object in its place after `model.load_state_dict(sd, assign=True)` (or a module attribute
-        set to another parameter); the optimizer would keep the old one, which no longer gets a gradient
-        (torch.optim.AdamW would silently stop training it too)."""
+        """Each of `params` FSDP2 held is still the parameter it shards and gives gradients to (not so after
+        `model.load_state_dict(sd, assign=True)`, or a module attribute set anew: the old one gets no gradient)."""
         # (every step: one pass of builtins while FSDP2 still holds what it held, the common case)
         if list(map(id, map(_SHARDED_PARAM, map(_SECOND, self._fsdp_params)))) == self._held_ids:
             return
@@ -84,19 +77,13 @@ class Sharding:
 
     # -- checkpoints (torch.distributed.checkpoint) -----------------------------------------------------------
     def dcp_entry(self, entry: dict, param: torch.Tensor) -> dict:
-        """A parameter's checkpoint entry in DCP's form (`checkpoint.dcp_form`, this rank's rows) as DCP saves and
-        reshards it: tensors with a row per parameter row become DTensors `Shard(0)` of the parameter's global
-        rows; the others (per-column counts, selection, flags) are the same on every rank (replicated)."""
-        out = dict(entry)
-        for key in ROW_KEYS:
-            if key in out:
-                out[key] = self._rows(out[key], param)
-        return out
+        """A parameter's entry in DCP's form (`checkpoint.dcp_form`, this rank's rows) with its `ROW_KEYS` as
+        DTensors `Shard(0)` of the parameter's global rows; the rest is the same on every rank (replicated)."""
+        return {key: self._rows(value, param) if key in ROW_KEYS else value for key, value in entry.items()}
 
     def _rows(self, local: torch.Tensor, param: torch.Tensor) -> "DTensor":
-        """`local` (this rank's rows, on the host) as a DTensor of the parameter's global rows. Built directly
-        rather than by `DTensor.from_local`, which would copy it to the mesh's device: the host state of a
-        sharded model is many times what fits on the devices."""
+        """`local` (this rank's rows, on the host) as a DTensor of the parameter's global rows; not through
+        `DTensor.from_local`, which would copy it to the mesh's device (host state is many times device memory)."""
         from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
         shape = torch.Size((param.shape[0], *local.shape[1:]))
@@ -121,8 +108,7 @@ RANK_LOCAL_COUNTERS = ("bytes_device_to_host", "bytes_host_to_device", "host_wai
 
 def replicated_globals(saved: dict) -> dict:
     """The optimizer's schedule entry (`ZenFlowRuntime.export_globals`) as every rank holds it alike."""
-    counters = {k: v for k, v in saved["counters"].items() if k not in RANK_LOCAL_COUNTERS}
-    return dict(saved, counters=counters)
+    return dict(saved, counters={k: v for k, v in saved["counters"].items() if k not in RANK_LOCAL_COUNTERS})
 
 
 def local_entry(entry: dict) -> dict:
