@@ -157,7 +157,7 @@ def host_row_problem(entry: dict) -> "str | None":
 
 
 def expected_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """The shape of the state `param` (or a sharded one's local rows) takes: a matrix's [rows, columns]."""
+    """The shape of the state `param` (or a shard's rows) takes: a vector's own, a matrix's [rows, columns]."""
     return matrix_shape(param) if param.dim() >= 2 else tuple(param.shape)
 
 

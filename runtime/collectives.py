@@ -35,9 +35,7 @@ def data_parallel_group(process_group: Any) -> Optional["DataParallel"]:
         if not (dist.is_available() and dist.is_initialized()):
             return None
         process_group = dist.group.WORLD
-    if dist.get_world_size(process_group) == 1:
-        return None
-    return DataParallel(process_group)
+    return None if dist.get_world_size(process_group) == 1 else DataParallel(process_group)
 
 
 class DataParallel:

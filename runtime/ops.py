@@ -1,20 +1,15 @@
-"""The `zenflow::` custom ops that the rewritten backward graph calls, one call per bucket of gradients.
+"""The `zenflow::` custom ops the rewritten backward graph calls, one call per bucket of gradients (not per
+gradient: the Python dispatch of each call dominates on models of many small tensors).
 
-Schemas carry only tensors and integers (never a live object), so a compiled graph can be cached, replayed
-and shared by every model it is called with: `registry` resolves each slot to the parameter of the call being
-differentiated. One op per bucket, not per gradient: each custom-op call from Inductor's code costs a Python
-dispatch, which dominates on models of many small tensors.
+Schemas carry only tensors and integers, so a compiled graph can be cached, replayed and shared by every model
+it is called with: `registry` resolves each slot to the parameter of the call being differentiated.
+`accumulate_grads(grads, column_scores, slots)`: `column_scores[i]` is the graph's per-column squared-norm
+proxy, or None for a small gradient the runtime scores with its like parameters. `reduce_grads(grads, slots)`,
+data parallel: the runtime reduces them across ranks (`runtime/grad_reduce.py`) and scores the mean gradient.
 
-- `accumulate_grads(grads, column_scores, slots)`: `column_scores[i]` is the graph's per-column squared-norm
-  proxy, or None for a small gradient the runtime scores with its like parameters.
-- `reduce_grads(grads, slots)`, data parallel: the runtime reduces them across ranks (`runtime/grad_reduce.py`)
-  and scores the averaged gradient, so the graph computes no norm proxy for them.
-
-The ops return nothing, so FX dead-code elimination and Inductor's scheduler would drop them: `has_side_effect`
-marks them impure, the one registry both consult (`torch._library.utils.is_impure`).
-
-Contract: an op keeps no reference to its gradients or column scores past the call (Inductor may reuse their
-buffers once the op has run); copy or accumulate instead.
+The ops return nothing: `has_side_effect` marks them impure, or FX dead-code elimination and Inductor's scheduler
+(which both consult `torch._library.utils.is_impure`) would drop them. An op keeps no reference to its
+gradients or scores past the call (Inductor may reuse their buffers once it has run); copy or accumulate.
 """
 
 from __future__ import annotations
