@@ -173,11 +173,10 @@ def device_part(entry: dict, owner: int) -> dict:
     if "selected" not in entry or bool(entry["selected"].all()):
         return entry
     mask = entry["selected"]
-    selected = mask.nonzero().flatten()
     step = entry["step"].float()
     host_columns = _host_columns(entry)
     if host_columns is None:
-        host_columns = host_order(step.unsqueeze(0), selected.unsqueeze(0))[0]
+        host_columns = host_order(step.unsqueeze(0), mask.nonzero().flatten().unsqueeze(0))[0]
     part = dict(selected=mask.clone(), steps_accumulated=entry["steps_accumulated"], zen_auto=entry["zen_auto"],
                 host_owner=owner, host_columns=host_columns,
                 selected_master=entry["master"][:, mask], selected_exp_avg=entry["exp_avg"][:, mask],

@@ -201,8 +201,7 @@ _will_run = torch._C._will_engine_execute_node
 
 def accumulate_grads_from_graph(slots: list[int], grads: list[torch.Tensor],
                                 column_scores: list[torch.Tensor]) -> None:
-    """The compiled backward's hand-off of one bucket: resolve each slot through the call that is being
-    differentiated; each owner gets its gradients (in bucket order) in one `take_grads` call."""
+    """The compiled backward's hand-off of one bucket: each owner gets its gradients (in order) in one call."""
     pids, groups = _resolve_bucket(slots, "accumulate_grads")
     if len(groups) == 1 and len(groups[0]) == len(pids):  # the common case: one optimizer takes the whole bucket
         _live_runtime(pids[0]).take_grads(pids, grads, column_scores)

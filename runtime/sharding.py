@@ -166,8 +166,7 @@ def check_added(params: list, sharding: Optional[Sharding], constructed: bool) -
 
 
 def sharding_of(params: list, process_group: Any = None) -> Optional[Sharding]:
-    """The Sharding of an optimizer's parameters: None when none is a DTensor; else they must all be FSDP2
-    `Shard(0)` DTensors of one 1-D mesh (ValueError naming the fix otherwise)."""
+    """The Sharding of an optimizer's parameters, None when none is a DTensor (refusals: module docstring)."""
     floating = [p for p in params if isinstance(p, torch.Tensor) and (p.is_floating_point() or p.is_complex())]
     sharded = [i for i, p in enumerate(floating) if isinstance(p, DTensor)]
     if not sharded:
