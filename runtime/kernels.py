@@ -259,13 +259,13 @@ def prepare_accumulate(grad_dtype: torch.dtype, squares: bool) -> None:
 
 
 def shift_second_moment_(exp_avg_sqs: list[torch.Tensor], grads: list[torch.Tensor], grad_sqs: list[torch.Tensor],
-                         beta2: float, grad_divisor: float = 1.0) -> None:
+                         beta2: float) -> None:
     """interval_second_moment, before an AdamW kernel that squares the gradient itself: exp_avg_sq += (1 - beta2)
-    / beta2 * (grad_sq - grad**2) (both / grad_divisor), so that the kernel's beta2 * v + (1 - beta2) * grad**2
-    lands on beta2 * v + (1 - beta2) * grad_sq."""
+    / beta2 * (grad_sq - grad**2), so that the kernel's beta2 * v + (1 - beta2) * grad**2 lands on
+    beta2 * v + (1 - beta2) * grad_sq."""
     if beta2 == 0.0:
         raise ValueError("interval_second_moment needs betas[1] > 0 (with beta2 = 0 AdamW keeps no second "
                          "moment to size); set betas[1] > 0 or interval_second_moment=False")
     shift = (1.0 - beta2) / beta2
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=-shift / grad_divisor ** 2)
-    torch._foreach_add_(exp_avg_sqs, grad_sqs, alpha=shift / grad_divisor)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=-shift)
+    torch._foreach_add_(exp_avg_sqs, grad_sqs, alpha=shift)
