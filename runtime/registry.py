@@ -139,8 +139,8 @@ def _resolve_bucket(slots: list[int], op: str) -> tuple[list[int], list[list[int
     param_ids = None if node is None else node.metadata.get(_GRAPH_IDS_KEY)
     if param_ids is None:
         raise RuntimeError(
-            f"zenflow::{op} ran outside the backward of a graph compiled with backend='zenflow' "
-            "(or under compiled autograd, which ZenFlow does not support): no parameters are bound to it")
+            f"zenflow::{op} ran outside the backward of a graph compiled with backend='zenflow' (under compiled "
+            "autograd, ZenFlow's graphs leave gradients in .grad and never call it): no parameters are bound to it")
     hit = _resolved_buckets.get(key := tuple(slots))
     if hit is None or hit[0] is not param_ids or hit[1] != _generation:
         pids = [param_ids[slot] for slot in slots]
