@@ -75,24 +75,20 @@ def take_arriving(slab: Slab, selected: torch.Tensor, members_by_scale: dict[flo
                               slab.host_counts[member, row])  # (copies: advanced indexing)
         scale, steps = slab.member_rates(members_by_scale)
         row_scale, steps = scale[member], steps[member].unsqueeze(1)
-        if slab.accumulates_on_device:
-            arriving = _update_arriving_on_device(slab, state, row, row_scale, steps, hyperparameters)
-        else:  # (one call, each row with its own count, lr multiplier and divisor)
-            wait_for_accumulators(slab, slab.acc_slot)
-            grad, *grad_sq = (sums[member, row] for sums in slab.host_sums(slab.acc_slot))
-            kernels.cpu_adamw_(state.master, grad, state.exp_avg, state.exp_avg_sq, state.counts, lr_scale=row_scale,
-                               divisor=steps.squeeze(1).float(), grad_sq=grad_sq[0] if grad_sq else None,
-                               **hyperparameters)
-            arriving = state
-    if data_parallel is None:
-        return arriving
-    if slab.has_host_part:  # the owner's state, one broadcast to every rank
-        data_parallel.broadcast(_pack([arriving.master, arriving.exp_avg, arriving.exp_avg_sq],
-                                      arriving.counts).to(slab.device), slab.key.owner)
-        return arriving
-    rows = torch.empty(len(member), 3 * slab.R + 1, device=slab.device)
-    data_parallel.broadcast(rows, slab.key.owner)
-    return _unpack(slab.transfers.read_to_host(rows), slab.R, member, slot)
+        update_arriving = _update_arriving_on_device if slab.accumulates_on_device else _update_arriving_on_host
+        arriving = update_arriving(slab, state, row, row_scale, steps, hyperparameters)
+    return arriving if data_parallel is None else _rows_from_owner(slab, data_parallel, member, slot, arriving)
+
+
+def _update_arriving_on_host(slab: Slab, state: MovingColumns, row: torch.Tensor, row_scale: torch.Tensor,
+                             steps: torch.Tensor, hyperparameters: dict) -> MovingColumns:
+    """`take_arriving` from the host's sums: the CPU AdamW of the arriving columns on copies of their rows (one
+    call, each row with its own count, lr multiplier and divisor)."""
+    wait_for_accumulators(slab, slab.acc_slot)
+    grad, *grad_sq = (sums[state.member, row] for sums in slab.host_sums(slab.acc_slot))
+    kernels.cpu_adamw_(state.master, grad, state.exp_avg, state.exp_avg_sq, state.counts, lr_scale=row_scale,
+                       divisor=steps.squeeze(1).float(), grad_sq=grad_sq[0] if grad_sq else None, **hyperparameters)
+    return state
 
 
 def _update_arriving_on_device(slab: Slab, state: MovingColumns, row: torch.Tensor, row_scale: torch.Tensor,
@@ -221,6 +217,19 @@ def _move_device_columns(slab: Slab, at: MoveIndices, arriving: MovingColumns) -
     counts[arriving_at] = arriving.counts
     slab.counts.copy_(counts)
     return outgoing
+
+
+def _rows_from_owner(slab: Slab, data_parallel, member: torch.Tensor, place: torch.Tensor,
+                     moving: Optional[MovingColumns]) -> MovingColumns:
+    """Data parallel: columns' state, which only the owner of the slab's host part holds (`moving`; None
+    elsewhere), on every rank: one broadcast."""
+    if slab.has_host_part:
+        data_parallel.broadcast(_pack([moving.master, moving.exp_avg, moving.exp_avg_sq], moving.counts)
+                                .to(slab.device), slab.key.owner)
+        return moving
+    rows = torch.empty(len(member), 3 * slab.R + 1, device=slab.device)
+    data_parallel.broadcast(rows, slab.key.owner)
+    return _unpack(slab.transfers.read_to_host(rows), slab.R, member, place)
 
 
 def share_first_selection(member: Member, state: MemberState, data_parallel) -> None:
