@@ -122,14 +122,15 @@ def accumulate_scaled_many_(accs: list[torch.Tensor], grads: list[torch.Tensor],
             torch._foreach_addcmul_([q for _, _, q in same], same_grads, same_grads, value=coef * coef)
     for acc, grad, square in converted:
         flat_acc, flat_grad, numel = acc.view(-1), grad.view(-1), acc.numel()
+        flat_square = None if square is None else square.view(-1)
         scratch = torch.empty(min(_ACCUMULATE_CHUNK, numel), dtype=acc.dtype, device="cpu")
         for start in range(0, numel, _ACCUMULATE_CHUNK):
             end = min(start + _ACCUMULATE_CHUNK, numel)
             chunk = scratch[:end - start]
             chunk.copy_(flat_grad[start:end])
             flat_acc[start:end].add_(chunk, alpha=coef)
-            if square is not None:
-                square.view(-1)[start:end].addcmul_(chunk, chunk, value=coef * coef)
+            if flat_square is not None:
+                flat_square[start:end].addcmul_(chunk, chunk, value=coef * coef)
 
 
 def _adamw_rows(master, grad, exp_avg, exp_avg_sq, weights, counts, lr_scale, divisor, lr, beta1, beta2, eps,
