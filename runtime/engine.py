@@ -81,6 +81,7 @@ class ZenFlowRuntime:
         # (No reference back to the runtime: a constructor that raises frees it, and its parameters, at once.)
         self.landings = Landings(config, self.host_work.stalled_seconds)
         self.grad_norm: Optional[float] = None  # the last step's global gradient norm, before clipping
+        self.last_step_pids: set[int] = set()  # the parameters that took a gradient in the last step
         if config.accumulate_on == "device" and data_parallel is not None:
             raise ValueError(
                 "ZenFlowConfig.accumulate_on='device' is not implemented with ZenFlow's own data parallelism "
@@ -245,6 +246,7 @@ class ZenFlowRuntime:
             self._all_reduce_scores([slab for slab, _ in stepped])
         warmed_up = t >= cfg.full_warm_up_rounds
         stepped_members = [m for slab, _ in stepped for m in slab.members if m.num_grads]
+        self.last_step_pids = {m.pid for m in stepped_members}
         # First selection (a matrix's first gradient at t >= W), before the updates.
         selecting = [m for m in stepped_members
                      if warmed_up and m.is_matrix and (not m.slab.k or m.pid in self.pending)]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -97,6 +98,30 @@ def test_eager_zero_grad_set_to_none_false_moves_an_unused_parameter_as_adamw():
             opt.zero_grad(set_to_none=False)
         assert_models_close(a, b, f"step {step}")
     assert a.fc2.weight.grad is not None and not a.fc2.weight.grad.any()
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_compiled_zero_grad_set_to_none_false_says_a_frozen_parameter_is_left_alone(set_to_none):
+    """Compiled, no `.grad` holds zeros: fc2, frozen from step 2, is left alone (the reference with `.grad`
+    set to None), where AdamW would go on stepping it; said once, only where it happens."""
+    a, zen, b, ref = zenflow_and_reference()
+    run_a = torch.compile(a, backend="zenflow")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, batch in enumerate(make_batches(6)):
+            for model, run, opt in ((a, run_a, zen), (b, b, ref)):
+                if step == 2:
+                    model.fc2.requires_grad_(False)
+                loss_fn(run, batch).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none if opt is zen else True)
+    zen.synchronize()
+    assert_models_close(a, b, "compiled, fc2 frozen from step 2", atol=1e-5, rtol=1e-4)
+    said = [str(w.message) for w in caught if "took no gradient this step after zero_grad" in str(w.message)]
+    if set_to_none:
+        assert not said
+    else:
+        assert len(said) == 1 and "2 parameter(s) (parameter 5 of param group 0 (shape (16, 24))" in said[0], said
 
 
 def _edit_grads(model: nn.Module, step: int) -> None:
@@ -591,3 +616,52 @@ def test_step_without_a_backward_does_nothing_and_is_not_counted(compiled):
         ref.zero_grad()
         assert_models_close(a, b, f"step {step}", atol=1e-5, rtol=1e-4)
     assert zen.stats()["steps"] == 6
+
+
+# ------------------------------------------------------------------------------ named parameters (torch >= 2.6)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_named_parameters_train_as_plain_ones_and_keep_their_names(compiled):
+    named, plain = tiny_model(), tiny_model()
+    names = [name for name, _ in named.named_parameters()]
+    second = [p for name, p in named.named_parameters() if name.startswith("fc2")]
+    zen = ZenFlowAdamW([{"params": [(n, p) for n, p in named.named_parameters() if not n.startswith("fc2")]}],
+                       lr=LR, weight_decay=WD, **KEYS)
+    zen.add_param_group({"params": [(n, p) for n, p in named.named_parameters() if n.startswith("fc2")],
+                         "lr": LR / 2})
+    ref = ZenFlowReference([{"params": [p for n, p in plain.named_parameters() if not n.startswith("fc2")]},
+                            {"params": [p for n, p in plain.named_parameters() if n.startswith("fc2")],
+                             "lr": LR / 2}], lr=LR, weight_decay=WD, **KEYS)
+    assert second and [n for g in zen.param_groups for n in g["param_names"]] == \
+        [n for n in names if not n.startswith("fc2")] + [n for n in names if n.startswith("fc2")]
+    run = torch.compile(named, backend="zenflow") if compiled else named
+    batches = make_batches(6)
+    for step, batch in enumerate(batches[:4]):
+        for model, opt in ((run, zen), (plain, ref)):
+            loss_fn(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+    saved = zen.state_dict()
+    assert [g["param_names"] for g in saved["param_groups"]] == [g["param_names"] for g in zen.param_groups]
+    resumed_model = copy.deepcopy(named)
+    resumed = ZenFlowAdamW([{"params": [(n, p) for n, p in resumed_model.named_parameters()
+                                        if not n.startswith("fc2")]}], lr=LR, weight_decay=WD, **KEYS)
+    resumed.add_param_group({"params": [(n, p) for n, p in resumed_model.named_parameters() if n.startswith("fc2")],
+                             "lr": LR / 2})
+    resumed.load_state_dict(saved)
+    for batch in batches[4:]:
+        for model, opt in ((resumed_model, resumed), (plain, ref)):
+            loss_fn(model, batch).backward()
+            opt.step()
+            opt.zero_grad()
+    resumed.synchronize()
+    assert_models_close(resumed_model, plain, "named, resumed", atol=1e-5, rtol=1e-4)
+
+
+def test_named_and_plain_param_groups_mixed_are_torchs_error_and_change_nothing():
+    model = tiny_model()
+    params = list(model.named_parameters())
+    zen = ZenFlowAdamW([p for _, p in params[:2]], lr=LR, **KEYS)
+    with pytest.raises(ValueError, match="with/without names"):
+        zen.add_param_group({"params": params[2:]})
+    zen.add_param_group({"params": [p for _, p in params[2:]]})  # (nothing of the refused group was taken)
+    assert len(zen.param_groups) == 2

@@ -27,8 +27,10 @@ from zenflow_compile.runtime.landings import LandingStallWarning
 
 
 class GradHandOffWarning(UserWarning):
-    """A step's gradients were handed to ZenFlowAdamW inside the backward, so `.grad` stays None and
-    `torch.nn.utils.clip_grad_norm_` clips nothing (shown once per optimizer that has no `max_grad_norm`)."""
+    """A step's gradients were handed to ZenFlowAdamW inside the backward, so `.grad` stays None: then
+    `torch.nn.utils.clip_grad_norm_` clips nothing (shown once per optimizer that has no `max_grad_norm`), and
+    after `zero_grad(set_to_none=False)` a parameter without a gradient in a step is not stepped with a zeroed
+    `.grad` as torch.optim.AdamW steps it (shown once per optimizer, when it happens)."""
 
 
 class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
@@ -108,6 +110,11 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
         # Whether the user was told that `.grad` stays None (`_note_grad_hand_off`); integrations that clip
         # through `max_grad_norm` themselves set it.
         self._grad_hand_off_noted = False
+        # zero_grad(set_to_none=False) with gradients handed over (`_note_no_zeroed_grads`): the parameters
+        # whose `.grad` torch would now hold as zeros, and whether the difference was said.
+        self._grads_kept_as_zeros = False
+        self._handed_over: set[int] = set()
+        self._no_zeroed_grads_noted = False
         self._dp_hooks = None if self._runtime.reducer is None else DataParallelHooks(self._runtime, self._param_ids)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -137,6 +144,8 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
         group_index = len(self.param_groups)
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        as_given = params  # (`model.named_parameters()` pairs: torch.optim keeps the names as "param_names")
+        params = tensors_in(params)
         check_params(params, group_index, self._param_ids, self._runtime)
         sharded.check_added(params, self._runtime.sharding, self._constructed)
         per_group = sorted(key for key in param_group if key in ZENFLOW_KEYS)
@@ -147,7 +156,7 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
                 "ZenFlowAdamW per setting")
         merged = {**self.defaults, **param_group}
         check_hyperparameters(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"], None)
-        super().add_param_group({**param_group, "params": params})
+        super().add_param_group({**param_group, "params": as_given})
         self._register(params, group_index)
         self._groups_seen = None
 
@@ -270,7 +279,10 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
             raise error
         stepped = True
         if handed or self._runtime.holds_step_grads:
+            handed_over = not handed  # (the backward handed the gradients over: no `.grad` kept them)
             stepped = self._runtime.step(self.param_groups, grad_scale=scale)
+            if handed_over:
+                self._note_no_zeroed_grads(self._runtime.last_step_pids, params, pids)
             advice = self._runtime.landings.take_advice()
             if advice is not None:  # (the caller of opt.step(), past torch.optim's wrappers)
                 warnings.warn(advice, LandingStallWarning, stacklevel=4)
@@ -316,6 +328,26 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
             "category=zenflow_compile.GradHandOffWarning).)",
             GradHandOffWarning, stacklevel=5)  # (the caller of opt.step(), past torch.optim's wrappers)
 
+    def _note_no_zeroed_grads(self, taking: set[int], params: list, pids: list) -> None:
+        """Gradients handed over in the backward leave no `.grad` for `zero_grad(set_to_none=False)` to keep as
+        zeros, so a parameter that took one before and none this step (frozen since, or unused) is left alone,
+        where torch.optim.AdamW steps it with its zeroed `.grad` (weight decay, and the moments' decay). Said
+        once, at the first step where that happens."""
+        if self._grads_kept_as_zeros and not self._no_zeroed_grads_noted:
+            left_alone = [params[i] for i, pid in enumerate(pids) if pid in self._handed_over and pid not in taking]
+            if left_alone:
+                self._no_zeroed_grads_noted = True
+                warnings.warn(
+                    f"ZenFlowAdamW: {len(left_alone)} parameter(s) ({self._describe(left_alone[0])}, ...) took no "
+                    "gradient this step after zero_grad(set_to_none=False). torch.optim.AdamW would still step "
+                    "them with their zeroed .grad (weight decay and momentum move them). Here the gradients are "
+                    "handed over during the backward (backend='zenflow', or data parallel) and leave no .grad, so "
+                    "ZenFlowAdamW leaves them alone. opt.zero_grad() (set_to_none=True, torch's default) makes "
+                    "torch.optim.AdamW leave them alone too; an eager model without data parallelism keeps "
+                    "torch's .grad and steps them as it does. (Said once.)",
+                    GradHandOffWarning, stacklevel=5)
+        self._handed_over |= taking
+
     def _hand_over_late_grads(self, params: list, pids: list) -> bool:
         """Data parallel: gradients that are in `.grad` at step() although the hooks take each one during the
         backward: a parameter that started requiring grad after construction (hooked from now on) or a
@@ -331,6 +363,9 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
         """Clear `.grad` (as torch.optim does) and drop what a compiled backward handed over since the last step."""
         super().zero_grad(set_to_none)
         self._runtime.discard_step_grads()
+        self._grads_kept_as_zeros = not set_to_none
+        if set_to_none:
+            self._handed_over.clear()
         if self._dp_hooks is not None:
             self._dp_hooks.step_done()
 
