@@ -157,6 +157,15 @@ class ZenFlowReference(torch.optim.Optimizer):
                        skipped_steps=0, cpu_updates=0, reselections=0, overlapped_boundaries=0)
 
     def add_param_group(self, param_group):
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group = {**param_group, "params": params}
+        for i, p in enumerate(params):
+            p = p[1] if isinstance(p, tuple) else p
+            if isinstance(p, torch.Tensor) and self._is_matrix(p) and p.numel() == 0:  # (as ZenFlowAdamW)
+                raise ValueError(f"ZenFlowReference: parameter {i} of param group {len(self.param_groups)} (shape "
+                                 f"{tuple(p.shape)}) is an empty matrix; ZenFlow views a matrix as [rows, columns] "
+                                 "and needs at least one of each. Fix: leave empty parameters out")
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:  # (a matrix's phase is fixed when the optimizer takes it)
             if self._is_matrix(p) and p.is_floating_point() and p not in self._phase:
