@@ -11,7 +11,8 @@ one warm-up step), compared after every step:
 - a data-dependent branch mid-forward (several forward/backward graphs per step);
 - activation checkpointing with an embedding tied to the output projection (one parameter used twice),
   dynamic=True with batch and sequence lengths changing every step;
-- eval()/train() switches and no_grad forwards between steps (recompiles on the training flag).
+- eval()/train() switches and no_grad forwards between steps (recompiles on the training flag);
+- a whole train step (forward, backward, step, zero_grad) under one torch.compile.
 """
 
 import copy
@@ -230,6 +231,39 @@ def test_eval_and_no_grad_forwards_between_steps_equal_reference(device):
     for compiled_outputs, reference_outputs in evaluations.values():
         for a, b in zip(compiled_outputs, reference_outputs):
             torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
+# ------------------------------------------------------------------------------- a train step compiled whole
+@pytest.mark.parametrize("backend", ["zenflow", "inductor"])
+def test_a_train_step_compiled_whole_runs_the_optimizer_eagerly_and_equals_reference(backend, device):
+    """torch.compile of a function doing forward, backward, step and zero_grad: Dynamo breaks the graph at
+    step() and zero_grad(), which run as they do uncompiled."""
+    torch.manual_seed(0)
+    model = MLP()
+    reference_model = copy.deepcopy(model)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, max_grad_norm=1.0, **KEYS)
+    reference = ZenFlowReference(reference_model.parameters(), lr=LR, max_grad_norm=1.0, **KEYS)
+
+    @torch.compile(backend=backend)
+    def train_step(x, y):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for step in range(STEPS):
+        x, y = regression_batch(step)
+        loss = train_step(x, y)
+        reference_loss = ((reference_model(x) - y) ** 2).mean()
+        reference_loss.backward()
+        reference.step()
+        reference.zero_grad()
+        torch.testing.assert_close(loss, reference_loss, atol=ATOL, rtol=RTOL)
+    opt.synchronize()
+    for p, q in zip(model.parameters(), reference_model.parameters()):
+        torch.testing.assert_close(p, q, atol=ATOL, rtol=RTOL)
+    assert opt.stats()["steps"] == reference.stats()["steps"] == STEPS
 
 
 # ------------------------------------------------------------------------------------------- debug files

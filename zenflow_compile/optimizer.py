@@ -254,6 +254,8 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
         """The parameters in param-group order: a parameter's index in `state_dict()`."""
         return [p for group in self.param_groups for p in group["params"]]
 
+    # (A train step compiled whole graph-breaks here: this runs eagerly, beside the graphs it drives.)
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scaler=None):
         """One optimizer step on the gradients since the last one (`.grad` eagerly, the hand-offs of a compiled
@@ -359,6 +361,7 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
                 self._hook(param)
         return hand_over_grads(self._runtime, params, pids)
 
+    @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear `.grad` (as torch.optim does) and drop what a compiled backward handed over since the last step."""
         super().zero_grad(set_to_none)
