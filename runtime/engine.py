@@ -322,11 +322,10 @@ class ZenFlowRuntime:
             if pending and t == self.land_at[phase]:  # landing_lag: the update lands at the end of b + L
                 self._apply_host_columns(phase, landing_step=t)
 
-        if self.config.offload:  # the selected columns' moments went up and down
-            for slab in self.slabs:
-                self.counters["bytes_host_to_device"] += slab.moment_bytes_moved
-                self.counters["bytes_device_to_host"] += slab.moment_bytes_moved
-                slab.moment_bytes_moved = 0
+        for slab in self.slabs:  # (offload: the moments' visits; a reselection: the columns changing sides)
+            self.counters["bytes_host_to_device"] += slab.bytes_up
+            self.counters["bytes_device_to_host"] += slab.bytes_down
+            slab.bytes_up = slab.bytes_down = 0
         self.step_count += 1
         self.counters["steps"] += 1
         self.grad_slot ^= 1

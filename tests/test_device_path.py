@@ -187,6 +187,37 @@ def test_device_accumulation_sends_the_sums_once_per_interval(dtype, emulated_de
     assert sent["host"] == (steps - 1) * unselected * torch.finfo(dtype).bits // 8
 
 
+@pytest.mark.parametrize("overlap_reselect", ["wait", "incoming"])
+@pytest.mark.parametrize("accumulate_on", ["device", "host"])
+def test_the_byte_counters_count_the_columns_a_reselection_moves(accumulate_on, overlap_reselect, device):
+    """A reselection moves each arriving column's state up (fp32 master, moments and update count: 3R + 1 values)
+    and each departing one's down (the same and the R weights its parameter holds: 4R + 1): the counters of a
+    run that reselects exceed those of the same schedule that never does by exactly that, column by column
+    (on the CPU too, where the device is the host, as the gradients' bytes are)."""
+    counted, moved_up, moved_down = {}, 0, 0
+    for select_interval in (2, 1000):
+        model = tiny_model()
+        opt = ZenFlowAdamW(model.parameters(), lr=1e-2, topk_ratio=0.25, update_interval=2, select_strategy="step",
+                           select_interval=select_interval, overlap_step=True, overlap_reselect=overlap_reselect,
+                           accumulate_on=accumulate_on)
+        matrices = [p for p in model.parameters() if p.dim() >= 2]
+        selected = None
+        for batch in make_batches(9):
+            train_steps(model, opt, [batch])
+            now = [set(opt.selected_columns(p).tolist()) for p in matrices]
+            if selected is not None and select_interval == 2:
+                for p, before, after in zip(matrices, selected, now):
+                    moving = len(after - before)
+                    moved_up += moving * (3 * p.shape[0] + 1) * 4
+                    moved_down += moving * (4 * p.shape[0] + 1) * 4
+            selected = now
+        opt.synchronize()
+        counted[select_interval] = (opt.stats()["bytes_host_to_device"], opt.stats()["bytes_device_to_host"])
+    assert opt.stats()["reselections"] == 0 and moved_up > 0
+    assert counted[2][0] - counted[1000][0] == moved_up
+    assert counted[2][1] - counted[1000][1] == moved_down
+
+
 @pytest.mark.parametrize("offload", [False, True], ids=["", "offload"])
 @pytest.mark.parametrize("overlap_reselect", ["wait", "incoming"])
 @pytest.mark.parametrize("accumulate_on", ["device", "host"])

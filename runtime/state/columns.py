@@ -117,7 +117,10 @@ def _update_arriving_on_device(slab: Slab, state: MovingColumns, row: torch.Tens
 
 def _upload(slab: Slab, moving: MovingColumns) -> MovingColumns:
     """Columns' state on the device: `_pack`ed into a pinned buffer, one copy up that the compute stream waits for."""
-    if moving.on_device or slab.transfers.device_is_host:
+    if moving.on_device:
+        return moving
+    slab.bytes_up += len(moving.member) * (3 * slab.R + 1) * 4  # (counted where the device is the host too)
+    if slab.transfers.device_is_host:
         return moving
     pinned = slab.transfers.host_zeros((len(moving.member), 3 * slab.R + 1), torch.float32)
     slab.transfers.host_access(writes=[pinned])
@@ -152,6 +155,7 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
         # Copied down on the copy stream, not read here: nothing needs them before the update has finished.
         rows, done = slab.transfers.copy_to_host(torch.cat([departing, weights.float()], 1))
         slab.departing = DepartingCopy(departing_member, row, rows, done)
+        slab.bytes_down += rows.numel() * rows.element_size()
     # The new column sets; members whose columns changed hold their masters in every selected column from now
     # on. The step's gradients, gathered by the old columns, stay: the boundary's update took them, and a step's
     # first backward overwrites a member's gradient buffers before anything reads them.
@@ -229,7 +233,7 @@ def _rows_from_owner(slab: Slab, data_parallel, member: torch.Tensor, place: tor
         return moving
     rows = torch.empty(len(member), 3 * slab.R + 1, device=slab.device)
     data_parallel.broadcast(rows, slab.key.owner)
-    return _unpack(slab.transfers.read_to_host(rows), slab.R, member, place)
+    return _unpack(rows, slab.R, member, place)._replace(on_device=True)  # (moved in on the device, as they came)
 
 
 def share_first_selection(member: Member, state: MemberState, data_parallel) -> None:

@@ -71,7 +71,7 @@ class Slab:
         self.parks_moments = offload_moments and k > 0 and not transfers.device_is_host
         self.moments_resident = not self.parks_moments
         self.parked_moments = self.moments_parked = None  # (pinned [2, n, R, k]; the event of its last copy down)
-        self.moment_bytes_moved = 0  # each way, since the engine last counted them
+        self.bytes_up = self.bytes_down = 0  # moments' visits and columns changing sides, since the engine counted
         self._lay_out_columns(states, counts)
         self.grad = torch.zeros(n, R, k, dtype=self.dtype, device=dev)
         self.scores = torch.zeros(n, C, device=dev)
@@ -240,7 +240,8 @@ class Slab:
                                                               list(self.parked_moments.unbind(0)))
             self.exp_avg, self.exp_avg_sq = self.parked_moments.unbind(0)
             self.moments_resident = False
-            self.moment_bytes_moved += self.parked_moments.numel() * self.parked_moments.element_size()
+            moved = self.parked_moments.numel() * self.parked_moments.element_size()
+            self.bytes_up, self.bytes_down = self.bytes_up + moved, self.bytes_down + moved
 
     def moments_for_host(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The selected columns' exp_avg and exp_avg_sq for a host read (parked: once their copy down landed)."""
