@@ -287,7 +287,7 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
                 self._note_no_zeroed_grads(self._runtime.last_step_pids, params, pids)
             advice = self._runtime.landings.take_advice()
             if advice is not None:  # (the caller of opt.step(), past torch.optim's wrappers)
-                warnings.warn(advice, LandingStallWarning, stacklevel=4)
+                warnings.warn(advice, LandingStallWarning, stacklevel=5)
         else:
             self._runtime.check_failure()  # (nothing to do, but a failed optimizer still says so)
         if self._dp_hooks is not None:
@@ -328,7 +328,7 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
             "ZenFlowAdamW(max_grad_norm=...); opt.stats()['grad_norm'] is the step's norm. (Said once, to an "
             "optimizer without max_grad_norm; to silence: warnings.filterwarnings('ignore', "
             "category=zenflow_compile.GradHandOffWarning).)",
-            GradHandOffWarning, stacklevel=5)  # (the caller of opt.step(), past torch.optim's wrappers)
+            GradHandOffWarning, stacklevel=6)  # (the caller of opt.step(), past torch.optim's wrappers)
 
     def _note_no_zeroed_grads(self, taking: set[int], params: list, pids: list) -> None:
         """Gradients handed over in the backward leave no `.grad` for `zero_grad(set_to_none=False)` to keep as
@@ -347,7 +347,7 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
                     "ZenFlowAdamW leaves them alone. opt.zero_grad() (set_to_none=True, torch's default) makes "
                     "torch.optim.AdamW leave them alone too; an eager model without data parallelism keeps "
                     "torch's .grad and steps them as it does. (Said once.)",
-                    GradHandOffWarning, stacklevel=5)
+                    GradHandOffWarning, stacklevel=6)
         self._handed_over |= taking
 
     def _hand_over_late_grads(self, params: list, pids: list) -> bool:
