@@ -122,8 +122,7 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
         self._runtime.check_written_params = _written_params_check(weakref.ref(self))
         self._agree_across_ranks(self._params_in_order())
         self._constructed = True
-        if self._runtime.sharding is not None or self._runtime.data_parallel is not None:
-            self._mark_state()
+        self._mark_state()
 
     @property
     def config(self) -> ZenFlowConfig:
@@ -292,8 +291,7 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
             self._runtime.check_failure()  # (nothing to do, but a failed optimizer still says so)
         if self._dp_hooks is not None:
             self._dp_hooks.step_done()
-        if self._runtime.sharding is not None or self._runtime.data_parallel is not None:
-            self._mark_state()
+        self._mark_state()
         if grad_scaler is not None:
             device = grad_scaler._get_scale_async().device
             found_inf = torch.full((), 0.0 if stepped else 1.0, device=device)

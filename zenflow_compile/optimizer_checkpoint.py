@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from zenflow_compile.runtime import checkpoint, sharding as sharded
 
@@ -24,8 +25,9 @@ class CheckpointMixin:
         """torch.optim layout: per-parameter state in its natural shape (fp32 master, moments, per-column
         counts, selection, accumulator) keyed by index, param_groups, plus a "zenflow" entry.
 
-        Data parallel (several ranks) and FSDP2: the form torch.distributed.checkpoint saves and fills
-        (docs/distributed.md, "Data parallel", "Sharded parameters (FSDP2)"). Data parallel: this rank's entries are those of the parameters
+        With torch.distributed initialised (data parallel, FSDP2, or one process of a launch): the form
+        torch.distributed.checkpoint saves and fills, the same at every world size (docs/distributed.md, "Data
+        parallel", "Sharded parameters (FSDP2)"). Data parallel: this rank's entries are those of the parameters
         whose host state it holds (the others' are empty), so every rank's state_dict together is the whole
         state; FSDP2: this rank's rows. A trainable parameter without state yet has a template entry
         (`has_state` False), so a fresh optimizer's state_dict is what `dcp.load` fills in.
@@ -40,7 +42,8 @@ class CheckpointMixin:
         saved["zenflow"] = self._runtime.export_globals()
         if self._runtime.sharding is not None:
             self._sharded_state_dict(saved)
-        elif self._runtime.data_parallel is not None:
+        elif self._runtime.data_parallel is not None or dist.is_available() and dist.is_initialized():
+            # (one process of a torchrun or DeepSpeed launch too: DCP saves and fills one form at every world size)
             self._data_parallel_state_dict(saved)
         return saved
 
@@ -66,10 +69,17 @@ class CheckpointMixin:
         rank holds it, also in param_groups[0] (`get_optimizer_state_dict` keeps only state and param_groups),
         and the owner of every parameter (a load checks that it has the entries of its own)."""
         runtime, params = self._runtime, self._params_in_order()
-        saved["state"] = self._dcp_entries(saved, lambda pid: runtime.owners.get(pid) == runtime.rank)
-        owners = [runtime.owners.get(self._param_ids.get(id(p)), -1) for p in params]
+        if runtime.data_parallel is None:  # (one rank: it holds every parameter's state)
+            world_size = 1
+            owners = [0 if id(p) in self._param_ids and (p.requires_grad or i in saved["state"]) else -1
+                      for i, p in enumerate(params)]
+            saved["state"] = self._dcp_entries(saved, lambda pid: True)
+        else:
+            world_size = runtime.data_parallel.world_size
+            owners = [runtime.owners.get(self._param_ids.get(id(p)), -1) for p in params]
+            saved["state"] = self._dcp_entries(saved, lambda pid: runtime.owners.get(pid) == runtime.rank)
         saved["zenflow"] = dict(sharded.replicated_globals(saved["zenflow"]), data_parallel=dict(
-            world_size=runtime.data_parallel.world_size, owners=torch.tensor(owners, dtype=torch.long, device="cpu")))
+            world_size=world_size, owners=torch.tensor(owners, dtype=torch.long, device="cpu")))
         saved["param_groups"][0]["zenflow"] = saved["zenflow"]
 
     def _sharded_state_dict(self, saved: dict) -> None:
@@ -95,14 +105,15 @@ class CheckpointMixin:
     def consolidated_state_dict(self, to_rank: int = 0) -> Optional[dict]:
         """Data parallel: gather every rank's part into one world-size-free state_dict on `to_rank` (None on
         the other ranks; a collective: call it on every rank), for `torch.save`. Without data parallelism,
-        `state_dict()`. Load it on every rank at any world size, or in one process."""
+        `state_dict()` in the same form. Load it on every rank at any world size, or in one process."""
         data_parallel = self._runtime.data_parallel
-        if data_parallel is None:
-            return self.state_dict()
-        parts = data_parallel.gather_object(self.state_dict(), dst=to_rank)
+        parts = [self.state_dict()] if data_parallel is None else data_parallel.gather_object(self.state_dict(),
+                                                                                                dst=to_rank)
         if parts is None:
             return None
-        full = parts[to_rank]
+        full = parts[0 if data_parallel is None else to_rank]
+        if "data_parallel" not in full["zenflow"]:  # (one process without torch.distributed: already whole)
+            return full
         full["zenflow"].pop("data_parallel")
         full["param_groups"][0].pop("zenflow")
         full["state"] = {i: {k: v for k, v in entry.items() if k != "has_state"}
@@ -159,7 +170,7 @@ class CheckpointMixin:
         if self._runtime.sharding is not None or self._runtime.data_parallel is not None:
             self._groups_seen = None
             self._follow_param_groups()
-            self._mark_state()
+        self._mark_state()
 
     def _entries_problem(self, params: list, keys: list, entries: dict) -> Optional[str]:
         """Why the entries cannot be loaded into these parameters (the first whose saved state has another
