@@ -350,6 +350,17 @@ def test_hugging_face_model_from_pretrained(tmp_path, mode, device):
 
 
 # ------------------------------------------------------------------------------------- bad input
+def test_a_refused_construction_keeps_no_parameter_while_its_traceback_lives():
+    """A notebook keeps the last exception (and with it the half-built optimizer): the corrected call takes
+    the same parameters."""
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 8))
+    transposed = nn.Parameter(torch.randn(24, 16).t())
+    with pytest.raises(ValueError, match="is not contiguous") as refused:
+        ZenFlowAdamW([{"params": model.parameters()}, {"params": [transposed]}], lr=1e-2)
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2)
+    assert refused.value.__traceback__ is not None and len(opt.param_groups[0]["params"]) == 4
+
+
 def test_bad_input_is_a_clear_value_error_naming_it():
     w = nn.Parameter(torch.randn(4, 3))
     with pytest.raises(ValueError, match=r"betas=\('a', 'b'\) is invalid"):

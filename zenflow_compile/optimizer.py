@@ -117,10 +117,16 @@ class ZenFlowAdamW(CheckpointMixin, torch.optim.Optimizer):
         self._no_zeroed_grads_noted = False
         self._dp_hooks = None if self._runtime.reducer is None else DataParallelHooks(self._runtime, self._param_ids)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        try:
+            super().__init__(params, defaults)
+            self._agree_across_ranks(self._params_in_order())
+        except BaseException:
+            # A refused construction (a bad later param group) keeps none of the parameters it took: a traceback
+            # kept alive (a notebook's) must not make them "owned" when the corrected call runs.
+            _close(self._runtime, self._hook_handles)
+            raise
         weakref.finalize(self, _close, self._runtime, self._hook_handles)
         self._runtime.check_written_params = _written_params_check(weakref.ref(self))
-        self._agree_across_ranks(self._params_in_order())
         self._constructed = True
         self._mark_state()
 
