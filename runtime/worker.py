@@ -9,13 +9,30 @@ waits for its future (`wait_for`) is after everything it did.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Callable, Optional
 
 from zenflow_compile.runtime import cpu_affinity
+
+
+class ForkedProcessError(RuntimeError):
+    """A forked child used a worker of its parent: the thread is not there to run the tasks."""
+
+
+_WORKERS: "weakref.WeakSet[CpuWorker]" = weakref.WeakSet()
+
+
+def _in_forked_child() -> None:
+    for worker in list(_WORKERS):
+        worker.forked = True
+
+
+os.register_at_fork(after_in_child=_in_forked_child)
 
 
 class CpuWorker:
@@ -35,6 +52,18 @@ class CpuWorker:
         self.ordering = None  # set by the runtime where its device records host-thread order
         self.busy_seconds = 0.0  # wall time in tasks
         self.busy_cpu_seconds = 0.0  # this thread's CPU time in tasks (unaffected by other processes)
+        self.forked = False  # this is a forked child's copy: its thread stayed in the parent
+        _WORKERS.add(self)
+
+    def _check_not_forked(self) -> None:
+        """Waiting in a forked child for a task the parent's thread owns would never end: say so instead."""
+        if self.forked:
+            raise ForkedProcessError(
+                "ZenFlowAdamW was used in a child process forked from the one that built it (os.fork, or "
+                "multiprocessing's 'fork' start method): its CPU worker threads stayed in the parent, so nothing "
+                "would run its work. Use the optimizer in the process that built it (a DataLoader's forked "
+                "workers that do not touch it are fine), or build a new one in the child; to checkpoint from "
+                "another process, pass it opt.state_dict() taken in the parent")
 
     def _pin(self) -> None:
         """Runs first on the worker thread (a failure here would break the executor: pinning never raises)."""
@@ -47,6 +76,7 @@ class CpuWorker:
     def submit(self, task: Callable[[], Any], after: Optional[Future] = None) -> Future:
         """Run `task` on the worker thread, once `after` (a future of another worker) has finished; the
         future holds what the task returns."""
+        self._check_not_forked()
         ordering = self.ordering
         submitted = ordering.fork() if ordering is not None else None
         finished: list = []  # the task's last point in the host-thread order, for `wait_for`
@@ -75,6 +105,7 @@ class CpuWorker:
 
     def raise_if_failed(self) -> None:
         """Re-raise, in the calling (training) thread, the first error of a finished task."""
+        self._check_not_forked()
         still_running = []
         for future in self._futures:
             if not future.done():
@@ -91,12 +122,14 @@ class CpuWorker:
 
     def wait_all(self) -> None:
         """Wait for every submitted task, failed or not (errors stay in their futures)."""
+        self._check_not_forked()
         futures_wait(self._futures)
         for future in self._futures:
             joined(future)
 
     def drain(self) -> None:
         """Wait for every submitted task; re-raise the first error."""
+        self._check_not_forked()
         for future in self._futures:
             wait_for(future)
         self._futures = []

@@ -10,6 +10,8 @@
   optimizer, alive through the parameters' hooks: "already owned by another ZenFlowAdamW");
 - a KeyboardInterrupt in the middle of a compiled backward (some buckets handed over), then `zero_grad()` and
   training on: the handed-over part must be dropped, as torch drops `.grad`;
+- a forked child using the optimizer: a clear error there (its parent's worker threads are not in it), never a
+  hang, and the parent trains on;
 - data parallel (2 gloo ranks): a CPU worker failure on one rank is a RuntimeError there and a
   CollectiveError on the other, never a hang.
 """
@@ -207,6 +209,46 @@ _RANK_SCRIPT = textwrap.dedent("""
         with open({out!r} + f".rank{{rank}}.json", "w") as f:
             json.dump(record, f)
 """)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_forked_child_using_the_optimizer_is_told_why_and_the_parent_trains_on():
+    """A forked child (an async checkpoint writer) has none of its parent's worker threads: waiting there for an
+    update in flight would never end. It is a clear error in the child; the parent goes on as the reference."""
+    model, reference_model = tiny_model(), tiny_model()
+    keys = dict(KEYS, overlap_reselect="incoming", landing_lag=2)  # (the first boundary's update: in flight)
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **keys)
+    reference = ZenFlowReference(reference_model.parameters(), lr=LR, **keys)
+    batches = make_batches(6)
+    for batch in batches[:2]:
+        for m, o in ((model, opt), (reference_model, reference)):
+            loss_fn(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    assert opt.stats()["update_pending"]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # (the child: report and leave without running the parent's exit handlers)
+        try:
+            opt.state_dict()
+            said = "no error"
+        except BaseException as error:  # noqa: BLE001
+            said = f"{type(error).__name__}: {error}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        said = pipe.read()
+    os.waitpid(pid, 0)
+    assert said.startswith("ForkedProcessError: ZenFlowAdamW was used in a child process forked"), said
+    for batch in batches[2:]:
+        for m, o in ((model, opt), (reference_model, reference)):
+            loss_fn(m, batch).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    reference.synchronize()
+    assert max_param_diff(model, reference_model) <= 1e-5
 
 
 def test_data_parallel_worker_failure_on_one_rank_raises_on_both_without_a_hang(tmp_path):
