@@ -22,7 +22,7 @@ from zenflow_compile.runtime.failures import Failure
 from zenflow_compile.runtime.state import intake, update
 from zenflow_compile.runtime.state.slab import Slab
 from zenflow_compile.runtime.transfers import StallClock, Transfers, wait_events
-from zenflow_compile.runtime.worker import CpuWorker, ForkedProcessError, joined, wait_for
+from zenflow_compile.runtime.worker import CpuWorker, is_task_error, joined, wait_for
 
 Stepped = list[tuple[Slab, Optional[list[int]]]]  # slabs with the members that took a gradient (None: all)
 
@@ -218,7 +218,7 @@ class HostWork:
                 self._raise_worker_error(error)
 
     def _raise_worker_error(self, error: BaseException):
-        if isinstance(error, ForkedProcessError):  # (the parent's state is intact: nothing failed there)
+        if not is_task_error(error):  # (the waiting thread's own, a Ctrl-C or a forked child's refusal: no task failed)
             raise error
         self.record_failure("ZenFlow CPU worker failed", error)
         raise self.failure.error() from error

@@ -90,6 +90,9 @@ class CpuWorker:
             start, start_cpu = time.perf_counter(), time.thread_time()
             try:
                 return task()
+            except BaseException as error:
+                error.zenflow_worker_task = True  # (a task's error, not one of the thread that waits for it)
+                raise
             finally:
                 ended.at = time.perf_counter()
                 self.busy_seconds += ended.at - start
@@ -139,6 +142,12 @@ class CpuWorker:
         calls this wherever the garbage collector runs it, also inside threading's bookkeeping of a thread
         being started, which holds threading's shutdown lock that joining a thread takes again (a hang)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def is_task_error(error: BaseException) -> bool:
+    """Whether `error` is a worker task's (its future holds it), not one raised in the thread that waited for
+    the task (a Ctrl-C while it waited)."""
+    return getattr(error, "zenflow_worker_task", False)
 
 
 def joined(future: Future) -> None:

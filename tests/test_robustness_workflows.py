@@ -10,6 +10,8 @@
   optimizer, alive through the parameters' hooks: "already owned by another ZenFlowAdamW");
 - a KeyboardInterrupt in the middle of a compiled backward (some buckets handed over), then `zero_grad()` and
   training on: the handed-over part must be dropped, as torch drops `.grad`;
+- a Ctrl-C while the training thread only waits for CPU work (state_dict, master, synchronize) is a
+  KeyboardInterrupt and changes nothing; one while a reselection's departing columns settle loses none of them;
 - a forked child using the optimizer: a clear error there (its parent's worker threads are not in it), never a
   hang, and the parent trains on;
 - data parallel (2 gloo ranks): a CPU worker failure on one rank is a RuntimeError there and a
@@ -25,6 +27,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 import weakref
 from pathlib import Path
 
@@ -35,6 +39,7 @@ import zenflow_compile
 import zenflow_compile.runtime.kernels
 from zenflow_compile.reference import ZenFlowReference
 from zenflow_compile.runtime.engine import ZenFlowRuntime
+from zenflow_compile.runtime import worker
 from zenflow_compile.runtime.host_work import HostWork
 from helpers import loss_fn, make_batches, max_param_diff, tiny_model
 
@@ -209,6 +214,71 @@ _RANK_SCRIPT = textwrap.dedent("""
         with open({out!r} + f".rank{{rank}}.json", "w") as f:
             json.dump(record, f)
 """)
+
+
+@pytest.mark.parametrize("call", ["state_dict", "master", "synchronize"])
+def test_a_ctrl_c_while_waiting_for_cpu_work_is_a_keyboard_interrupt_and_changes_nothing(monkeypatch, call, device):
+    """A Ctrl-C that reaches the training thread while it waits for a CPU update (in state_dict, master or
+    synchronize) is the user's KeyboardInterrupt, not a worker failure: nothing was changed, the optimizer goes
+    on (and can be saved) and ends where the uninterrupted run does."""
+    batches = make_batches(STEPS)
+    model = tiny_model()
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **KEYS)
+    _train(model, opt, batches, range(5))
+    wait_for, interrupted = worker.wait_for, []
+
+    def ctrl_c_while_waiting(future):  # (a signal reaches the main thread only)
+        if threading.current_thread() is threading.main_thread() and not interrupted:
+            interrupted.append(future)
+            raise KeyboardInterrupt
+        return wait_for(future)
+
+    monkeypatch.setattr(worker, "wait_for", ctrl_c_while_waiting)
+    opt._runtime.host_work.workers[0].submit(lambda: time.sleep(0.2))  # (CPU work still running: it is waited for)
+    with pytest.raises(KeyboardInterrupt):
+        getattr(opt, call)(*([model.fc1.weight] if call == "master" else []))
+    monkeypatch.undo()
+    assert interrupted
+    assert not opt._runtime.failed
+    opt.state_dict()
+    _train(model, opt, batches, range(5, STEPS))
+    opt.synchronize()
+    assert max_param_diff(list(model.parameters()), _reference_params(batches)) <= ATOL
+
+
+@pytest.mark.parametrize("call", ["state_dict", "master"])
+def test_a_ctrl_c_while_departing_columns_settle_loses_none_of_them(call, device):
+    """A reselection in flight's departing columns are written into their host rows at the next drain; a
+    Ctrl-C part-way through (here at its wait for their copy, where a signal lands) leaves them to the next
+    drain, whole: the run ends where the uninterrupted one does."""
+    batches = make_batches(STEPS)
+    model = tiny_model()
+    opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **dict(KEYS, overlap_reselect="incoming"))
+    _train(model, opt, batches, range(6))  # (step 5: a reselecting boundary; its departing columns in flight)
+    assert any(slab.departing is not None for slab in opt._runtime.slabs)
+
+    def interrupt(frame, event, arg):
+        if frame.f_code.co_name != "settle_departing":
+            return None
+
+        def at_line(frame, event, arg):
+            if event == "line" and frame.f_lineno > frame.f_code.co_firstlineno + 5:  # (past its first statements)
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return at_line
+        return at_line
+
+    sys.settrace(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            getattr(opt, call)(*([model.fc1.weight] if call == "master" else []))
+    finally:
+        sys.settrace(None)
+    assert not opt._runtime.failed
+    _train(model, opt, batches, range(6, STEPS))
+    opt.synchronize()
+    assert max_param_diff(list(model.parameters()),
+                          _reference_params(batches, dict(KEYS, overlap_reselect="incoming"))) <= ATOL
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")

@@ -175,9 +175,9 @@ def reselect_in_flight(slab: Slab, selected: torch.Tensor, arriving: Optional[Mo
 def settle_departing(slab: Slab) -> None:
     """The departing columns' state into the host rows they took, once the CPU update that ran over those
     rows has finished (call with no CPU work in flight); the host weights get what their parameters hold."""
-    if slab.departing is None:
+    copy = slab.departing
+    if copy is None:
         return
-    copy, slab.departing = slab.departing, None
     wait_events([copy.done])
     slab.transfers.host_access(reads=[copy.rows])
     d = _unpack(copy.rows, slab.R, copy.member, copy.place, weights_dtype=slab.dtype)
@@ -189,6 +189,7 @@ def settle_departing(slab: Slab) -> None:
     for weights in slab.host_weights:
         weights[d.member, d.place] = d.weights
     slab.uploaded = None  # (an upload made before these rows changed: the apply uploads them again)
+    slab.departing = None  # (last: a settle interrupted part-way, by a Ctrl-C, is done again whole by the next)
 
 
 class MoveIndices(NamedTuple):
