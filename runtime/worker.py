@@ -1,7 +1,7 @@
 """A background CPU worker: one thread, FIFO tasks, errors surfaced to the training thread.
 
 A task's exception stays in its Future; the runtime checks at every step and re-raises it there. Tasks are
-finite, so interpreter exit never hangs. With `pt_reserved_cores_perc` the thread is pinned to the cores left
+finite and every worker is told to end before the interpreter joins its threads, so exit never hangs. With `pt_reserved_cores_perc` the thread is pinned to the cores left
 after the training thread's reserve (cpu_affinity.py). For the emulated device's happens-before record
 (`ordering`, None elsewhere): a task starts after what its submitter did before submitting it, and whoever
 waits for its future (`wait_for`) is after everything it did.
@@ -10,6 +10,7 @@ waits for its future (`wait_for`) is after everything it did.
 from __future__ import annotations
 
 import os
+import threading
 import time
 import warnings
 import weakref
@@ -33,6 +34,16 @@ def _in_forked_child() -> None:
 
 
 os.register_at_fork(after_in_child=_in_forked_child)
+
+
+def _at_exit() -> None:
+    """Before the interpreter joins its threads: every worker's thread told to end. concurrent.futures wakes
+    only the threads it registered, and a Ctrl-C landing as one starts leaves it unregistered, idle forever."""
+    for worker in list(_WORKERS):
+        worker.shutdown()
+
+
+threading._register_atexit(_at_exit)  # (as concurrent.futures registers its own: before the joins)
 
 
 class CpuWorker:

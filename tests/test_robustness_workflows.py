@@ -281,6 +281,37 @@ def test_a_ctrl_c_while_departing_columns_settle_loses_none_of_them(call, device
                           _reference_params(batches, dict(KEYS, overlap_reselect="incoming"))) <= ATOL
 
 
+_CTRL_C_AS_A_WORKER_STARTS = textwrap.dedent("""
+    import sys
+    import torch
+    from zenflow_compile import ZenFlowAdamW
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 24), torch.nn.Tanh(), torch.nn.Linear(24, 8))
+    opt = ZenFlowAdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(8, 16)).square().mean().backward()
+
+    def ctrl_c(frame, event, arg):  # (where a SIGINT lands: as a worker's Thread.start() returns)
+        if event == "return" and frame.f_code.co_name == "start" and \\
+                frame.f_back.f_code.co_name == "_adjust_thread_count":
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return ctrl_c
+
+    sys.settrace(ctrl_c)
+    opt.step()  # (the KeyboardInterrupt leaves the script: the interpreter exits)
+""")
+
+
+def test_a_ctrl_c_as_a_worker_thread_starts_does_not_hang_the_exit(tmp_path):
+    """concurrent.futures wakes at exit only the threads it registered; one whose start a Ctrl-C interrupted
+    is not, and used to be joined forever. The optimizer's workers are told to end before the joins."""
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(_CTRL_C_AS_A_WORKER_STARTS)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert "KeyboardInterrupt" in result.stderr, result.stderr
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
 def test_a_forked_child_using_the_optimizer_is_told_why_and_the_parent_trains_on():
     """A forked child (an async checkpoint writer) has none of its parent's worker threads: waiting there for an
