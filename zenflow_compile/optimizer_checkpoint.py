@@ -35,6 +35,7 @@ class CheckpointMixin:
         Saving never changes the run: it waits for CPU work in flight but applies nothing to the device.
         """
         self._runtime.quiesce()
+        self._mark_state()  # (param groups edited since the last step)
         saved = super().state_dict()
         indexed = [(i, self._param_ids[id(p)]) for i, p in enumerate(self._params_in_order())
                    if id(p) in self._param_ids and self._runtime.has_state(self._param_ids[id(p)])]
@@ -93,11 +94,16 @@ class CheckpointMixin:
         saved["param_groups"][0]["zenflow"] = saved["zenflow"]
 
     def _mark_state(self) -> None:
-        """Data parallel and FSDP2: torch.distributed.checkpoint's get/set_optimizer_state_dict take an optimizer
-        with an empty `state` for one that never stepped and make it step once with zero gradients and lr 0
-        (which would move ZenFlow's schedule and moments): `state` names the parameters whose state the runtime
-        holds or will hold (the trainable ones)."""
-        for param in self._params_in_order():
+        """torch.distributed.checkpoint's get/set_optimizer_state_dict take an optimizer with an empty `state`
+        for one that never stepped and make it step once with zero gradients and lr 0 (which would move
+        ZenFlow's schedule and moments): `state` names the parameters whose state the runtime holds or will hold
+        (the trainable ones of the param groups; one removed from them loses its name, which torch.optim's
+        state_dict could not index)."""
+        params = self._params_in_order()
+        in_groups = set(map(id, params))
+        for param in [p for p in self.state if id(p) not in in_groups]:
+            del self.state[param]
+        for param in params:
             pid = self._param_ids.get(id(param))
             if pid is not None and param not in self.state and (param.requires_grad or self._runtime.has_state(pid)):
                 self.state[param] = {"zenflow": "held by the ZenFlow runtime: see ZenFlowAdamW.state_dict()"}
