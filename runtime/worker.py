@@ -1,8 +1,9 @@
 """A background CPU worker: one thread, FIFO tasks, errors surfaced to the training thread.
 
 A task's exception stays in its Future; the runtime checks at every step and re-raises it there. Tasks are
-finite and every worker is told to end before the interpreter joins its threads, so exit never hangs. With `pt_reserved_cores_perc` the thread is pinned to the cores left
-after the training thread's reserve (cpu_affinity.py). For the emulated device's happens-before record
+finite and every worker is told to end before the interpreter joins its threads, so exit never hangs. With
+`pt_reserved_cores_perc` the thread is pinned to the cores left after the training thread's reserve
+(cpu_affinity.py). For the emulated device's happens-before record
 (`ordering`, None elsewhere): a task starts after what its submitter did before submitting it, and whoever
 waits for its future (`wait_for`) is after everything it did.
 """

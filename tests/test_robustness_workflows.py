@@ -321,11 +321,8 @@ def test_a_forked_child_using_the_optimizer_is_told_why_and_the_parent_trains_on
     opt = zenflow_compile.ZenFlowAdamW(model.parameters(), lr=LR, **keys)
     reference = ZenFlowReference(reference_model.parameters(), lr=LR, **keys)
     batches = make_batches(6)
-    for batch in batches[:2]:
-        for m, o in ((model, opt), (reference_model, reference)):
-            loss_fn(m, batch).backward()
-            o.step()
-            o.zero_grad()
+    _train(model, opt, batches, range(2))
+    _train(reference_model, reference, batches, range(2))
     assert opt.stats()["update_pending"]
     read, write = os.pipe()
     pid = os.fork()
@@ -342,11 +339,8 @@ def test_a_forked_child_using_the_optimizer_is_told_why_and_the_parent_trains_on
         said = pipe.read()
     os.waitpid(pid, 0)
     assert said.startswith("ForkedProcessError: ZenFlowAdamW was used in a child process forked"), said
-    for batch in batches[2:]:
-        for m, o in ((model, opt), (reference_model, reference)):
-            loss_fn(m, batch).backward()
-            o.step()
-            o.zero_grad()
+    _train(model, opt, batches, range(2, 6))
+    _train(reference_model, reference, batches, range(2, 6))
     opt.synchronize()
     reference.synchronize()
     assert max_param_diff(model, reference_model) <= 1e-5

@@ -29,7 +29,7 @@ import zenflow_compile.backend  # noqa: F401  (registers backend="zenflow" witho
 from zenflow_compile import ZenFlowAdamW
 from zenflow_compile.reference import ZenFlowReference
 from helpers import (loss_fn, make_batches, seeded_generator, skip_where_dynamo_misses_parameter_changes, snapshot,
-                     tiny_model)
+                     tiny_model, train_steps)
 
 LR, WD = 1e-2, 0.01
 # update_interval=1, no overlap: ZenFlow equals torch.optim.AdamW step by step (for any topk_ratio).
@@ -635,11 +635,8 @@ def test_named_parameters_train_as_plain_ones_and_keep_their_names(compiled):
         [n for n in names if not n.startswith("fc2")] + [n for n in names if n.startswith("fc2")]
     run = torch.compile(named, backend="zenflow") if compiled else named
     batches = make_batches(6)
-    for step, batch in enumerate(batches[:4]):
-        for model, opt in ((run, zen), (plain, ref)):
-            loss_fn(model, batch).backward()
-            opt.step()
-            opt.zero_grad()
+    train_steps(run, zen, batches[:4])
+    train_steps(plain, ref, batches[:4])
     saved = zen.state_dict()
     assert [g["param_names"] for g in saved["param_groups"]] == [g["param_names"] for g in zen.param_groups]
     resumed_model = copy.deepcopy(named)
@@ -648,11 +645,8 @@ def test_named_parameters_train_as_plain_ones_and_keep_their_names(compiled):
     resumed.add_param_group({"params": [(n, p) for n, p in resumed_model.named_parameters() if n.startswith("fc2")],
                              "lr": LR / 2})
     resumed.load_state_dict(saved)
-    for batch in batches[4:]:
-        for model, opt in ((resumed_model, resumed), (plain, ref)):
-            loss_fn(model, batch).backward()
-            opt.step()
-            opt.zero_grad()
+    train_steps(resumed_model, resumed, batches[4:])
+    train_steps(plain, ref, batches[4:])
     resumed.synchronize()
     assert_models_close(resumed_model, plain, "named, resumed", atol=1e-5, rtol=1e-4)
 

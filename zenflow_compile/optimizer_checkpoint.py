@@ -70,11 +70,10 @@ class CheckpointMixin:
         rank holds it, also in param_groups[0] (`get_optimizer_state_dict` keeps only state and param_groups),
         and the owner of every parameter (a load checks that it has the entries of its own)."""
         runtime, params = self._runtime, self._params_in_order()
-        if runtime.data_parallel is None:  # (one rank: it holds every parameter's state)
+        if runtime.data_parallel is None:  # (one rank: it holds every parameter's state, and owns each entry)
             world_size = 1
-            owners = [0 if id(p) in self._param_ids and (p.requires_grad or i in saved["state"]) else -1
-                      for i, p in enumerate(params)]
             saved["state"] = self._dcp_entries(saved, lambda pid: True)
+            owners = [0 if i in saved["state"] else -1 for i in range(len(params))]
         else:
             world_size = runtime.data_parallel.world_size
             owners = [runtime.owners.get(self._param_ids.get(id(p)), -1) for p in params]
